@@ -1,0 +1,170 @@
+"""The Python API: models and a tokenizer in, strings or token ids in, an output object out.
+
+    decoder = SpeculativeDecoder(target, tokenizer, drafter=draft_model)
+    out = decoder.generate(["def fib(n):"], max_new_tokens=64, num_draft_tokens=4)
+    out.texts[0], out.stats.summary()
+
+`generate` and `stream` take the same keyword arguments as `transformers` users expect
+(`max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`); `use_drafter=False` runs plain
+autoregressive decoding on the same engine, the baseline of every speedup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.checks import (
+    check_prompts,
+    check_same_device,
+    check_same_vocabulary,
+    check_vocab_covers_tokenizer,
+    context_length,
+)
+from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.drafters import ConstantLength, ModelDrafter
+from specdecode.engine import StepEvent, decode
+from specdecode.kv_cache import CachedModel, check_rollback_support
+from specdecode.stats import DecodeStats, RowStats
+from specdecode.verification import make_rule
+
+Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+
+
+@dataclass
+class GenerationOutput:
+    sequences: list[list[int]]  # prompt + generated ids, per prompt, in input order
+    new_tokens: list[list[int]]  # generated ids only
+    texts: list[str] | None  # generated text, when a tokenizer is known
+    stats: DecodeStats
+
+
+class SpeculativeDecoder:
+    """A target model, optionally a drafter, and the engine that pairs them."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        tokenizer=None,
+        drafter: torch.nn.Module | None = None,
+        drafter_tokenizer=None,
+    ) -> None:
+        check_rollback_support(target, "target")
+        check_vocab_covers_tokenizer(target, tokenizer, "target")
+        if drafter is not None:
+            check_same_device(target, drafter)
+            check_rollback_support(drafter, "drafter")
+            if tokenizer is not None and drafter_tokenizer is not None:
+                check_same_vocabulary(tokenizer, drafter_tokenizer)
+        self.target = target.eval()
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.tokenizer = tokenizer
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.context = context_length(target)
+        self._target_lm = CachedModel(self.target)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        drafter: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> SpeculativeDecoder:
+        """Load local model directories (or known model names) offline."""
+        from specdecode.model_store import load_causal_lm
+
+        target_model, tokenizer = load_causal_lm(target, dtype=dtype, device=device)
+        if drafter is None:
+            return cls(target_model, tokenizer)
+        draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
+        return cls(target_model, tokenizer, draft_model, draft_tokenizer)
+
+    def encode(self, prompts: Prompts, chat: bool = False) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("chat=True but the tokenizer has no chat template")
+                prompts = [
+                    self.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                    )
+                    for p in prompts
+                ]
+                return [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+            return [self.tokenizer(p).input_ids if p else [] for p in prompts]
+        if any(isinstance(p, str) for p in prompts):
+            raise ValueError("mix of text and token-id prompts; give one kind")
+        return [[int(t) for t in p] for p in prompts]
+
+    def default_stop_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def config(
+        self,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        num_draft_tokens: int = 4,
+        seed: int | None = None,
+        row_seeds: Sequence[int] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> DecodeConfig:
+        return DecodeConfig(
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            sampling=SamplingConfig(temperature, top_k, top_p),
+            stop_token_ids=tuple(
+                self.default_stop_ids() if stop_token_ids is None else stop_token_ids
+            ),
+            seed=seed,
+            row_seeds=tuple(row_seeds) if row_seeds is not None else None,
+        )
+
+    def stream(
+        self,
+        prompts: Prompts,
+        *,
+        use_drafter: bool = True,
+        chat: bool = False,
+        stats: DecodeStats | None = None,
+        rule: str | None = None,
+        **kwargs,
+    ) -> Iterator[StepEvent]:
+        """Yield the tokens each step commits, per row (original prompt indices)."""
+        cfg = self.config(**kwargs)
+        ids = self.encode(prompts, chat)
+        check_prompts(ids, cfg.max_new_tokens, self.context)
+        drafter = None
+        if use_drafter and self.drafter is not None:
+            drafter = ModelDrafter(
+                self.drafter, cfg.sampling, self.vocab_size, ConstantLength(cfg.num_draft_tokens)
+            )
+        verification = make_rule(rule, cfg.sampling)
+        return decode(self._target_lm, drafter, verification, ids, cfg, stats)
+
+    def generate(self, prompts: Prompts, *, chat: bool = False, **kwargs) -> GenerationOutput:
+        ids = self.encode(prompts, chat)
+        stats = DecodeStats([RowStats() for _ in ids])
+        new_tokens: list[list[int]] = [[] for _ in ids]
+        for event in self.stream(ids, stats=stats, **kwargs):
+            for row, tokens in zip(event.rows, event.new_tokens, strict=True):
+                new_tokens[row].extend(tokens)
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+        sequences = [p + t for p, t in zip(ids, new_tokens, strict=True)]
+        return GenerationOutput(sequences, new_tokens, texts, stats)

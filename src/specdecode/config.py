@@ -1,0 +1,62 @@
+"""Decoding configuration: frozen dataclasses validated once, at construction.
+
+Every knob a user can turn lives here, so that the engine never re-checks arguments in its hot
+loop and the command line is built from the same fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How logits become a distribution; applied identically to the target and the drafter.
+
+    `temperature == 0` means greedy decoding. `top_k == 0` disables top-k; `top_p == 1.0`
+    disables nucleus filtering.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One generation call: budget, stopping, speculation length and randomness.
+
+    `seed` seeds every row the same way; `row_seeds` (one per prompt) overrides it per row, so a
+    row's output does not depend on which other prompts share its batch.
+    """
+
+    max_new_tokens: int = 64
+    num_draft_tokens: int = 4
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    row_seeds: tuple[int, ...] | None = None
+    length_policy: str = "constant"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.num_draft_tokens, bool) or self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if self.row_seeds is not None and any(not isinstance(s, int) for s in self.row_seeds):
+            raise ValueError(f"row_seeds must be integers, got {self.row_seeds}")

@@ -1,0 +1,165 @@
+"""The decoding loop: one speculative step, repeated until every row has stopped.
+
+`speculative_step` is Leviathan et al. (2023), Alg. 1 and Chen et al. (2023), batched: the drafter
+proposes up to k tokens per row, the target scores the k + 1 positions of every row in one
+forward pass, the verification rule decides per row how many to keep, and both caches are rolled
+back per row by bookkeeping (see `kv_cache`). Plain autoregressive decoding is the same step with
+no drafter: same cache, same sampling code, so every speedup is measured against a fair baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.config import DecodeConfig
+from specdecode.drafters import Draft, Drafter, bad_logits
+from specdecode.kv_cache import CachedModel
+from specdecode.sampling import InvalidLogitsError, RowRandom
+from specdecode.stats import DecodeStats, RowStats
+from specdecode.verification import VerificationRule
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Tokens committed in one step, for the rows (original prompt indices) that got some."""
+
+    rows: list[int]
+    new_tokens: list[list[int]]
+    finished: list[bool]
+
+
+class Batch:
+    """Committed tokens of the rows still running, in one padded buffer."""
+
+    def __init__(self, prompts: list[list[int]], cfg: DecodeConfig, device: torch.device) -> None:
+        capacity = max(map(len, prompts)) + cfg.max_new_tokens + cfg.num_draft_tokens + 2
+        self.sequences = torch.zeros(len(prompts), capacity, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            self.sequences[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.seq_lens = torch.tensor([len(p) for p in prompts], device=device)  # [batch]
+        self.budget = torch.full_like(self.seq_lens, cfg.max_new_tokens)  # tokens still allowed
+        self.rows = list(range(len(prompts)))  # original index of each running row
+        self.stop_ids = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+
+    def commit(self, draft: Draft, num_accepted: torch.Tensor, next_tokens: torch.Tensor):
+        """Append accepted draft tokens and the next token; cut at a stop token or the budget."""
+        batch, k = draft.tokens.shape
+        block = torch.cat([draft.tokens, torch.zeros_like(next_tokens)[:, None]], 1)  # [b, k+1]
+        block = block.scatter(1, num_accepted[:, None], next_tokens[:, None])
+        counts = num_accepted + 1  # [batch]
+        slots = torch.arange(k + 1, device=block.device)  # [k + 1]
+        is_stop = torch.isin(block, self.stop_ids) & (slots < counts[:, None])
+        first_stop = torch.where(is_stop, slots, k + 1).min(1).values  # [batch]
+        counts = torch.minimum(torch.minimum(counts, first_stop + 1), self.budget)
+        index = (self.seq_lens[:, None] + slots).clamp(max=self.sequences.shape[1] - 1)
+        keep = slots < counts[:, None]
+        self.sequences.scatter_(1, index, torch.where(keep, block, self.sequences.gather(1, index)))
+        self.seq_lens = self.seq_lens + counts
+        self.budget = self.budget - counts
+        done = (self.budget == 0) | is_stop.any(1)
+        return block, counts, done
+
+    def select(self, keep: list[int]) -> torch.Tensor:
+        index = torch.tensor(keep, dtype=torch.long, device=self.sequences.device)
+        self.sequences, self.seq_lens, self.budget = (
+            t.index_select(0, index) for t in (self.sequences, self.seq_lens, self.budget)
+        )
+        self.rows = [self.rows[i] for i in keep]
+        return index
+
+
+def speculative_step(
+    target: CachedModel,
+    drafter: Drafter | None,
+    rule: VerificationRule,
+    batch: Batch,
+    cfg: DecodeConfig,
+    rng: RowRandom | None,
+    stats: DecodeStats,
+):
+    """One round for every running row: draft, verify in one target pass, roll back, commit."""
+    t0 = time.perf_counter()
+    max_draft = (batch.budget - 1).clamp(max=cfg.num_draft_tokens)  # [batch]; +1 comes free
+    draft = (
+        drafter.propose(batch.sequences, batch.seq_lens, max_draft, rng)
+        if drafter is not None
+        else Draft.empty(len(batch.rows), batch.sequences.device)
+    )
+    t1 = time.perf_counter()
+    pending, pending_valid = target.pending(batch.sequences, batch.seq_lens)  # [batch, n]
+    k = draft.tokens.shape[1]
+    draft_valid = torch.arange(k, device=draft.lengths.device) < draft.lengths[:, None]
+    logits, _ = target.forward(
+        torch.cat([pending, draft.tokens], 1),
+        torch.cat([pending_valid, draft_valid], 1),
+        logits_to_keep=k + 1,
+    )  # logits: [batch, k + 1, vocab]
+    invalid = bad_logits(logits) | torch.isneginf(logits).all(-1).any()
+    if draft.invalid_logits is not None:
+        invalid = invalid | draft.invalid_logits
+    verdict = rule.verify(draft.tokens, draft.probs, logits, draft.lengths, rng)
+    committed = batch.seq_lens + verdict.num_accepted  # [batch] cache keeps these tokens
+    target.truncate(committed)
+    if drafter is not None:
+        drafter.rollback(committed)
+    block, counts, done = batch.commit(draft, verdict.num_accepted, verdict.next_tokens)
+    stats.verify_seconds += time.perf_counter() - t1
+    stats.draft_seconds += t1 - t0
+    stats.target_forwards += 1
+    stats.drafter_forwards += draft.forwards
+    if bool(invalid):  # the step's one host sync also checks every logit of the step
+        raise InvalidLogitsError(
+            "a model produced NaN or +inf logits (or a position where every logit is -inf); "
+            "check its weights and dtype (fp16 overflow is a common cause)"
+        )
+    return block, counts, done, verdict.num_accepted, draft.lengths
+
+
+def decode(
+    target: CachedModel,
+    drafter: Drafter | None,
+    rule: VerificationRule,
+    prompts: list[list[int]],
+    cfg: DecodeConfig,
+    stats: DecodeStats | None = None,
+) -> Iterator[StepEvent]:
+    """Run the batch to completion, yielding the tokens each step commits, row by row.
+
+    Finished rows leave the batch (and both caches) at once. The caches belong to this call, so
+    a consumer that stops early leaves nothing half-updated behind.
+    """
+    device = target.device
+    batch = Batch(prompts, cfg, device)
+    stats = stats if stats is not None else DecodeStats([RowStats() for _ in prompts])
+    rng = (
+        None if cfg.sampling.greedy else RowRandom.for_batch(len(prompts), cfg.seed, cfg.row_seeds)
+    )
+    target.reset(len(prompts))
+    if drafter is not None:
+        drafter.start(len(prompts))
+    start = time.perf_counter()
+    try:
+        while batch.rows:
+            block, counts, done, accepted, drafted = speculative_step(
+                target, drafter, rule, batch, cfg, rng, stats
+            )
+            block_l, counts_l, done_l = block.tolist(), counts.tolist(), done.tolist()
+            for i, row in enumerate(batch.rows):
+                stats.rows[row].record(int(drafted[i]), int(accepted[i]), counts_l[i])
+            yield StepEvent(
+                list(batch.rows), [b[:c] for b, c in zip(block_l, counts_l, strict=True)], done_l
+            )
+            keep = [i for i, d in enumerate(done_l) if not d]
+            if len(keep) < len(batch.rows):
+                index = batch.select(keep)
+                target.select_rows(index)
+                if drafter is not None:
+                    drafter.select_rows(index)
+                if rng is not None:
+                    rng.select(keep)
+    finally:
+        stats.wall_seconds += time.perf_counter() - start

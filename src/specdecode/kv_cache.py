@@ -1,0 +1,189 @@
+"""Per-row KV-cache rollback for a batch whose rows accept different numbers of tokens.
+
+Design: one physical `transformers.DynamicCache` shared by the batch, plus a per-row logical view.
+
+* Every forward appends the same number of physical slots to every row (that is what a batched
+  matmul wants), but each slot carries a *logical position* in its row, or -1 for a hole.
+  `slot_pos: [batch, physical_len]` is the whole bookkeeping.
+* A row that rejects drafted tokens does not re-run anything: `truncate(lengths)` turns the
+  rejected slots into holes. The attention mask handed to the model is `slot_pos >= 0`, and
+  position ids are the logical positions, so the model sees each row as if the holes were not
+  there (rotary or learned positions stay contiguous per row).
+* Holes at the right end that every row shares are cropped; when holes pile up inside the cache
+  (they cost attention FLOPs and memory), `compact` gathers each row's valid slots to the right,
+  keeping order. One gather per layer; `DynamicCache` already copies the cache on every append,
+  so this costs about one step's cache traffic and happens only every few steps.
+* Rows that finish are dropped from the batch (`select_rows`), so they stop costing compute.
+* Ragged inputs (a prompt batch of different lengths, or a drafter catching up on one or two
+  tokens per row) use the same mechanism: a block is left-padded with hole slots.
+
+Why not a static cache with per-row write pointers: `transformers` attention layers write a
+shared `cache_position` for the whole batch, so per-row offsets would need a custom attention
+path per architecture. This design uses only public model inputs (`attention_mask`,
+`position_ids`, `past_key_values`) and works for any decoder whose cache is a plain
+`DynamicCache` of full-attention layers. Models whose cache cannot be rolled back this way
+(sliding-window layers drop old slots; recurrent or linear-attention states cannot be truncated)
+are refused by `check_rollback_support` at set-up.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+HOLE = -1
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be used by the engine (its cache cannot be rolled back per row)."""
+
+
+def check_rollback_support(model: torch.nn.Module, role: str) -> None:
+    """Refuse, loudly and before any decoding, a model whose cache cannot be truncated per row."""
+    config = model.config
+    name = f"{role} ({type(model).__name__})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{name} is an encoder-decoder model; the causal-LM engine needs a decoder-only model"
+        )
+    params = inspect.signature(model.forward).parameters
+    for arg in ("attention_mask", "position_ids", "past_key_values"):
+        if arg not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise UnsupportedModelError(
+                f"{name}.forward takes no `{arg}`; per-row rollback needs it"
+            )
+    cache = DynamicCache(config=config)
+    bad = sorted(
+        {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    )
+    if bad:
+        raise UnsupportedModelError(
+            f"{name} uses cache layers {bad} (sliding-window or non-attention state), which cannot "
+            "be rolled back per row by truncation; use a model with full attention in every layer"
+        )
+    probe = torch.zeros(1, 1, dtype=torch.long, device=model_device(model))
+    with torch.no_grad():
+        out = model(input_ids=probe, past_key_values=cache, use_cache=True)
+    if out.past_key_values is not cache or any(type(x) is not DynamicLayer for x in cache.layers):
+        raise UnsupportedModelError(
+            f"{name} returned a {type(out.past_key_values).__name__} cache instead of the "
+            "DynamicCache it was given; its state cannot be rolled back per row"
+        )
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class CachedModel:
+    """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
+
+    def __init__(self, model: torch.nn.Module, compact_min_holes: int = 8) -> None:
+        self.model = model
+        self.device = model_device(model)
+        self.compact_min_holes = compact_min_holes
+        self.reset(0)
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
+    @property
+    def physical_len(self) -> int:
+        return self.slot_pos.shape[1]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor,
+        logits_to_keep: int = 1,
+        want_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append a ragged block and return the logits (and last hidden states) of its end.
+
+        tokens, valid: [batch, n] (invalid entries are holes: any token id, masked out)
+        returns logits [batch, logits_to_keep, vocab], hidden [batch, logits_to_keep, hidden]
+        """
+        positions = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
+        new_pos = torch.where(valid, positions, HOLE)  # [batch, n]
+        mask = torch.cat([self.slot_pos >= 0, valid], dim=1).long()  # [batch, physical + n]
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions.clamp(min=0),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=want_hidden,
+        )
+        self.slot_pos = torch.cat([self.slot_pos, new_pos], dim=1)
+        self.lengths = self.lengths + valid.sum(1)
+        hidden = out.hidden_states[-1][:, -logits_to_keep:] if want_hidden else None
+        return out.logits, hidden
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Keep only the first `lengths[b]` logical tokens of each row (bookkeeping only)."""
+        # lengths: [batch]
+        lengths = torch.minimum(self.lengths, lengths.to(self.device))
+        self.slot_pos = self.slot_pos.masked_fill(self.slot_pos >= lengths[:, None], HOLE)
+        self.lengths = lengths
+        self._crop_and_compact()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished rows stop costing compute)."""
+        rows = rows.to(self.device)
+        for layer in self.cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+        self.slot_pos = self.slot_pos.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self._crop_and_compact()
+
+    def pending(
+        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed tokens not yet in the cache, as a left-padded ragged block.
+
+        sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]
+        """
+        n = int((seq_lens - self.lengths).max())
+        index = seq_lens[:, None] - n + torch.arange(n, device=self.device)  # [batch, n]
+        valid = index >= self.lengths[:, None]
+        tokens = sequences.gather(1, index.clamp(min=0)).masked_fill(~valid, pad_id)
+        return tokens, valid
+
+    def _crop_and_compact(self) -> None:
+        occupied = (self.slot_pos >= 0).any(0).nonzero()
+        keep = int(occupied[-1]) + 1 if occupied.numel() else 0
+        if keep < self.physical_len:
+            self._crop(keep)
+        holes = self.physical_len - int(self.lengths.min()) if self.lengths.numel() else 0
+        if holes > max(self.compact_min_holes, self.physical_len // 4):
+            self.compact()
+
+    def _crop(self, keep: int) -> None:
+        for layer in self.cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys[:, :, :keep]
+                layer.values = layer.values[:, :, :keep]
+        self.slot_pos = self.slot_pos[:, :keep]
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the right end, in order; holes go to the left."""
+        width = int(self.lengths.max())
+        # stable sort on validity: holes (0) first, valid slots (1) after, in physical order
+        order = torch.sort((self.slot_pos >= 0).int(), dim=1, stable=True).indices
+        index = order[:, self.physical_len - width :]  # [batch, width]
+        for layer in self.cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                b, h, _, d = layer.keys.shape
+                gather = index[:, None, :, None].expand(b, h, width, d)
+                layer.keys = layer.keys.gather(2, gather)
+                layer.values = layer.values.gather(2, gather)
+        self.slot_pos = self.slot_pos.gather(1, index)

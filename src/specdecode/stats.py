@@ -1,0 +1,119 @@
+"""Statistics of a decoding call, per row and in total.
+
+Names follow the field: a target call verifies one draft; *accepted* draft tokens, a *recovered*
+token after a rejection, a *bonus* token when the whole draft was accepted. The mean number of
+tokens committed per target call (often called tau, or MAT) and the acceptance rate alpha are
+what the speedup bound of Leviathan et al. is written in (see `bench`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RowStats:
+    target_calls: int = 0
+    drafter_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    new_tokens: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # [n] = target calls accepting n
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.target_calls += 1
+        self.drafter_calls += drafted
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted < drafted:
+            self.recovered += 1
+        else:
+            self.bonus += 1
+        self.new_tokens += emitted
+        if len(self.accepted_hist) <= accepted:
+            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def merge(self, other: RowStats) -> RowStats:
+        hist = [0] * max(len(self.accepted_hist), len(other.accepted_hist))
+        for source in (self.accepted_hist, other.accepted_hist):
+            for n, count in enumerate(source):
+                hist[n] += count
+        return RowStats(
+            self.target_calls + other.target_calls,
+            self.drafter_calls + other.drafter_calls,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+            self.recovered + other.recovered,
+            self.bonus + other.bonus,
+            self.new_tokens + other.new_tokens,
+            hist,
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "target_calls": self.target_calls,
+            "drafter_calls": self.drafter_calls,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "recovered": self.recovered,
+            "bonus": self.bonus,
+            "new_tokens": self.new_tokens,
+            "tokens_per_target_call": self.tokens_per_target_call,
+            "acceptance_rate": self.acceptance_rate,
+            "accepted_hist": list(self.accepted_hist),
+        }
+
+
+@dataclass
+class DecodeStats:
+    """Per-row figures plus the batch's own cost: batched forwards and wall time."""
+
+    rows: list[RowStats]
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @property
+    def total(self) -> RowStats:
+        total = RowStats()
+        for row in self.rows:
+            total = total.merge(row)
+        return total
+
+    def as_dict(self) -> dict:
+        return {
+            "total": self.total.as_dict(),
+            "rows": [row.as_dict() for row in self.rows],
+            "target_forwards": self.target_forwards,
+            "drafter_forwards": self.drafter_forwards,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "wall_seconds": self.wall_seconds,
+        }
+
+    def summary(self) -> str:
+        t = self.total
+        hist = " ".join(f"{n}:{c}" for n, c in enumerate(t.accepted_hist))
+        return (
+            f"{t.new_tokens} tokens in {self.wall_seconds:.2f}s "
+            f"({t.new_tokens / max(self.wall_seconds, 1e-9):.1f} tok/s); "
+            f"target calls {t.target_calls} ({self.target_forwards} batched), "
+            f"drafter calls {t.drafter_calls} ({self.drafter_forwards} batched); "
+            f"drafted {t.drafted}, accepted {t.accepted}, recovered {t.recovered}, "
+            f"bonus {t.bonus}; tokens/target call {t.tokens_per_target_call:.2f}, "
+            f"acceptance {t.acceptance_rate:.3f}; drafting {self.draft_seconds:.2f}s, "
+            f"verifying {self.verify_seconds:.2f}s; accepted-length histogram {hist}"
+        )

@@ -1,0 +1,127 @@
+"""Verification rules: given a draft and the target's logits, decide what is committed.
+
+One protocol, several rules, chosen by name from `RULES`:
+
+* `greedy`: accept while the draft equals the target's argmax; the first mismatch is replaced by
+  the argmax. Output equals the target's own greedy decoding.
+* `sampling`: the lossless rule of Leviathan et al. (2023, Alg. 1) and Chen et al. (2023).
+  Draft token d at position i is accepted with probability min(1, target_probs[d] /
+  draft_probs[d]); the first rejected one is replaced by a sample from
+  normalize(max(0, target_probs - draft_probs)); if all are accepted, a bonus token is sampled
+  from the target. The output distribution equals the target's.
+
+Vocabulary of the outcome (vLLM's): *accepted* draft tokens, a *recovered* token after a
+rejection, a *bonus* token when everything was accepted. Every row has its own number of drafted
+tokens (`num_drafted`), so rows stop drafting independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdecode.config import SamplingConfig
+from specdecode.sampling import RowRandom, logits_to_probs, sample_from
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: torch.Tensor  # [batch] leading draft tokens accepted
+    next_tokens: torch.Tensor  # [batch] recovered (if num_accepted < num_drafted) or bonus
+
+
+class VerificationRule(Protocol):
+    """Decides, per row, how many draft tokens to keep and which token follows them."""
+
+    name: str
+    exact: bool  # True when the output equals the target's own decoding (greedy or in law)
+
+    def verify(
+        self,
+        draft_tokens: torch.Tensor,  # [batch, k]
+        draft_probs: torch.Tensor | None,  # [batch, k, vocab], None for a deterministic drafter
+        target_logits: torch.Tensor,  # [batch, k + 1, vocab]
+        num_drafted: torch.Tensor,  # [batch] valid draft tokens per row, <= k
+        rng: RowRandom | None,
+    ) -> Verdict: ...
+
+
+def leading_true(accept: torch.Tensor) -> torch.Tensor:
+    """Number of leading True values per row: [batch, k] -> [batch]."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def drafted_mask(num_drafted: torch.Tensor, k: int) -> torch.Tensor:
+    """[batch] -> [batch, k]: True where a row really drafted a token."""
+    return torch.arange(k, device=num_drafted.device) < num_drafted[:, None]
+
+
+class GreedyRule:
+    name = "greedy"
+    exact = True
+
+    def __init__(self, sampling: SamplingConfig | None = None) -> None:
+        del sampling  # greedy ignores temperature, top-k and top-p by definition
+
+    def verify(self, draft_tokens, draft_probs, target_logits, num_drafted, rng) -> Verdict:
+        best = target_logits.argmax(-1)  # [batch, k + 1]
+        k = draft_tokens.shape[1]
+        accept = (draft_tokens == best[:, :k]) & drafted_mask(num_drafted, k)  # [batch, k]
+        num_accepted = leading_true(accept)  # [batch]
+        next_tokens = best.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+        return Verdict(num_accepted, next_tokens)
+
+
+class LosslessSamplingRule:
+    name = "sampling"
+    exact = True
+
+    def __init__(self, sampling: SamplingConfig) -> None:
+        self.sampling = sampling
+
+    def verify(self, draft_tokens, draft_probs, target_logits, num_drafted, rng) -> Verdict:
+        if rng is None:
+            raise ValueError("the sampling rule needs per-row random generators")
+        batch, k = draft_tokens.shape
+        target_probs = logits_to_probs(target_logits, self.sampling)  # [batch, k + 1, vocab]
+        if draft_probs is None:  # a deterministic drafter proposes with probability one
+            draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1])
+        draft_probs = draft_probs.to(target_probs.dtype)
+        # a zero row after the draft: at index k the residual is the target itself (bonus)
+        padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
+        uniforms = rng.uniform((num_drafted + 1).tolist(), target_probs.device)  # [batch, <=k+1]
+        uniforms = torch.nn.functional.pad(uniforms, (0, k + 1 - uniforms.shape[1]))
+        index = draft_tokens[..., None]  # [batch, k, 1]
+        p_tok = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
+        q_tok = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
+        # u < min(1, p/q)  <=>  u * q < p, without dividing
+        accept = (uniforms[:, :k] * q_tok < p_tok) & drafted_mask(num_drafted, k)
+        num_accepted = leading_true(accept)  # [batch]
+        at = num_accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
+        p_next = target_probs.gather(1, at).squeeze(1)  # [batch, vocab]
+        residual = (p_next - padded.gather(1, at).squeeze(1)).clamp(min=0)  # [batch, vocab]
+        # p == q exactly leaves no residual mass; the target itself is then the right law
+        empty = residual.sum(-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_next, residual)
+        resample_u = uniforms.gather(1, num_drafted[:, None]).squeeze(1)  # [batch]
+        return Verdict(num_accepted, sample_from(residual, resample_u))
+
+
+def make_rule(name: str | None, sampling: SamplingConfig) -> VerificationRule:
+    """Pick a rule by name; `None` means greedy at temperature 0 and lossless sampling above."""
+    if name is None:
+        name = "greedy" if sampling.greedy else "sampling"
+    if name not in RULES:
+        raise ValueError(f"unknown verification rule {name!r}; known: {sorted(RULES)}")
+    if name == "sampling" and sampling.greedy:
+        raise ValueError("the sampling rule needs temperature > 0; use 'greedy' at temperature 0")
+    return RULES[name](sampling)
+
+
+RULES: dict[str, Callable[[SamplingConfig], VerificationRule]] = {
+    "greedy": GreedyRule,
+    "sampling": LosslessSamplingRule,
+}
