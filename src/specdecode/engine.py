@@ -47,7 +47,7 @@ class Batch:
 
     def commit(self, draft: Draft, num_accepted: torch.Tensor, next_tokens: torch.Tensor):
         """Append accepted draft tokens and the next token; cut at a stop token or the budget."""
-        batch, k = draft.tokens.shape
+        k = draft.tokens.shape[1]
         block = torch.cat([draft.tokens, torch.zeros_like(next_tokens)[:, None]], 1)  # [b, k+1]
         block = block.scatter(1, num_accepted[:, None], next_tokens[:, None])
         counts = num_accepted + 1  # [batch]
