@@ -26,7 +26,7 @@ from specdecode.checks import (
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ConstantLength, ModelDrafter
 from specdecode.engine import StepEvent, decode
-from specdecode.kv_cache import CachedModel, check_rollback_support
+from specdecode.kv_cache import CachedModel
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import make_rule
 
@@ -51,11 +51,12 @@ class SpeculativeDecoder:
         drafter: torch.nn.Module | None = None,
         drafter_tokenizer=None,
     ) -> None:
-        check_rollback_support(target, "target")
         check_vocab_covers_tokenizer(target, tokenizer, "target")
+        self._target_lm = CachedModel(target.eval(), "target")
+        self._draft_lm = None
         if drafter is not None:
             check_same_device(target, drafter)
-            check_rollback_support(drafter, "drafter")
+            self._draft_lm = CachedModel(drafter.eval(), "drafter")
             if tokenizer is not None and drafter_tokenizer is not None:
                 check_same_vocabulary(tokenizer, drafter_tokenizer)
         self.target = target.eval()
@@ -63,7 +64,6 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.context = context_length(target)
-        self._target_lm = CachedModel(self.target)
 
     @classmethod
     def from_pretrained(
@@ -149,9 +149,9 @@ class SpeculativeDecoder:
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         drafter = None
-        if use_drafter and self.drafter is not None:
+        if use_drafter and self._draft_lm is not None:
             drafter = ModelDrafter(
-                self.drafter, cfg.sampling, self.vocab_size, ConstantLength(cfg.num_draft_tokens)
+                self._draft_lm, cfg.sampling, self.vocab_size, ConstantLength(cfg.num_draft_tokens)
             )
         verification = make_rule(rule, cfg.sampling)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)

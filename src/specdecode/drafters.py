@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from specdecode.config import SamplingConfig
-from specdecode.kv_cache import CachedModel, check_rollback_support
+from specdecode.kv_cache import CachedModel
 from specdecode.sampling import RowRandom, logits_to_probs, sample_from
 
 
@@ -92,13 +92,12 @@ class ModelDrafter:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        lm: CachedModel,
         sampling: SamplingConfig,
         vocab_size: int,
         policy: LengthPolicy,
     ) -> None:
-        check_rollback_support(model, "drafter")
-        self.lm = CachedModel(model)
+        self.lm = lm
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.policy = policy

@@ -81,7 +81,10 @@ def model_device(model: torch.nn.Module) -> torch.device:
 class CachedModel:
     """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
 
-    def __init__(self, model: torch.nn.Module, compact_min_holes: int = 8) -> None:
+    def __init__(
+        self, model: torch.nn.Module, role: str = "model", compact_min_holes: int = 8
+    ) -> None:
+        check_rollback_support(model, role)
         self.model = model
         self.device = model_device(model)
         self.compact_min_holes = compact_min_holes

@@ -49,6 +49,24 @@ class VerificationRule(Protocol):
     ) -> Verdict: ...
 
 
+def acceptance_probability(p_tok: torch.Tensor, q_tok: torch.Tensor) -> torch.Tensor:
+    """min(1, p/q): the chance a token drawn from q is kept when the target's law is p."""
+    return torch.where(q_tok > 0, (p_tok / q_tok.clamp(min=1e-30)).clamp(max=1.0), 1.0)
+
+
+def residual_law(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)), the law of the recovered token after a rejection.
+
+    Where p == q leaves no mass (a rejection then has probability zero) the target itself is
+    returned, which keeps the function total without changing the output law.
+    """
+    # [..., vocab] -> [..., vocab]
+    residual = (target_probs - draft_probs).clamp(min=0)
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_probs, residual)
+    return residual / residual.sum(-1, keepdim=True)
+
+
 def leading_true(accept: torch.Tensor) -> torch.Tensor:
     """Number of leading True values per row: [batch, k] -> [batch]."""
     return accept.long().cumprod(dim=1).sum(dim=1)
@@ -97,15 +115,12 @@ class LosslessSamplingRule:
         index = draft_tokens[..., None]  # [batch, k, 1]
         p_tok = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
         q_tok = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
-        # u < min(1, p/q)  <=>  u * q < p, without dividing
-        accept = (uniforms[:, :k] * q_tok < p_tok) & drafted_mask(num_drafted, k)
+        keep = uniforms[:, :k] < acceptance_probability(p_tok, q_tok)  # [batch, k]
+        accept = keep & drafted_mask(num_drafted, k)
         num_accepted = leading_true(accept)  # [batch]
         at = num_accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
-        p_next = target_probs.gather(1, at).squeeze(1)  # [batch, vocab]
-        residual = (p_next - padded.gather(1, at).squeeze(1)).clamp(min=0)  # [batch, vocab]
-        # p == q exactly leaves no residual mass; the target itself is then the right law
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_next, residual)
+        # padded has a zero row at index k, so after a full acceptance this is the target (bonus)
+        residual = residual_law(target_probs.gather(1, at), padded.gather(1, at)).squeeze(1)
         resample_u = uniforms.gather(1, num_drafted[:, None]).squeeze(1)  # [batch]
         return Verdict(num_accepted, sample_from(residual, resample_u))
 

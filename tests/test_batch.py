@@ -1,0 +1,107 @@
+"""Ragged batches: every row equals the same prompt run alone, whatever its neighbours do."""
+
+from __future__ import annotations
+
+from conftest import tiny_gpt2, tiny_llama
+
+from specdecode import SpeculativeDecoder
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23], [40], [7, 7, 7, 7, 7, 7]]
+
+
+def run(decoder, prompts, **kw):
+    kw.setdefault("stop_token_ids", [])
+    return decoder.generate(prompts, **kw).new_tokens
+
+
+def test_batch_equals_rows_alone_greedy():
+    for make in (tiny_llama, tiny_gpt2):
+        decoder = SpeculativeDecoder(make(seed=0), drafter=make(seed=3, layers=1))
+        batched = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=3)
+        alone = [run(decoder, [p], max_new_tokens=20, num_draft_tokens=3)[0] for p in PROMPTS]
+        assert batched == alone
+
+
+def test_eos_inside_draft_and_rows_finishing_at_different_steps():
+    target = tiny_llama(seed=0)
+    decoder = SpeculativeDecoder(target, drafter=target)  # oracle drafter: stops land mid-draft
+    free = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=4)
+    stop = free[0][6]  # a token the first row emits mid-way (inside its second draft)
+    stopped = decoder.generate(
+        PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[stop]
+    )
+    for tokens, reference in zip(stopped.new_tokens, free, strict=True):
+        cut = reference.index(stop) + 1 if stop in reference else len(reference)
+        assert tokens == reference[:cut]
+    lengths = {len(t) for t in stopped.new_tokens}
+    assert len(lengths) > 1, "rows should finish at different steps"
+    events = list(
+        decoder.stream(PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[stop])
+    )
+    finished_at = {}
+    for step, event in enumerate(events):
+        for row, done in zip(event.rows, event.finished, strict=True):
+            if done:
+                finished_at[row] = step
+    assert len(finished_at) == len(PROMPTS) and len(set(finished_at.values())) > 1
+    # a finished row leaves the batch: it appears in no later event
+    for row, step in finished_at.items():
+        assert all(row not in e.rows for e in events[step + 1 :])
+
+
+def test_max_new_tokens_inside_draft():
+    target = tiny_llama(seed=0)
+    decoder = SpeculativeDecoder(target, drafter=target)
+    full = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=4)
+    for n in (1, 2, 6, 7):
+        out = decoder.generate(PROMPTS, max_new_tokens=n, num_draft_tokens=4, stop_token_ids=[])
+        assert out.new_tokens == [t[:n] for t in full]
+        assert out.stats.total.drafted <= len(PROMPTS) * (n - 1)  # never drafts past the budget
+
+
+def test_sampling_rows_with_own_seeds_equal_rows_alone():
+    decoder = SpeculativeDecoder(tiny_llama(seed=0, init=0.3), drafter=tiny_llama(seed=5, init=0.3))
+    seeds = [11, 22, 33, 44, 55]
+    kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=0.9, top_k=40, top_p=0.95)
+    batched = run(decoder, PROMPTS, row_seeds=seeds, **kw)
+    alone = [run(decoder, [p], row_seeds=[s], **kw)[0] for p, s in zip(PROMPTS, seeds, strict=True)]
+    assert batched == alone
+    assert run(decoder, PROMPTS, row_seeds=seeds, **kw) == batched  # seeded determinism
+    other = run(decoder, PROMPTS, row_seeds=[s + 1 for s in seeds], **kw)
+    assert other != batched
+
+
+def test_streaming_reassembles_generate():
+    target = tiny_llama(seed=0)
+    decoder = SpeculativeDecoder(target, drafter=tiny_llama(seed=1, layers=1))
+    pieces = [[] for _ in PROMPTS]
+    for event in decoder.stream(PROMPTS, max_new_tokens=12, stop_token_ids=[]):
+        for row, tokens in zip(event.rows, event.new_tokens, strict=True):
+            pieces[row].extend(tokens)
+    assert pieces == run(decoder, PROMPTS, max_new_tokens=12)
+    # a consumer that stops early, then a fresh call: same answer as before
+    stream = decoder.stream(PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    next(stream)
+    stream.close()
+    assert run(decoder, PROMPTS, max_new_tokens=12) == pieces
+
+
+def test_finished_rows_stop_costing_compute():
+    target = tiny_llama(seed=0)
+    decoder = SpeculativeDecoder(target, drafter=target)
+    prompts = [[5, 6], [7, 8, 9]]
+    free = run(decoder, prompts, max_new_tokens=20, num_draft_tokens=2)
+    stop = next(t for t in free[0][:4] if t not in free[1])  # ends row 0 early, never row 1
+    rows_per_forward = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    try:
+        out = decoder.generate(
+            prompts, max_new_tokens=20, num_draft_tokens=2, stop_token_ids=[stop]
+        )
+    finally:
+        hook.remove()
+    assert len(out.new_tokens[0]) <= 4 and len(out.new_tokens[1]) == 20
+    assert rows_per_forward[0] == 2 and rows_per_forward[-1] == 1
