@@ -1,0 +1,131 @@
+"""Bad input gets an error that names what is wrong, before any decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama, word_tokenizer
+from transformers import MistralConfig, MistralForCausalLM
+
+from specdecode import DecodeConfig, SamplingConfig, SpeculativeDecoder
+from specdecode.checks import IncompatibleModelsError
+from specdecode.kv_cache import UnsupportedModelError
+from specdecode.sampling import InvalidLogitsError
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return SpeculativeDecoder(tiny_llama(0), word_tokenizer(), drafter=tiny_llama(1, layers=1))
+
+
+def test_different_tokenizers_refused():
+    with pytest.raises(IncompatibleModelsError, match="tokenizers differ"):
+        SpeculativeDecoder(
+            tiny_llama(0), word_tokenizer(), tiny_llama(1), word_tokenizer(prefix="w")
+        )
+
+
+def test_same_size_different_vocabulary_refused():
+    other = word_tokenizer()
+    other.add_tokens(["extra"])  # same embedding size would not reveal this
+    with pytest.raises(IncompatibleModelsError, match="only in the drafter"):
+        SpeculativeDecoder(
+            tiny_llama(0, vocab=100), word_tokenizer(), tiny_llama(1, vocab=100), other
+        )
+
+
+def test_drafter_on_another_device_refused():
+    with torch.device("meta"):
+        drafter = tiny_llama(1)
+    with pytest.raises(IncompatibleModelsError, match="target is on cpu but drafter is on meta"):
+        SpeculativeDecoder(tiny_llama(0), drafter=drafter)
+
+
+@pytest.mark.parametrize(
+    "prompts,match",
+    [
+        ([[]], "prompt 0 is empty"),
+        ([""], "prompt 0 is empty"),
+        ([[1] * 300], "longer than the target's context of 256"),
+        ([[1] * 250], "exceeds the target's context"),
+        ([], "no prompts"),
+    ],
+)
+def test_bad_prompts(decoder, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        decoder.generate(prompts, max_new_tokens=10)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_draft_tokens": 0}, "num_draft_tokens must be >= 1"),
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"row_seeds": [1, 2]}, "row_seeds has 2 seeds for 1 prompts"),
+    ],
+)
+def test_bad_settings(decoder, kwargs, match):
+    kwargs.setdefault("temperature", 0.7)
+    with pytest.raises(ValueError, match=match):
+        decoder.generate([[1, 2, 3]], **kwargs)
+
+
+@pytest.mark.parametrize("poison", ["target", "drafter"])
+def test_nan_logits_refused(poison):
+    target, drafter = tiny_llama(0), tiny_llama(1, layers=1)
+    with torch.no_grad():
+        (target if poison == "target" else drafter).model.norm.weight.fill_(float("nan"))
+    decoder = SpeculativeDecoder(target, drafter=drafter)
+    with pytest.raises(InvalidLogitsError, match="NaN"):
+        decoder.generate([[1, 2, 3]], max_new_tokens=4)
+
+
+def test_sliding_window_model_refused():
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
+    with pytest.raises(UnsupportedModelError, match="cannot be rolled back"):
+        SpeculativeDecoder(MistralForCausalLM(config))
+
+
+def test_encoder_decoder_refused_by_causal_engine():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+    )
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        SpeculativeDecoder(BartForConditionalGeneration(config))
+
+
+def test_config_objects_validate_once():
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        DecodeConfig(stop_token_ids=(-1,))
+    assert SamplingConfig().greedy and not SamplingConfig(temperature=1.0).greedy
+
+
+def test_text_prompts_and_chat_template(decoder):
+    out = decoder.generate(["t5 t6 t7"], max_new_tokens=3)
+    assert out.sequences[0][:3] == [5, 6, 7] and isinstance(out.texts[0], str)
+    assert decoder.encode(["t5"], chat=True) == [[2, 5, 3]]
+    with pytest.raises(ValueError, match="mix of text and token-id prompts"):
+        decoder.encode(["t5", [5]])
