@@ -1,0 +1,142 @@
+"""The `specdecode` command line: one console script, one subcommand per job.
+
+Each subcommand lives next to the code it drives and registers itself through an
+`add_subcommands(subparsers)` function; this module only gathers them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments shared by every command that decodes (generate, bench)."""
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus sampling")
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+
+
+def set_threads(threads: int | None) -> None:
+    import os
+
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    from specdecode.prompts import load_prompts
+
+    return [p.text for p in load_prompts(args.prompts, limit=args.limit)]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.api import SpeculativeDecoder
+
+    set_threads(args.threads)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    prompts = read_prompts(args)
+    draft = None if args.no_draft else args.draft
+    decoder = SpeculativeDecoder.from_pretrained(args.target, draft, DTYPES[args.dtype], args.device)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+    )
+    records = []
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start : start + args.batch_size]
+        out = stream_to_terminal(decoder, chunk, args.chat, settings, quiet=args.json)
+        for i, text in enumerate(out.texts or []):
+            records.append({"prompt": chunk[i], "completion": text, "tokens": out.new_tokens[i]})
+        if not args.json:
+            print(f"\n[stats] {out.stats.summary()}", file=sys.stderr)
+        else:
+            records[-1]["batch_stats"] = out.stats.as_dict()
+    if args.json:
+        print(json.dumps(records, indent=1))
+    return 0
+
+
+def stream_to_terminal(decoder, prompts: list[str], chat: bool, settings: dict, quiet: bool):
+    """Stream one row's text as it is committed; with several rows, print each when it ends."""
+    from specdecode.api import GenerationOutput
+    from specdecode.stats import DecodeStats, RowStats
+
+    ids = decoder.encode(prompts, chat)
+    stats = DecodeStats([RowStats() for _ in ids])
+    tokens: list[list[int]] = [[] for _ in ids]
+    shown = [""] * len(ids)
+    for event in decoder.stream(ids, stats=stats, **settings):
+        for row, new, done in zip(event.rows, event.new_tokens, event.finished, strict=True):
+            tokens[row].extend(new)
+            if quiet:
+                continue
+            if len(ids) == 1:
+                text = decoder.tokenizer.decode(tokens[row], skip_special_tokens=True)
+                print(text[len(shown[row]) :], end="", flush=True)
+                shown[row] = text
+            elif done:
+                text = decoder.tokenizer.decode(tokens[row], skip_special_tokens=True)
+                print(f"--- [{row}] {prompts[row]!r}\n{text}\n", flush=True)
+    texts = [decoder.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    return GenerationOutput([p + t for p, t in zip(ids, tokens, strict=True)], tokens, texts, stats)
+
+
+def add_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="drafter directory or known name")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    src.add_argument("--prompts", help="a prompt file (.jsonl/.txt) or set (humaneval, mtbench)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
+    add_decoding_arguments(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specdecode import model_store
+
+    parser = argparse.ArgumentParser(
+        prog="specdecode", description="Speculative decoding for Hugging Face models."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_generate(subparsers)
+    model_store.add_subcommands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as error:
+        print(f"specdecode {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
