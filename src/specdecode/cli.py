@@ -53,7 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = read_prompts(args)
     draft = None if args.no_draft else args.draft
-    decoder = SpeculativeDecoder.from_pretrained(args.target, draft, DTYPES[args.dtype], args.device)
+    dtype = DTYPES[args.dtype]
+    decoder = SpeculativeDecoder.from_pretrained(args.target, draft, dtype, args.device)
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -119,6 +120,7 @@ def add_generate(subparsers) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from specdecode import model_store
+    from specdecode.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Speculative decoding for Hugging Face models."
@@ -126,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate(subparsers)
     model_store.add_subcommands(subparsers)
+    bench_cli.add_subcommands(subparsers)
     return parser
 
 

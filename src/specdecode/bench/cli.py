@@ -1,0 +1,100 @@
+"""`specdecode bench`: the command line of the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdecode.cli import DEFAULT_DRAFT, DEFAULT_TARGET, set_threads
+
+
+def model_identity(name_or_path: str) -> dict:
+    from specdecode.model_store import resolve_model
+
+    path = resolve_model(name_or_path)
+    info = {"name": name_or_path, "path": str(path)}
+    meta = path / "specdecode_model.json"
+    if meta.is_file():
+        info.update(
+            {k: v for k, v in json.loads(meta.read_text()).items() if k in ("sha256", "name")}
+        )
+    return info
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.methods import Models
+    from specdecode.bench.report import markdown_table, write_report
+    from specdecode.bench.runner import BenchConfig, run_bench
+    from specdecode.kernels import prepack_linears
+    from specdecode.model_store import load_causal_lm
+    from specdecode.prompts import load_prompts
+
+    set_threads(args.threads)
+    cfg = BenchConfig(
+        target=args.target,
+        draft=args.draft,
+        prompts=args.prompts,
+        limit=args.limit,
+        methods=tuple(args.methods),
+        num_draft_tokens=tuple(args.num_draft_tokens),
+        batch_sizes=tuple(args.batch_sizes),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=0 if args.seed is None else args.seed,
+        chat=args.chat or args.prompts == "mtbench",
+        prepack=not args.no_prepack,
+        threads=args.threads,
+    )
+    target, tokenizer = load_causal_lm(cfg.target)
+    drafter, _ = load_causal_lm(cfg.draft)
+    if cfg.prepack:
+        prepack_linears(target)
+    models = Models(target, tokenizer, drafter)
+    prompts = load_prompts(cfg.prompts, limit=cfg.limit)
+    texts = [p.render(tokenizer, cfg.chat) for p in prompts]
+    ids = [tokenizer(t, add_special_tokens=not cfg.chat).input_ids for t in texts]
+    record = run_bench(cfg, models, ids, progress=not args.quiet)
+    record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
+    record["prompt_ids"] = [p.id for p in prompts]
+    out = Path(args.out)
+    write_report(record, out, plots=not args.no_plots)
+    print(markdown_table(record))
+    print(f"record written to {out}/record.json")
+    if not record["ok"]:
+        print(
+            "FAILED: some method's greedy output differs from ar (see 'mismatches')",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def add_subcommands(subparsers) -> None:
+    from specdecode.cli import add_decoding_arguments
+
+    p = subparsers.add_parser("bench", help="compare decoding methods on the same prompts")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a file")
+    p.add_argument("--limit", type=int, default=20, help="first N prompts")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ar", "hf", "hf-assisted", "sd", "sd-int8"],
+        help="ar hf hf-assisted hf-assisted-k sd sd-int8; suffix +dense for default kernels",
+    )
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels for all")
+    p.add_argument("--out", default="runs/bench", help="folder for record.json, table.md, plots")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    add_decoding_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    # several k for the sweep: replace the single-valued option of the shared arguments
+    for action in p._actions:
+        if action.dest == "num_draft_tokens":
+            action.nargs, action.default = "+", [4]

@@ -1,0 +1,175 @@
+"""Decoding methods behind one signature: prompts (token ids) in, new tokens and time out.
+
+* `ar`: this engine's plain autoregressive decoding of the target (the baseline).
+* `hf`: `transformers` `generate` on the same target.
+* `hf-assisted`: `transformers` assisted generation with the fp32 drafter, its defaults
+  (heuristic schedule from 20 tokens, confidence threshold 0.4); batch size 1 only.
+* `hf-assisted-k`: the same with the constant schedule of k tokens and no confidence cut.
+* `sd`: this engine with the fp32 drafter (the same one `hf-assisted` gets), k draft tokens.
+* `sd-int8`: this engine with an int8 dynamically quantized copy of the drafter.
+
+A `+dense` suffix runs a method with the default PyTorch kernels instead of the prepacked ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.api import SpeculativeDecoder
+from specdecode.kernels import quantize_int8, use_prepacked
+from specdecode.stats import DecodeStats
+
+KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8")
+KINDS = ("ar", "hf", "hf-assisted", *KINDS_WITH_K)
+BATCH1_ONLY = ("hf-assisted", "hf-assisted-k")
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str
+    k: int | None = None
+    dense: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown method {self.kind!r}; known: {', '.join(KINDS)}")
+        if (self.k is not None) != (self.kind in KINDS_WITH_K):
+            raise ValueError(
+                f"method {self.kind!r}: k is {'required' if self.k is None else 'unused'}"
+            )
+
+    @property
+    def label(self) -> str:
+        return (
+            self.kind
+            + (f"[k={self.k}]" if self.k is not None else "")
+            + ("+dense" if self.dense else "")
+        )
+
+    @classmethod
+    def expand(cls, names: list[str], ks: list[int]) -> list[Method]:
+        """`sd` with ks [3, 4] gives sd[k=3] and sd[k=4]; `+dense` keeps default kernels."""
+        methods = []
+        for name in names:
+            kind, dense = name.removesuffix("+dense"), name.endswith("+dense")
+            if kind in KINDS_WITH_K:
+                methods += [cls(kind, k, dense) for k in ks]
+            else:
+                methods.append(cls(kind, None, dense))
+        return methods
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Result:
+    new_tokens: list[list[int]]
+    seconds: float
+    stats: DecodeStats | None = None
+
+
+@dataclass
+class Models:
+    """The models every method shares, so all of them run on the same weights."""
+
+    target: torch.nn.Module
+    tokenizer: object
+    drafter: torch.nn.Module
+    _decoders: dict[str, SpeculativeDecoder] = field(default_factory=dict)
+
+    def decoder(self, kind: str) -> SpeculativeDecoder:
+        if kind not in self._decoders:
+            drafter = None if kind == "ar" else self.drafter
+            if kind == "sd-int8":
+                drafter = quantize_int8(self.drafter)
+            self._decoders[kind] = SpeculativeDecoder(self.target, self.tokenizer, drafter)
+        return self._decoders[kind]
+
+    def drafter_model(self, kind: str) -> torch.nn.Module | None:
+        if kind in ("ar", "hf"):
+            return None
+        return self.decoder(kind).drafter if kind.startswith("sd") else self.drafter
+
+
+def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Settings) -> Result:
+    decoder = models.decoder(method.kind)
+    out = decoder.generate(
+        prompts,
+        use_drafter=method.kind != "ar",
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        num_draft_tokens=method.k or 1,
+        seed=s.seed,
+        stop_token_ids=s.stop_token_ids,
+    )
+    return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+
+
+def run_transformers(method: Method, models: Models, prompts: list[list[int]], s: Settings):
+    pad = models.tokenizer.pad_token_id if models.tokenizer.pad_token_id is not None else 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs: dict = dict(
+        max_new_tokens=s.max_new_tokens,
+        attention_mask=mask,
+        pad_token_id=pad,
+        eos_token_id=list(s.stop_token_ids) or None,
+    )
+    if s.temperature > 0:
+        kwargs.update(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    if method.kind.startswith("hf-assisted"):
+        kwargs["assistant_model"] = models.drafter
+        config = models.drafter.generation_config
+        if method.kind == "hf-assisted-k":
+            config.num_assistant_tokens_schedule = "constant"
+            config.num_assistant_tokens = method.k
+            config.assistant_confidence_threshold = 0.0
+        else:  # the library's defaults
+            config.num_assistant_tokens_schedule = "heuristic"
+            config.num_assistant_tokens = 20
+            config.assistant_confidence_threshold = 0.4
+    torch.manual_seed(s.seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = models.target.generate(ids, **kwargs)
+    seconds = time.perf_counter() - start
+    new = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in s.stop_token_ids), len(row))
+        new.append(row[:cut])
+    return Result(new, seconds)
+
+
+RUNNERS: dict[str, Callable[[Method, Models, list[list[int]], Settings], Result]] = {
+    "ar": run_engine,
+    "sd": run_engine,
+    "sd-int8": run_engine,
+    "hf": run_transformers,
+    "hf-assisted": run_transformers,
+    "hf-assisted-k": run_transformers,
+}
+
+
+def run_method(method: Method, models: Models, prompts: list[list[int]], s: Settings) -> Result:
+    use_prepacked(models.target, not method.dense)
+    try:
+        return RUNNERS[method.kind](method, models, prompts, s)
+    finally:
+        use_prepacked(models.target, True)

@@ -1,0 +1,66 @@
+"""Benchmark arithmetic: the Leviathan et al. (2023) bound, per-prompt ratios, summaries."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def expected_tokens_per_call(alpha: float, k: int) -> float:
+    """(1 - alpha^(k+1)) / (1 - alpha): tokens committed per target call at acceptance alpha."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def leviathan_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected speedup (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)), if a verify costs one step."""
+    if c < 0:
+        raise ValueError(f"cost ratio c must be >= 0, got {c}")
+    return expected_tokens_per_call(alpha, k) / (k * c + 1)
+
+
+def alpha_from_tokens_per_call(tokens: float, k: int) -> float:
+    """Invert `expected_tokens_per_call`: the per-token acceptance that explains a measured tau.
+
+    Counting accepted / drafted under-counts (tokens after a rejection are never judged), so the
+    bound is computed from the acceptance that reproduces the measured tokens per call.
+    """
+    if k < 1 or not 1.0 <= tokens <= k + 1:
+        raise ValueError(f"tokens per call must lie in [1, k + 1] = [1, {k + 1}], got {tokens}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens_per_call(mid, k) < tokens else (low, mid)
+    return (low + high) / 2
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    if not values or any(v <= 0 for v in values):
+        raise ValueError("geometric mean needs positive values")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median, geometric mean and spread (10th-90th percentile, min, max) of positive ratios."""
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def quantile(q: float) -> float:
+        position = q * (n - 1)
+        low = math.floor(position)
+        high = min(low + 1, n - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    return {
+        "n": n,
+        "median": statistics.median(ordered),
+        "geomean": geometric_mean(ordered),
+        "p10": quantile(0.1),
+        "p90": quantile(0.9),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }

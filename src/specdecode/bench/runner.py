@@ -1,0 +1,218 @@
+"""The measurement: warm-up, methods interleaved batch by batch, outputs checked as we go.
+
+Fairness rules (see the project's performance notes): every method runs in this one process on
+the same model objects; a warm-up run of each method comes first; within each batch of prompts
+the methods run back to back, in an order rotated from batch to batch, so slow drifts of a shared
+machine fall on all of them; speedups are per-batch ratios against `ar` (tokens/s), summarised by
+median and geometric mean with their spread. Under greedy decoding every method must reproduce
+`ar` token for token; a mismatch is reported and fails the run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from specdecode.bench.methods import BATCH1_ONLY, Method, Models, Result, Settings, run_method
+from specdecode.bench.metrics import alpha_from_tokens_per_call, leviathan_speedup, summarize
+from specdecode.stats import RowStats
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str
+    prompts: str
+    limit: int | None = 20
+    methods: tuple[str, ...] = ("ar", "hf", "hf-assisted", "sd", "sd-int8")
+    num_draft_tokens: tuple[int, ...] = (4,)
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False
+    prepack: bool = True
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if any(k < 1 for k in self.num_draft_tokens):
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if "ar" not in self.methods:
+            raise ValueError("the methods must include 'ar', the baseline of every ratio")
+        Method.expand(list(self.methods), list(self.num_draft_tokens))  # validates names
+
+
+@dataclass
+class MethodRecord:
+    label: str
+    batch_size: int
+    seconds: list[float] = field(default_factory=list)  # per batch of prompts
+    tokens: list[int] = field(default_factory=list)
+    stats: RowStats = field(default_factory=RowStats)
+    mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def step_seconds(model: torch.nn.Module, context: list[int], n: int, reps: int = 5) -> float:
+    """Median time of one forward over n new tokens after a cached context."""
+    from transformers import DynamicCache
+
+    times = []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        new = torch.tensor([context[-n:] if len(context) >= n else [context[-1]] * n])
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
+            times.append(time.perf_counter() - start)
+            cache.crop(-n)
+    return sorted(times[1:])[reps // 2]
+
+
+def calibrate(models: Models, methods: list[Method], context: list[int]) -> dict:
+    """Drafter/target step-cost ratio c, and the cost of a verify pass in target steps."""
+    step = step_seconds(models.target, context, 1)
+    ks = sorted({m.k for m in methods if m.k is not None})
+    costs = {"target_step_s": step, "verify_cost_in_steps": {}, "c": {}}
+    for k in ks:
+        costs["verify_cost_in_steps"][k] = step_seconds(models.target, context, k + 1) / step
+    for kind in sorted({m.kind for m in methods if m.k is not None or m.kind == "hf-assisted"}):
+        drafter = models.drafter_model(kind)
+        if drafter is not None:
+            costs["c"][kind] = step_seconds(drafter, context, 1) / step
+    return costs
+
+
+def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress=True):
+    methods = Method.expand(list(cfg.methods), list(cfg.num_draft_tokens))
+    settings = Settings(
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        cfg.seed,
+        models.decoder("ar").default_stop_ids(),
+    )
+    costs = calibrate(models, methods, prompt_ids[0])
+    warm = Settings(8, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, settings.stop_token_ids)
+    for method in methods:  # warm-up: first calls pay for allocation and lazy set-up
+        run_method(method, models, prompt_ids[:1], warm)
+    records: dict[tuple[str, int], MethodRecord] = {}
+    skipped: list[str] = []
+    total = sum(len(range(0, len(prompt_ids), b)) * len(methods) for b in cfg.batch_sizes)
+    bar = tqdm(total=total, desc="bench", disable=not progress)
+    for batch_size in cfg.batch_sizes:
+        runnable = [m for m in methods if batch_size == 1 or m.kind not in BATCH1_ONLY]
+        skipped += [
+            f"{m.label} at batch {batch_size} (batch size 1 only)"
+            for m in methods
+            if m not in runnable
+        ]
+        for i, start in enumerate(range(0, len(prompt_ids), batch_size)):
+            batch = prompt_ids[start : start + batch_size]
+            order = runnable[i % len(runnable) :] + runnable[: i % len(runnable)]
+            results: dict[Method, Result] = {}
+            for method in order:
+                bar.set_postfix_str(f"batch {batch_size} #{i} {method.label}")
+                results[method] = run_method(method, models, batch, settings)
+                bar.update()
+            reference = results[Method("ar")].new_tokens
+            for method, result in results.items():
+                rec = records.setdefault(
+                    (method.label, batch_size), MethodRecord(method.label, batch_size)
+                )
+                rec.seconds.append(result.seconds)
+                rec.tokens.append(sum(map(len, result.new_tokens)))
+                if result.stats is not None:
+                    rec.stats = rec.stats.merge(result.stats.total)
+                if cfg.temperature == 0:
+                    for j, (got, want) in enumerate(zip(result.new_tokens, reference, strict=True)):
+                        if got != want:
+                            rec.mismatches.append(start + j)
+                            tqdm.write(
+                                f"MISMATCH: {method.label} differs from ar on prompt {start + j}"
+                            )
+        bar.update(0)
+    bar.close()
+    return summarise_run(cfg, methods, records, costs, skipped)
+
+
+def summarise_run(cfg, methods, records, costs, skipped) -> dict:
+    by_label = {m.label: m for m in methods}
+    summary = []
+    for (label, batch_size), rec in records.items():
+        base = records[("ar", batch_size)]
+        ratios = [
+            (t / s) / (bt / bs)
+            for t, s, bt, bs in zip(rec.tokens, rec.seconds, base.tokens, base.seconds, strict=True)
+        ]
+        row = {
+            "method": label,
+            "batch_size": batch_size,
+            "tokens": sum(rec.tokens),
+            "seconds": sum(rec.seconds),
+            "tokens_per_s": sum(rec.tokens) / sum(rec.seconds),
+            "speedup": summarize(ratios),
+            "per_batch_speedup": ratios,
+            "per_batch_seconds": rec.seconds,
+            "mismatches": rec.mismatches,
+        }
+        method = by_label[label]
+        if rec.stats.target_calls and method.k is not None and rec.stats.drafted:
+            tau = rec.stats.tokens_per_target_call
+            alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
+            c = costs["c"].get(method.kind)
+            row.update(
+                tokens_per_target_call=tau,
+                acceptance_rate=rec.stats.acceptance_rate,
+                alpha=alpha,
+                c=c,
+                accepted_hist=rec.stats.accepted_hist,
+                verify_cost_in_steps=costs["verify_cost_in_steps"].get(method.k),
+            )
+            if c is not None:
+                bound = leviathan_speedup(alpha, method.k, c)
+                row.update(leviathan_bound=bound, efficiency=row["speedup"]["geomean"] / bound)
+        summary.append(row)
+    return {
+        "config": asdict(cfg),
+        "machine": machine_info(),
+        "costs": costs,
+        "skipped": skipped,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "methods": summary,
+        "ok": not any(r["mismatches"] for r in summary),
+    }

@@ -1,0 +1,176 @@
+"""Benchmark arithmetic on known numbers, and a smoke run of `specdecode bench` on tiny models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import tiny_llama, word_tokenizer
+from specdecode.bench.methods import Method
+from specdecode.bench.metrics import (
+    alpha_from_tokens_per_call,
+    expected_tokens_per_call,
+    geometric_mean,
+    leviathan_speedup,
+    summarize,
+)
+from specdecode.cli import main
+
+
+@pytest.mark.parametrize("alpha,k,c", [(0.7, 4, 0.0), (0.8, 3, 0.1), (0.9, 5, 0.35), (0.5, 1, 0.2)])
+def test_leviathan_bound_closed_form(alpha, k, c):
+    series = sum(alpha**i for i in range(k + 1))  # 1 + a + ... + a^k
+    assert expected_tokens_per_call(alpha, k) == pytest.approx(series)
+    assert leviathan_speedup(alpha, k, c) == pytest.approx(series / (k * c + 1))
+
+
+def test_leviathan_table_values():
+    """The table in the performance notes: alpha 0.8, c 0.1 gives 2.47 at the best k."""
+    best = max(leviathan_speedup(0.8, k, 0.1) for k in range(1, 20))
+    assert best == pytest.approx(2.47, abs=0.01)
+    assert max(leviathan_speedup(0.9, k, 0.0) for k in range(1, 200)) == pytest.approx(10, abs=0.01)
+    assert expected_tokens_per_call(1.0, 4) == 5
+
+
+def test_alpha_inversion_round_trip():
+    for alpha in (0.0, 0.3, 0.75, 0.95):
+        tau = expected_tokens_per_call(alpha, 4)
+        assert alpha_from_tokens_per_call(tau, 4) == pytest.approx(alpha, abs=1e-9)
+    with pytest.raises(ValueError, match="tokens per call"):
+        alpha_from_tokens_per_call(6.0, 4)
+
+
+def test_ratio_summaries():
+    values = [1.0, 2.0, 4.0]
+    assert geometric_mean(values) == pytest.approx(2.0)
+    s = summarize([4.0, 1.0, 2.0, 3.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
+    assert s["p10"] == pytest.approx(1.3) and s["p90"] == pytest.approx(3.7)
+    assert s["geomean"] == pytest.approx(math.prod([4.0, 1.0, 2.0, 3.0]) ** 0.25)
+    with pytest.raises(ValueError):
+        geometric_mean([1.0, 0.0])
+
+
+def test_method_expansion_and_errors():
+    methods = Method.expand(["ar", "sd", "hf-assisted+dense"], [2, 3])
+    assert [m.label for m in methods] == ["ar", "sd[k=2]", "sd[k=3]", "hf-assisted+dense"]
+    with pytest.raises(ValueError, match="unknown method"):
+        Method.expand(["nope"], [1])
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    paths = []
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        model = tiny_llama(seed, layers=layers)
+        model.generation_config.eos_token_id = 0
+        model.save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
+        paths.append(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"t{i} t{i + 1} t{i + 2}"}) + "\n" for i in range(5, 9))
+    )
+    return paths[0], paths[1], prompts
+
+
+def test_bench_smoke_run(tiny_pair, tmp_path, capsys):
+    target, draft, prompts = tiny_pair
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "10",
+            "--methods",
+            "ar",
+            "hf",
+            "hf-assisted",
+            "sd",
+            "sd-int8",
+            "--num-draft-tokens",
+            "2",
+            "3",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    record = json.loads((out / "record.json").read_text())
+    assert record["ok"]
+    labels = {(r["method"], r["batch_size"]) for r in record["methods"]}
+    assert ("sd[k=3]", 2) in labels and ("hf-assisted", 1) in labels
+    assert ("hf-assisted", 2) not in labels and any(
+        "batch size 1 only" in s for s in record["skipped"]
+    )
+    for row in record["methods"]:
+        assert not row["mismatches"]
+        if row["method"] == "ar":
+            assert row["speedup"]["geomean"] == pytest.approx(1.0)
+        if row.get("leviathan_bound"):
+            assert row["efficiency"] == pytest.approx(
+                row["speedup"]["geomean"] / row["leviathan_bound"]
+            )
+    assert {"speedup_vs_k.png", "tokens_per_s.png", "table.md"} <= {p.name for p in out.iterdir()}
+    assert "| sd[k=2] |" in (out / "table.md").read_text()
+    assert "record written" in capsys.readouterr().out
+
+
+def test_cli_generate_on_local_model_dirs(tiny_pair, capsys):
+    target, draft, _ = tiny_pair
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompt",
+            "t5 t6 t7",
+            "--prompt",
+            "t9",
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+            "--json",
+        ]
+    )
+    assert code == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["prompt"] for r in records] == ["t5 t6 t7", "t9"]
+    assert all(1 <= len(r["tokens"]) <= 6 for r in records)
+
+
+def test_cli_bad_input_message(tiny_pair, capsys):
+    target, draft, _ = tiny_pair
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompt",
+            "t5",
+            "--top-p",
+            "2",
+        ]
+    )
+    assert code == 2
+    assert "top_p must be in (0, 1], got 2.0" in capsys.readouterr().err
