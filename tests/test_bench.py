@@ -6,8 +6,8 @@ import json
 import math
 
 import pytest
-
 from conftest import tiny_llama, word_tokenizer
+
 from specdecode.bench.methods import Method
 from specdecode.bench.metrics import (
     alpha_from_tokens_per_call,
