@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -18,9 +20,23 @@ from transformers import (
 VOCAB = 96
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB, init: float = 0.02, **kw):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+def make_fake_dist(root: Path, name: str, version: str, files: dict[str, bytes]) -> Path:
+    """A minimal installed distribution: ``<name>-<version>.dist-info`` plus its data files."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    record = [f"{rel},," for rel in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return info
+
+
+def llama_like(vocab: int, layers: int) -> dict:
+    """Sizes shared by the Llama-style tiny configs (Llama, Qwen2)."""
+    return dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
@@ -28,9 +44,12 @@ def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB, init: float =
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        initializer_range=init,
-        **kw,
     )
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = VOCAB, init: float = 0.02, **kw):
+    torch.manual_seed(seed)
+    config = LlamaConfig(**llama_like(vocab, layers), initializer_range=init, **kw)
     return LlamaForCausalLM(config).eval()
 
 
@@ -49,15 +68,7 @@ def tiny_gpt2(seed: int = 0, layers: int = 2, vocab: int = VOCAB, init: float = 
 
 def tiny_qwen2(seed: int = 0, layers: int = 2, vocab: int = VOCAB):
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = Qwen2Config(**llama_like(vocab, layers))
     return Qwen2ForCausalLM(config).eval()
 
 

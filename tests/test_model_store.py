@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_fake_dist
 
 from specdecode import model_store, packages
 from specdecode.model_store import (
@@ -50,20 +51,6 @@ from specdecode.packages import (
 )
 
 # --------------------------------------------------------------------------- helpers
-
-
-def make_fake_dist(root: Path, name: str, version: str, files: dict[str, bytes]) -> Path:
-    """A minimal installed distribution: ``<name>-<version>.dist-info`` plus its data files."""
-    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    record = [f"{rel},," for rel in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
-    (info / "RECORD").write_text("\n".join(record) + "\n")
-    for rel, data in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    return info
 
 
 def sha256(data: bytes) -> str:

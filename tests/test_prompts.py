@@ -10,24 +10,13 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-from pathlib import Path
 
 import pytest
+from conftest import make_fake_dist
 
 from specdecode import packages
 from specdecode.packages import PackageInstallError, package_dir
 from specdecode.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl
-
-
-def make_fake_dist(root: Path, name: str, version: str, files: dict[str, bytes]) -> None:
-    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    record = [f"{rel},," for rel in files] + [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
-    (info / "RECORD").write_text("\n".join(record) + "\n")
-    for rel, data in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
 
 
 def jsonl(rows: list[dict]) -> bytes:
