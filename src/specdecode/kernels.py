@@ -70,6 +70,19 @@ def prepack_linears(model: torch.nn.Module, min_rows: int = 4) -> torch.nn.Modul
     return model
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters, buffers and prepacked weight copies."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    for module in model.modules():
+        if isinstance(module, PrepackedLinear):
+            total += module.packed.numel() * module.weight.element_size()
+        elif isinstance(module, torch.ao.nn.quantized.dynamic.Linear):  # int8 weights
+            bias = module.bias()
+            total += module.weight().numel() + (0 if bias is None else bias.numel() * 4)
+    return total
+
+
 def use_prepacked(model: torch.nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, PrepackedLinear):

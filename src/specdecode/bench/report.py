@@ -23,8 +23,8 @@ def markdown_table(record: dict) -> str:
         + ".",
         "",
         "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] | tokens/call "
-        "| alpha | c | bound | efficiency | output == ar |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| alpha | c | bound | efficiency | weights GiB | output == ar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     greedy = cfg["temperature"] == 0
     for row in sorted(record["methods"], key=lambda r: (r["batch_size"], -r["tokens_per_s"])):
@@ -43,7 +43,7 @@ def markdown_table(record: dict) -> str:
             f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']:.2f} | "
             f"{s['geomean']:.2f} | {s['median']:.2f} [{s['p10']:.2f}, {s['p90']:.2f}] | "
             f"{fmt('tokens_per_target_call')} | {fmt('alpha')} | {fmt('c', 3)} | "
-            f"{fmt('leviathan_bound')} | {fmt('efficiency')} | {same} |"
+            f"{fmt('leviathan_bound')} | {fmt('efficiency')} | {fmt('model_gib', 1)} | {same} |"
         )
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from specdecode.bench.methods import BATCH1_ONLY, Method, Models, Result, Settings, run_method
 from specdecode.bench.metrics import alpha_from_tokens_per_call, leviathan_speedup, summarize
+from specdecode.kernels import model_bytes
 from specdecode.stats import RowStats
 
 
@@ -167,10 +168,15 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                             )
         bar.update(0)
     bar.close()
-    return summarise_run(cfg, methods, records, costs, skipped)
+    memory = {}
+    for kind in {m.kind for m in methods}:
+        drafter = models.drafter_model(kind)
+        size = model_bytes(models.target) + (model_bytes(drafter) if drafter is not None else 0)
+        memory[kind] = size / 2**30
+    return summarise_run(cfg, methods, records, costs, skipped, memory)
 
 
-def summarise_run(cfg, methods, records, costs, skipped) -> dict:
+def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
     by_label = {m.label: m for m in methods}
     summary = []
     for (label, batch_size), rec in records.items():
@@ -206,6 +212,7 @@ def summarise_run(cfg, methods, records, costs, skipped) -> dict:
             if c is not None:
                 bound = leviathan_speedup(alpha, method.k, c)
                 row.update(leviathan_bound=bound, efficiency=row["speedup"]["geomean"] / bound)
+        row["model_gib"] = memory.get(method.kind)
         summary.append(row)
     return {
         "config": asdict(cfg),
