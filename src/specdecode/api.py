@@ -27,6 +27,7 @@ from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ConstantLength, ModelDrafter
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
+from specdecode.prompts import render_chat
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import make_rule
 
@@ -90,14 +91,7 @@ class SpeculativeDecoder:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
             if chat:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError("chat=True but the tokenizer has no chat template")
-                prompts = [
-                    self.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                    )
-                    for p in prompts
-                ]
+                prompts = [render_chat(self.tokenizer, p) for p in prompts]
                 return [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
             return [self.tokenizer(p).input_ids if p else [] for p in prompts]
         if any(isinstance(p, str) for p in prompts):

@@ -18,7 +18,7 @@ import torch
 
 from specdecode.config import SamplingConfig
 from specdecode.kv_cache import CachedModel
-from specdecode.sampling import RowRandom, logits_to_probs, sample_from
+from specdecode.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,6 @@ class ConstantLength:
 
     def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor:
         return max_tokens.clamp(max=self.num_draft_tokens)
-
-
-def bad_logits(logits: torch.Tensor) -> torch.Tensor:
-    """A device-side flag, so the hot loop checks logits without a host sync per pass."""
-    return torch.isnan(logits).any() | torch.isposinf(logits).any()
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

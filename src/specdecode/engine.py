@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import DecodeConfig
-from specdecode.drafters import Draft, Drafter, bad_logits
+from specdecode.drafters import Draft, Drafter
 from specdecode.kv_cache import CachedModel
-from specdecode.sampling import InvalidLogitsError, RowRandom
+from specdecode.sampling import InvalidLogitsError, RowRandom, bad_logits
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import VerificationRule
 
@@ -98,7 +98,7 @@ def speculative_step(
         torch.cat([pending_valid, draft_valid], 1),
         logits_to_keep=k + 1,
     )  # logits: [batch, k + 1, vocab]
-    invalid = bad_logits(logits) | torch.isneginf(logits).all(-1).any()
+    invalid = bad_logits(logits)
     if draft.invalid_logits is not None:
         invalid = invalid | draft.invalid_logits
     verdict = rule.verify(draft.tokens, draft.probs, logits, draft.lengths, rng)

@@ -23,8 +23,9 @@ def markdown_table(record: dict) -> str:
         + ".",
         "",
         "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] | tokens/call "
-        "| alpha | c | bound | efficiency | weights GiB | output == ar |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| alpha | c (calibrated / in run) | bound | efficiency (calibrated / in run) "
+        "| verify cost in steps (in run) | weights GiB | output == ar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     greedy = cfg["temperature"] == 0
     for row in sorted(record["methods"], key=lambda r: (r["batch_size"], -r["tokens_per_s"])):
@@ -42,8 +43,10 @@ def markdown_table(record: dict) -> str:
         lines.append(
             f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']:.2f} | "
             f"{s['geomean']:.2f} | {s['median']:.2f} [{s['p10']:.2f}, {s['p90']:.2f}] | "
-            f"{fmt('tokens_per_target_call')} | {fmt('alpha')} | {fmt('c', 3)} | "
-            f"{fmt('leviathan_bound')} | {fmt('efficiency')} | {fmt('model_gib', 1)} | {same} |"
+            f"{fmt('tokens_per_target_call')} | {fmt('alpha')} | "
+            f"{fmt('c', 3)} / {fmt('c_in_run', 3)} | {fmt('leviathan_bound')} | "
+            f"{fmt('efficiency')} / {fmt('efficiency_in_run')} | "
+            f"{fmt('verify_cost_in_steps_in_run')} | {fmt('model_gib', 1)} | {same} |"
         )
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]

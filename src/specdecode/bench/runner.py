@@ -60,6 +60,10 @@ class MethodRecord:
     seconds: list[float] = field(default_factory=list)  # per batch of prompts
     tokens: list[int] = field(default_factory=list)
     stats: RowStats = field(default_factory=RowStats)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    drafter_forwards: int = 0
+    target_forwards: int = 0
     mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
 
 
@@ -86,7 +90,7 @@ def machine_info() -> dict:
     }
 
 
-def step_seconds(model: torch.nn.Module, context: list[int], n: int, reps: int = 5) -> float:
+def step_seconds(model: torch.nn.Module, context: list[int], n: int, reps: int = 7) -> float:
     """Median time of one forward over n new tokens after a cached context."""
     from transformers import DynamicCache
 
@@ -159,6 +163,10 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                 rec.tokens.append(sum(map(len, result.new_tokens)))
                 if result.stats is not None:
                     rec.stats = rec.stats.merge(result.stats.total)
+                    rec.draft_seconds += result.stats.draft_seconds
+                    rec.verify_seconds += result.stats.verify_seconds
+                    rec.drafter_forwards += result.stats.drafter_forwards
+                    rec.target_forwards += result.stats.target_forwards
                 if cfg.temperature == 0:
                     for j, (got, want) in enumerate(zip(result.new_tokens, reference, strict=True)):
                         if got != want:
@@ -197,6 +205,12 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
             "mismatches": rec.mismatches,
         }
         method = by_label[label]
+        # costs as they happened in this run, relative to ar's own time per target call
+        ar_step = base.verify_seconds / base.target_forwards if base.target_forwards else None
+        if ar_step and rec.drafter_forwards:
+            row["c_in_run"] = rec.draft_seconds / rec.drafter_forwards / ar_step
+        if ar_step and rec.target_forwards:
+            row["verify_cost_in_steps_in_run"] = rec.verify_seconds / rec.target_forwards / ar_step
         if rec.stats.target_calls and method.k is not None and rec.stats.drafted:
             tau = rec.stats.tokens_per_target_call
             alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
@@ -212,6 +226,12 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
             if c is not None:
                 bound = leviathan_speedup(alpha, method.k, c)
                 row.update(leviathan_bound=bound, efficiency=row["speedup"]["geomean"] / bound)
+            if row.get("c_in_run") is not None:
+                bound = leviathan_speedup(alpha, method.k, row["c_in_run"])
+                row.update(
+                    leviathan_bound_in_run=bound,
+                    efficiency_in_run=row["speedup"]["geomean"] / bound,
+                )
         row["model_gib"] = memory.get(method.kind)
         summary.append(row)
     return {
