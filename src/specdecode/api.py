@@ -11,7 +11,7 @@ autoregressive decoding on the same engine, the baseline of every speedup.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +60,8 @@ class SpeculativeDecoder:
             self._draft_lm = CachedModel(drafter.eval(), "drafter")
             if tokenizer is not None and drafter_tokenizer is not None:
                 check_same_vocabulary(tokenizer, drafter_tokenizer)
-        self.target = target.eval()
-        self.drafter = drafter.eval() if drafter is not None else None
+        self.target = self._target_lm.model
+        self.drafter = self._draft_lm.model if self._draft_lm is not None else None
         self.tokenizer = tokenizer
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.context = context_length(target)
@@ -150,13 +150,23 @@ class SpeculativeDecoder:
         verification = make_rule(rule, cfg.sampling)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
 
-    def generate(self, prompts: Prompts, *, chat: bool = False, **kwargs) -> GenerationOutput:
+    def generate(
+        self,
+        prompts: Prompts,
+        *,
+        chat: bool = False,
+        on_step: Callable[[StepEvent, list[list[int]]], None] | None = None,
+        **kwargs,
+    ) -> GenerationOutput:
+        """Decode to the end; `on_step(event, new_tokens_so_far)` sees every step (streaming)."""
         ids = self.encode(prompts, chat)
         stats = DecodeStats([RowStats() for _ in ids])
         new_tokens: list[list[int]] = [[] for _ in ids]
         for event in self.stream(ids, stats=stats, **kwargs):
             for row, tokens in zip(event.rows, event.new_tokens, strict=True):
                 new_tokens[row].extend(tokens)
+            if on_step is not None:
+                on_step(event, new_tokens)
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]

@@ -80,27 +80,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def stream_to_terminal(decoder, prompts: list[str], chat: bool, settings: dict, quiet: bool):
     """Stream one row's text as it is committed; with several rows, print each when it ends."""
-    from specdecode.api import GenerationOutput
-    from specdecode.stats import DecodeStats, RowStats
+    shown = [""] * len(prompts)
 
-    ids = decoder.encode(prompts, chat)
-    stats = DecodeStats([RowStats() for _ in ids])
-    tokens: list[list[int]] = [[] for _ in ids]
-    shown = [""] * len(ids)
-    for event in decoder.stream(ids, stats=stats, **settings):
-        for row, new, done in zip(event.rows, event.new_tokens, event.finished, strict=True):
-            tokens[row].extend(new)
-            if quiet:
+    def show(event, tokens: list[list[int]]) -> None:
+        for row, done in zip(event.rows, event.finished, strict=True):
+            if quiet or (len(prompts) > 1 and not done):
                 continue
-            if len(ids) == 1:
-                text = decoder.tokenizer.decode(tokens[row], skip_special_tokens=True)
+            text = decoder.tokenizer.decode(tokens[row], skip_special_tokens=True)
+            if len(prompts) == 1:
                 print(text[len(shown[row]) :], end="", flush=True)
                 shown[row] = text
-            elif done:
-                text = decoder.tokenizer.decode(tokens[row], skip_special_tokens=True)
+            else:
                 print(f"--- [{row}] {prompts[row]!r}\n{text}\n", flush=True)
-    texts = [decoder.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-    return GenerationOutput([p + t for p, t in zip(ids, tokens, strict=True)], tokens, texts, stats)
+
+    return decoder.generate(prompts, chat=chat, on_step=show, **settings)
 
 
 def add_generate(subparsers) -> None:

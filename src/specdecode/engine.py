@@ -147,9 +147,11 @@ def decode(
             block, counts, done, accepted, drafted = speculative_step(
                 target, drafter, rule, batch, cfg, rng, stats
             )
-            block_l, counts_l, done_l = block.tolist(), counts.tolist(), done.tolist()
+            block_l = block.tolist()
+            counts_l, accepted_l, drafted_l = torch.stack([counts, accepted, drafted]).tolist()
+            done_l = done.tolist()
             for i, row in enumerate(batch.rows):
-                stats.rows[row].record(int(drafted[i]), int(accepted[i]), counts_l[i])
+                stats.rows[row].record(drafted_l[i], accepted_l[i], counts_l[i])
             yield StepEvent(
                 list(batch.rows), [b[:c] for b, c in zip(block_l, counts_l, strict=True)], done_l
             )

@@ -55,8 +55,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prepack_linears(target)
     models = Models(target, tokenizer, drafter)
     prompts = load_prompts(cfg.prompts, limit=cfg.limit)
-    texts = [p.render(tokenizer, cfg.chat) for p in prompts]
-    ids = [tokenizer(t, add_special_tokens=not cfg.chat).input_ids for t in texts]
+    ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
     record["prompt_ids"] = [p.id for p in prompts]

@@ -174,7 +174,6 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                             tqdm.write(
                                 f"MISMATCH: {method.label} differs from ar on prompt {start + j}"
                             )
-        bar.update(0)
     bar.close()
     memory = {}
     for kind in {m.kind for m in methods}:
