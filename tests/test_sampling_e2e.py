@@ -15,9 +15,10 @@ import torch
 from conftest import tiny_llama
 
 from specdecode.config import DecodeConfig, SamplingConfig
-from specdecode.drafters import ConstantLength, ModelDrafter
+from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
 from specdecode.kv_cache import CachedModel
+from specdecode.length_policies import ConstantLength
 from specdecode.sampling import logits_to_probs
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import LosslessSamplingRule

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,9 +25,10 @@ from specdecode.checks import (
     context_length,
 )
 from specdecode.config import DecodeConfig, SamplingConfig
-from specdecode.drafters import ConstantLength, ModelDrafter
+from specdecode.drafters import ModelDrafter
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
+from specdecode.length_policies import make_policy
 from specdecode.prompts import render_chat
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import make_rule
@@ -51,6 +53,7 @@ class SpeculativeDecoder:
         tokenizer=None,
         drafter: torch.nn.Module | None = None,
         drafter_tokenizer=None,
+        acceptance_head: torch.nn.Module | None = None,
     ) -> None:
         check_vocab_covers_tokenizer(target, tokenizer, "target")
         self._target_lm = CachedModel(target.eval(), "target")
@@ -63,6 +66,7 @@ class SpeculativeDecoder:
         self.target = self._target_lm.model
         self.drafter = self._draft_lm.model if self._draft_lm is not None else None
         self.tokenizer = tokenizer
+        self.acceptance_head = acceptance_head
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.context = context_length(target)
 
@@ -82,6 +86,15 @@ class SpeculativeDecoder:
             return cls(target_model, tokenizer)
         draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
         return cls(target_model, tokenizer, draft_model, draft_tokenizer)
+
+    def load_head(self, path: str | Path) -> torch.nn.Module:
+        """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
+        from specdecode.acceptance_head import load_head
+
+        if self.drafter is None:
+            raise ValueError("an acceptance head needs a drafter; this decoder has none")
+        self.acceptance_head = load_head(path, drafter=self.drafter, target=self.target)
+        return self.acceptance_head
 
     def encode(self, prompts: Prompts, chat: bool = False) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -116,6 +129,9 @@ class SpeculativeDecoder:
         seed: int | None = None,
         row_seeds: Sequence[int] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        length_policy: str = "constant",
+        stop_threshold: float | None = None,
+        bound: tuple[int, int] | None = None,
     ) -> DecodeConfig:
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
@@ -126,6 +142,9 @@ class SpeculativeDecoder:
             ),
             seed=seed,
             row_seeds=tuple(row_seeds) if row_seeds is not None else None,
+            length_policy=length_policy,
+            stop_threshold=stop_threshold,
+            bound=tuple(bound) if bound is not None else None,
         )
 
     def stream(
@@ -143,12 +162,24 @@ class SpeculativeDecoder:
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         drafter = None
-        if use_drafter and self._draft_lm is not None:
-            drafter = ModelDrafter(
-                self._draft_lm, cfg.sampling, self.vocab_size, ConstantLength(cfg.num_draft_tokens)
-            )
         verification = make_rule(rule, cfg.sampling)
+        if use_drafter and self._draft_lm is not None:
+            policy = make_policy(cfg, self._checked_head(cfg, verification.name))
+            drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
+
+    def _checked_head(self, cfg: DecodeConfig, rule: str) -> torch.nn.Module | None:
+        """The head, if the policy needs one and it learnt the acceptance of this rule."""
+        head = self.acceptance_head
+        if cfg.length_policy != "head" or head is None:
+            return head
+        learnt = getattr(getattr(head, "config", None), "rule", None)
+        if learnt is not None and learnt != rule:
+            raise ValueError(
+                f"the acceptance head learnt {learnt} acceptance, but this call verifies with "
+                f"the {rule} rule; train a head with `specdecode head train --rule {rule}`"
+            )
+        return head
 
     def generate(
         self,

@@ -49,7 +49,9 @@ class DecodeConfig:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     row_seeds: tuple[int, ...] | None = None
-    length_policy: str = "constant"
+    length_policy: str = "constant"  # see `length_policies.POLICIES`
+    stop_threshold: float | None = None  # confidence: least top probability; head: SpecDec++ h
+    bound: tuple[int, int] | None = None  # (MIN, MAX) tokens per round of adaptive policies
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -60,3 +62,39 @@ class DecodeConfig:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.row_seeds is not None and any(not isinstance(s, int) for s in self.row_seeds):
             raise ValueError(f"row_seeds must be integers, got {self.row_seeds}")
+        if self.length_policy not in POLICY_DEFAULT_THRESHOLDS:
+            known = ", ".join(POLICY_DEFAULT_THRESHOLDS)
+            raise ValueError(f"unknown length policy {self.length_policy!r}; known: {known}")
+        if self.stop_threshold is not None:
+            if self.length_policy not in ("confidence", "head"):
+                raise ValueError(
+                    f"stop_threshold is used by the confidence and head policies, not "
+                    f"{self.length_policy!r}"
+                )
+            if not (math.isfinite(self.stop_threshold) and 0.0 < self.stop_threshold < 1.0):
+                raise ValueError(f"stop_threshold must be in (0, 1), got {self.stop_threshold}")
+        if self.bound is not None:
+            low, high = self.bound
+            if not (1 <= low <= high):
+                raise ValueError(f"bound must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
+
+    @property
+    def policy_threshold(self) -> float:
+        default = POLICY_DEFAULT_THRESHOLDS[self.length_policy]
+        return default if self.stop_threshold is None else self.stop_threshold
+
+    @property
+    def draft_bound(self) -> tuple[int, int]:
+        return self.bound if self.bound is not None else DEFAULT_BOUND
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The longest round: sizes the verify window and the token buffer."""
+        if self.length_policy == "constant":
+            return self.num_draft_tokens
+        return self.draft_bound[1]
+
+
+# `transformers`' assistant_confidence_threshold default, and the SpecDec++ scripts' threshold
+POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.3}
+DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound

@@ -2,15 +2,18 @@
 
 One protocol (`Drafter`): `start` a batch, `propose` up to `max_tokens[b]` tokens per row with
 the exact distributions they were drawn from (or `None` for a deterministic drafter), hear the
-committed lengths through `rollback`, and drop finished rows with `select_rows`.
+committed lengths and the accepted counts through `rollback`, and drop finished rows with
+`select_rows`.
 
 `ModelDrafter` is a small causal LM that drafts autoregressively, k sequential forward passes,
 with its own ragged cache. How many tokens each row drafts in a round is the job of a length
-policy (`LengthPolicy`); the constant policy drafts `num_draft_tokens` every round.
+policy (`length_policies`): the constant policy fixes it up front; adaptive policies decide after
+every drafted position, per row, and the round ends when every row has stopped.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +21,7 @@ import torch
 
 from specdecode.config import SamplingConfig
 from specdecode.kv_cache import CachedModel
+from specdecode.length_policies import DraftedPosition, LengthPolicy
 from specdecode.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
 
 
@@ -28,6 +32,7 @@ class Draft:
     lengths: torch.Tensor  # [batch] tokens proposed per row, <= k
     forwards: int = 0  # batched forward passes spent on this draft
     invalid_logits: torch.Tensor | None = None  # [] bool, set when a drafter logit was NaN/+inf
+    policy_seconds: float = 0.0  # time the length policy spent deciding (e.g. the head)
 
     @classmethod
     def empty(cls, batch: int, device: torch.device) -> Draft:
@@ -46,25 +51,11 @@ class Drafter(Protocol):
         rng: RowRandom | None,
     ) -> Draft: ...
 
-    def rollback(self, lengths: torch.Tensor) -> None: ...
+    def rollback(self, lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Keep `lengths[b]` committed tokens per row; `num_accepted[b]` of the draft survived."""
+        ...
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
-
-
-class LengthPolicy(Protocol):
-    """How many tokens each row drafts this round."""
-
-    def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class ConstantLength:
-    """Draft k tokens every round (fewer only where the row's token budget is nearly spent)."""
-
-    num_draft_tokens: int
-
-    def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor:
-        return max_tokens.clamp(max=self.num_draft_tokens)
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -96,41 +87,65 @@ class ModelDrafter:
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.policy = policy
+        self.last_lengths = torch.zeros(0, dtype=torch.long)  # [batch] drafted last round
 
     def start(self, batch_size: int) -> None:
         self.lm.reset(batch_size)
+        self.policy.start(batch_size, self.lm.device)
 
     @torch.no_grad()
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
-        limits = self.policy.round_limits(max_tokens)  # [batch]
+        policy = self.policy
+        limits = policy.round_limits(max_tokens)  # [batch] most tokens per row this round
         limit_list = limits.tolist()
         width = max(limit_list, default=0)
         if width == 0:
+            self.last_lengths = limits
             return Draft.empty(len(limit_list), sequences.device)
         tokens, valid = self.lm.pending(sequences, seq_lens)  # [batch, n_pending]
-        drafted, laws = [], []
+        active = [lim > 0 for lim in limit_list]  # rows drafting position i (host copy)
+        lengths = torch.zeros_like(limits)  # [batch]
+        drafted, laws, policy_seconds = [], [], 0.0
         invalid = torch.zeros((), dtype=torch.bool, device=sequences.device)
         for i in range(width):
-            logits, _ = self.lm.forward(tokens, valid, logits_to_keep=1)
+            logits, hidden = self.lm.forward(tokens, valid, 1, want_hidden=policy.needs_hidden)
             logits = align_vocab(logits[:, -1], self.vocab_size)  # [batch, vocab]
             invalid = invalid | bad_logits(logits)
+            probs = None
             if self.sampling.greedy:
                 token = logits.argmax(-1)  # [batch]
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [batch, vocab]
                 # only rows still drafting draw a number: a row's stream depends on it alone
-                draws = rng.uniform([int(i < lim) for lim in limit_list], probs.device)
+                draws = rng.uniform([int(a) for a in active], probs.device)
                 token = sample_from(probs, draws[:, 0])
                 laws.append(probs)
             drafted.append(token)
+            now = torch.tensor(active, device=limits.device)  # [batch]
+            lengths = lengths + now
+            go_on = now & (limits > i + 1)  # [batch] rows that will draft position i + 1
+            if policy.stops_early:
+                t0 = time.perf_counter()
+                last = hidden[:, -1] if hidden is not None else None  # [batch, hidden]
+                go_on = go_on & policy.keep_drafting(DraftedPosition(i, logits, probs, last))
+                policy_seconds += time.perf_counter() - t0
+                active = go_on.tolist()  # the per-position host sync adaptive lengths need
+                if not any(active):
+                    break
+            else:
+                active = [i + 1 < lim for lim in limit_list]
             # feed d_i only to rows that will draft position i + 1
             tokens = token[:, None]
-            valid = (limits > i + 1)[:, None]
-        probs = torch.stack(laws, 1) if laws else None  # [batch, width, vocab]
-        return Draft(torch.stack(drafted, 1), probs, limits, width, invalid)
+            valid = go_on[:, None]
+        probs = torch.stack(laws, 1) if laws else None  # [batch, drafted, vocab]
+        self.last_lengths = lengths
+        return Draft(torch.stack(drafted, 1), probs, lengths, len(drafted), invalid, policy_seconds)
 
-    def rollback(self, lengths: torch.Tensor) -> None:
+    def rollback(self, lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
         self.lm.truncate(lengths)
+        self.policy.observe(self.last_lengths, num_accepted)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.lm.select_rows(rows)
+        self.policy.select_rows(rows)
+        self.last_lengths = self.last_lengths.index_select(0, rows.to(self.last_lengths.device))

@@ -36,7 +36,7 @@ class Batch:
     """Committed tokens of the rows still running, in one padded buffer."""
 
     def __init__(self, prompts: list[list[int]], cfg: DecodeConfig, device: torch.device) -> None:
-        capacity = max(map(len, prompts)) + cfg.max_new_tokens + cfg.num_draft_tokens + 2
+        capacity = max(map(len, prompts)) + cfg.max_new_tokens + cfg.max_draft_tokens + 2
         self.sequences = torch.zeros(len(prompts), capacity, dtype=torch.long, device=device)
         for row, prompt in enumerate(prompts):
             self.sequences[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
@@ -83,7 +83,7 @@ def speculative_step(
 ):
     """One round for every running row: draft, verify in one target pass, roll back, commit."""
     t0 = time.perf_counter()
-    max_draft = (batch.budget - 1).clamp(max=cfg.num_draft_tokens)  # [batch]; +1 comes free
+    max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens)  # [batch]; +1 comes free
     draft = (
         drafter.propose(batch.sequences, batch.seq_lens, max_draft, rng)
         if drafter is not None
@@ -105,10 +105,11 @@ def speculative_step(
     committed = batch.seq_lens + verdict.num_accepted  # [batch] cache keeps these tokens
     target.truncate(committed)
     if drafter is not None:
-        drafter.rollback(committed)
+        drafter.rollback(committed, verdict.num_accepted)
     block, counts, done = batch.commit(draft, verdict.num_accepted, verdict.next_tokens)
     stats.verify_seconds += time.perf_counter() - t1
     stats.draft_seconds += t1 - t0
+    stats.policy_seconds += draft.policy_seconds
     stats.target_forwards += 1
     stats.drafter_forwards += draft.forwards
     if bool(invalid):  # the step's one host sync also checks every logit of the step

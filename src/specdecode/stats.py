@@ -84,6 +84,7 @@ class DecodeStats:
     drafter_forwards: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    policy_seconds: float = 0.0  # inside drafting: the length policy's decisions (e.g. the head)
     wall_seconds: float = 0.0
 
     @property
@@ -101,6 +102,7 @@ class DecodeStats:
             "drafter_forwards": self.drafter_forwards,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "policy_seconds": self.policy_seconds,
             "wall_seconds": self.wall_seconds,
         }
 
@@ -115,5 +117,6 @@ class DecodeStats:
             f"drafted {t.drafted}, accepted {t.accepted}, recovered {t.recovered}, "
             f"bonus {t.bonus}; tokens/target call {t.tokens_per_target_call:.2f}, "
             f"acceptance {t.acceptance_rate:.3f}; drafting {self.draft_seconds:.2f}s, "
-            f"verifying {self.verify_seconds:.2f}s; accepted-length histogram {hist}"
+            f"verifying {self.verify_seconds:.2f}s, length policy {self.policy_seconds:.3f}s; "
+            f"accepted-length histogram {hist}"
         )

@@ -1,0 +1,174 @@
+"""The acceptance head of SpecDec++ (Huang et al., 2024): P(target accepts this drafted token).
+
+A small residual MLP on the drafter's last hidden state (after its final norm) at the position
+that produced the drafted token. Each layer has its own weights (`nn.ModuleList` of distinct
+blocks); the seed's code repeats one block object, which ties every layer to the same weights.
+
+A head is only meaningful for the drafter whose states it reads and the target whose verdicts it
+learnt, so the saved config names both (a readable name and a weight fingerprint) and `load_head`
+refuses a head trained for another pair. It also records the verification rule of its labels:
+greedy labels (argmax agreement) and sampling labels (expected acceptance) are different targets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_FILE = "head_config.json"
+WEIGHTS_FILE = "head.safetensors"
+RULES = ("greedy", "sampling")
+
+
+class HeadMismatchError(ValueError):
+    """The head was trained for another drafter, target or verification rule."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Who a head belongs to: a readable name and a fingerprint of the weights' first rows."""
+
+    name: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelIdentity:
+        return cls(model_name(model), model_fingerprint(model))
+
+    def __str__(self) -> str:
+        return f"{self.name!r} (fingerprint {self.fingerprint})"
+
+
+def model_name(model: nn.Module) -> str:
+    path = getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "")
+    return Path(path).name if path else type(model).__name__
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Architecture sizes plus the input embedding's first rows (fp32 bytes).
+
+    Embeddings are left alone by int8 dynamic quantization of the Linear layers, so the fp32
+    drafter and its int8 copy share a fingerprint, as they share hidden states up to rounding.
+    """
+    config = model.config
+    embedding = model.get_input_embeddings().weight.detach()
+    digest = hashlib.sha256()
+    sizes = (config.model_type, embedding.shape[0], embedding.shape[1], config.num_hidden_layers)
+    digest.update(repr(sizes).encode())
+    digest.update(embedding[:8].to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    num_layers: int = 3
+    dropout: float = 0.1
+    rule: str = "greedy"  # the verification rule whose acceptance the labels record
+    temperature: float = 0.0  # the sampling temperature of the labels (rule "sampling")
+    drafter: ModelIdentity | None = None
+    target: ModelIdentity | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> HeadConfig:
+        raw = json.loads(text)
+        for role in ("drafter", "target"):
+            if raw.get(role) is not None:
+                raw[role] = ModelIdentity(**raw[role])
+        return cls(**raw)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(nn.functional.silu(self.linear(x)))
+
+
+class AcceptanceHead(nn.Module):
+    """hidden [..., hidden_size] -> acceptance logit [...] (sigmoid gives the probability)."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            ResidualBlock(config.hidden_size, config.dropout) for _ in range(config.num_layers)
+        )
+        self.out = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.to(self.out.weight.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+    @torch.no_grad()
+    def acceptance(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [batch, hidden_size] -> P(accepted) [batch]."""
+        return torch.sigmoid(self(hidden))
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        save_file(tensors, directory / WEIGHTS_FILE)
+        (directory / CONFIG_FILE).write_text(self.config.to_json() + "\n")
+        return directory
+
+
+def load_head(
+    directory: str | Path,
+    drafter: nn.Module | None = None,
+    target: nn.Module | None = None,
+    rule: str | None = None,
+) -> AcceptanceHead:
+    """Load a saved head; refuse it if it was trained for another drafter, target or rule."""
+    directory = Path(directory)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"no acceptance head at {directory} (expected {CONFIG_FILE} and {WEIGHTS_FILE}); "
+            "train one with `specdecode head collect` and `specdecode head train`"
+        )
+    config = HeadConfig.from_json(config_path.read_text())
+    for role, model in (("drafter", drafter), ("target", target)):
+        trained_for = getattr(config, role)
+        if model is None or trained_for is None:
+            continue
+        given = ModelIdentity.of(model)
+        if given.fingerprint != trained_for.fingerprint:
+            raise HeadMismatchError(
+                f"acceptance head {directory} was trained for the {role} {trained_for}, "
+                f"but the {role} given is {given}; collect and train a head for this pair "
+                "(`specdecode head collect`, then `specdecode head train`)"
+            )
+    if rule is not None and rule != config.rule:
+        raise HeadMismatchError(
+            f"acceptance head {directory} learnt {config.rule} acceptance, but decoding uses "
+            f"{rule} verification; train a head with `specdecode head train --rule {rule}`"
+        )
+    head = AcceptanceHead(config)
+    head.load_state_dict(load_file(directory / WEIGHTS_FILE))
+    return head.eval()

@@ -1,0 +1,518 @@
+"""Train the SpecDec++ acceptance head on examples written by `specdecode head collect`.
+
+Choices that are not obvious from the code:
+
+* Train and validation are split by prompt, never by position: positions of one response share
+  the prompt, the topic and most of the context, so a per-position split would let the head be
+  scored on near-copies of its training rows and overstate how well it generalises.
+* The loss is the seed's weighted BCE, ``-(y log s + w (1 - y) log(1 - s)) / sum(y + w (1 - y))``
+  with ``w = reject_weight``. A missed rejection (drafting on past a token the target rejects)
+  wastes a whole target pass, so rejections count ``w`` times more. Its minimiser is
+  ``p / (p + w (1 - p))``, not ``p``: with ``w > 1`` the head deliberately under-predicts
+  acceptance, and the validation ECE and reliability plot show that shift rather than a fault.
+  The plain BCE is reported beside it so the two effects can be told apart.
+* The epoch kept is the one with the lowest validation weighted loss (the quantity trained), so
+  more epochs never make the saved head worse on held-out prompts.
+* `accelerate` runs the same loop on a CPU, a GPU or several processes; the DataLoader shuffle
+  uses its own seeded generator (which accelerate keeps in sync across processes), and
+  `set_seed` fixes initialisation and dropout, so one seed gives one head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
+
+from specdecode.acceptance_head import RULES, AcceptanceHead, HeadConfig, ModelIdentity
+
+EXAMPLES_FILE = "examples.safetensors"
+META_FILE = "meta.json"
+TRAINING_FILE = "training.json"
+RELIABILITY_FILE = "reliability.png"
+LABEL_KEYS = {"greedy": "label_greedy", "sampling": "label_sampling"}
+REQUIRED_TENSORS = ("hidden", "label_greedy", "label_sampling", "prompt_index", "position")
+REQUIRED_META = ("drafter", "target", "temperature")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of one training run; recorded verbatim in training.json."""
+
+    rule: str = "greedy"  # which label to learn: "greedy" (argmax agreement) or "sampling"
+    num_layers: int = 3
+    dropout: float = 0.1
+    reject_weight: float = 6.0  # loss weight of the 'rejected' part of each label
+    epochs: int = 10
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    val_fraction: float = 0.15  # fraction of prompts (not positions) held out
+    seed: int = 0
+    warmup_ratio: float = 0.03  # linear warm-up over this fraction of steps, then cosine decay
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not (self.reject_weight > 0 and math.isfinite(self.reject_weight)):
+            raise ValueError(f"reject_weight must be a finite number > 0, got {self.reject_weight}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _check_pred_label(pred: torch.Tensor, label: torch.Tensor) -> None:
+    if pred.shape != label.shape:
+        raise ValueError(f"pred and label must have one shape, got {pred.shape} and {label.shape}")
+    if pred.numel() and (pred.min() < 0 or pred.max() > 1):
+        raise ValueError("pred must hold probabilities in [0, 1]")
+
+
+def reliability_bins(
+    pred: torch.Tensor, label: torch.Tensor, bins: int = 10
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equal-width bins of predicted probability: (mean_pred, mean_label, counts), each [bins].
+
+    pred, label: [N]. A prediction of exactly 1 falls in the last bin. Empty bins have count 0
+    and NaN means, so a plot or a sum cannot mistake them for a bin predicting 0.
+    """
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    _check_pred_label(pred, label)
+    pred = pred.detach().reshape(-1).double().cpu()  # [N]
+    label = label.detach().reshape(-1).double().cpu()  # [N]
+    index = (pred * bins).long().clamp(max=bins - 1)  # [N] in [0, bins)
+    counts = torch.bincount(index, minlength=bins).double()  # [bins]
+    sum_pred = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, pred)  # [bins]
+    sum_label = torch.zeros(bins, dtype=torch.float64).index_add_(0, index, label)  # [bins]
+    return sum_pred / counts, sum_label / counts, counts.long()  # 0/0 -> NaN in empty bins
+
+
+def expected_calibration_error(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
+    """Sum over bins of (bin size / N) * |mean predicted - mean label|; pred, label: [N]."""
+    mean_pred, mean_label, counts = reliability_bins(pred, label, bins)
+    total = int(counts.sum())
+    if total == 0:
+        return float("nan")
+    filled = counts > 0  # [bins]
+    gap = (mean_pred[filled] - mean_label[filled]).abs()  # [filled bins]
+    return float((counts[filled].double() / total * gap).sum())
+
+
+def auc(score: torch.Tensor, label: torch.Tensor) -> float:
+    """Area under the ROC curve by the rank (Mann-Whitney) formula, ties given average ranks.
+
+    score: [N], label: [N] in {0, 1}. NaN when only one class is present (AUC undefined).
+    """
+    score = score.detach().reshape(-1).double().cpu()  # [N]
+    positive = label.detach().reshape(-1).cpu() > 0.5  # [N]
+    n_pos = int(positive.sum())
+    n_neg = positive.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = torch.unique(score, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()  # [distinct] 1-based rank of each group's last member
+    average_rank = ends - (counts.double() - 1) / 2  # [distinct]
+    ranks = average_rank[inverse]  # [N]
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def weighted_bce_terms(
+    logits: torch.Tensor, label: torch.Tensor, reject_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example weighted BCE numerators and weights, both [N]; loss = sum(num) / sum(weight).
+
+    From logits (softplus form) so saturated predictions give finite losses.
+    """
+    label = label.to(logits.dtype)
+    accepted = label * torch.nn.functional.softplus(-logits)  # -y log s
+    rejected = (1 - label) * torch.nn.functional.softplus(logits)  # -(1 - y) log(1 - s)
+    return accepted + reject_weight * rejected, label + reject_weight * (1 - label)
+
+
+def weighted_bce(logits: torch.Tensor, label: torch.Tensor, reject_weight: float) -> torch.Tensor:
+    """The training loss: weighted BCE normalised by the sum of weights (scalar)."""
+    numerator, weight = weighted_bce_terms(logits, label, reject_weight)
+    return numerator.sum() / weight.sum()
+
+
+def evaluate_predictions(
+    logits: torch.Tensor, label: torch.Tensor, rule: str, reject_weight: float
+) -> dict[str, float | None]:
+    """Validation metrics from logits [N] and labels [N]."""
+    logits = logits.detach().double().cpu()
+    label = label.detach().double().cpu()
+    prob = torch.sigmoid(logits)  # [N]
+    metrics: dict[str, float | None] = {
+        "val_loss": float(weighted_bce(logits, label, reject_weight)),
+        "val_bce": float(weighted_bce(logits, label, 1.0)),
+        "val_ece": expected_calibration_error(prob, label),
+        "val_mean_pred": float(prob.mean()),
+    }
+    if rule == "greedy":
+        metrics["val_accuracy"] = float(((prob > 0.5) == (label > 0.5)).double().mean())
+        value = auc(prob, label)
+        metrics["val_auc"] = None if math.isnan(value) else value
+    return metrics
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class HeadData:
+    hidden: torch.Tensor  # [N, H] float16
+    label: torch.Tensor  # [N] float32, the label of the chosen rule
+    label_greedy: torch.Tensor  # [N] float32
+    prompt_index: torch.Tensor  # [N] int64
+    meta: dict[str, Any]
+
+
+def load_examples(data_dir: str | Path, rule: str) -> HeadData:
+    """Read and check a collected data directory; errors name the file and what is wrong."""
+    if rule not in LABEL_KEYS:
+        raise ValueError(f"rule must be one of {tuple(LABEL_KEYS)}, got {rule!r}")
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(
+            f"head data directory {data_dir} does not exist; "
+            "create it with `specdecode head collect`"
+        )
+    for name in (EXAMPLES_FILE, META_FILE):
+        if not (data_dir / name).is_file():
+            raise FileNotFoundError(
+                f"{data_dir} has no {name}; it is not a head data directory "
+                "(write one with `specdecode head collect`)"
+            )
+    try:
+        meta = json.loads((data_dir / META_FILE).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{data_dir / META_FILE} is not valid JSON: {error}") from error
+    missing = [key for key in REQUIRED_META if key not in meta]
+    if missing:
+        raise ValueError(f"{data_dir / META_FILE} lacks {', '.join(missing)}")
+    for role in ("drafter", "target"):
+        if not (isinstance(meta[role], dict) and {"name", "fingerprint"} <= meta[role].keys()):
+            raise ValueError(f"{data_dir / META_FILE}: {role} must hold a name and a fingerprint")
+
+    tensors = load_file(data_dir / EXAMPLES_FILE)
+    missing = [key for key in REQUIRED_TENSORS if key not in tensors]
+    if missing:
+        raise ValueError(f"{data_dir / EXAMPLES_FILE} lacks the tensors {', '.join(missing)}")
+    hidden = tensors["hidden"]
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be [N, hidden_size], got shape {tuple(hidden.shape)}")
+    n, hidden_size = hidden.shape
+    if n == 0:
+        raise ValueError(
+            f"{data_dir / EXAMPLES_FILE} holds no examples; collect with more prompts or tokens"
+        )
+    if hidden_size == 0:
+        raise ValueError(f"{data_dir / EXAMPLES_FILE}: hidden has size 0")
+    for key in REQUIRED_TENSORS[1:]:
+        if tuple(tensors[key].shape) != (n,):
+            raise ValueError(
+                f"{data_dir / EXAMPLES_FILE}: {key} has shape {tuple(tensors[key].shape)}, "
+                f"expected ({n},) to match hidden"
+            )
+    declared = meta.get("hidden_size")
+    if declared is not None and int(declared) != hidden_size:
+        raise ValueError(
+            f"hidden size mismatch in {data_dir}: meta.json says {declared}, "
+            f"but hidden has {hidden_size} columns"
+        )
+    label = tensors[LABEL_KEYS[rule]].float()
+    if not torch.isfinite(label).all() or label.min() < 0 or label.max() > 1:
+        raise ValueError(f"{LABEL_KEYS[rule]} must hold finite values in [0, 1]")
+    if not torch.isfinite(hidden).all():
+        raise ValueError(f"{data_dir / EXAMPLES_FILE}: hidden holds inf or NaN")
+    return HeadData(
+        hidden=hidden.to(torch.float16),
+        label=label,
+        label_greedy=tensors["label_greedy"].float(),
+        prompt_index=tensors["prompt_index"].long(),
+        meta=meta,
+    )
+
+
+def split_by_prompt(
+    prompt_index: torch.Tensor, val_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, validation rows): whole prompts go to validation, chosen by the seed.
+
+    prompt_index: [N]. At least one prompt lands on each side, so at least two are needed.
+    """
+    prompts = torch.unique(prompt_index)  # [P] sorted, so the choice depends on ids, not order
+    if prompts.numel() < 2:
+        raise ValueError(
+            f"need at least 2 distinct prompts to split train/validation by prompt, "
+            f"got {prompts.numel()}; collect with more prompts"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    order = prompts[torch.randperm(prompts.numel(), generator=generator)]  # [P]
+    n_val = min(max(1, round(val_fraction * prompts.numel())), prompts.numel() - 1)
+    is_val = torch.isin(prompt_index, order[:n_val])  # [N]
+    return torch.nonzero(~is_val).squeeze(1), torch.nonzero(is_val).squeeze(1)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _cosine_with_warmup(warmup: int, total: int):
+    """LR factor: linear warm-up to 1 over `warmup` steps, then cosine decay to 0 at `total`."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _nan_to_none(values: torch.Tensor) -> list[float | None]:
+    return [None if math.isnan(v) else v for v in values.tolist()]
+
+
+def train_head(
+    data_dir: str | Path,
+    out_dir: str | Path,
+    config: TrainConfig | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train an acceptance head; save the best epoch's head, training.json and reliability.png.
+
+    Returns the record written to training.json.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    config = config or TrainConfig()
+    started = time.perf_counter()
+    data = load_examples(data_dir, config.rule)
+    train_rows, val_rows = split_by_prompt(data.prompt_index, config.val_fraction, config.seed)
+    hidden_size = data.hidden.shape[1]
+    temperature = float(data.meta["temperature"]) if config.rule == "sampling" else 0.0
+
+    accelerator = Accelerator()
+    set_seed(config.seed)
+    head = AcceptanceHead(
+        HeadConfig(
+            hidden_size=hidden_size,
+            num_layers=config.num_layers,
+            dropout=config.dropout,
+            rule=config.rule,
+            temperature=temperature,
+            drafter=ModelIdentity(**data.meta["drafter"]),
+            target=ModelIdentity(**data.meta["target"]),
+        )
+    )
+    train_set = TensorDataset(data.hidden[train_rows], data.label[train_rows])
+    val_set = TensorDataset(data.hidden[val_rows], data.label[val_rows])
+    shuffle = torch.Generator().manual_seed(config.seed)
+    train_loader = DataLoader(
+        train_set, batch_size=config.batch_size, shuffle=True, generator=shuffle
+    )
+    val_loader = DataLoader(val_set, batch_size=max(config.batch_size, 1024))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    # Counted on the unsplit loader: accelerate steps a prepared scheduler once per process.
+    total_steps = config.epochs * len(train_loader)
+    warmup = int(config.warmup_ratio * total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _cosine_with_warmup(warmup, total_steps)
+    )
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        head, optimizer, train_loader, val_loader, scheduler
+    )
+
+    history: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    best_state: dict[str, torch.Tensor] | None = None
+    best_val: tuple[torch.Tensor, torch.Tensor] | None = None  # (probabilities, labels) [V]
+    bar = tqdm(
+        total=config.epochs * len(train_loader),
+        desc="head train",
+        unit="step",
+        disable=not progress or not accelerator.is_local_main_process,
+    )
+    for epoch in range(1, config.epochs + 1):
+        model.train()
+        loss_sum = torch.zeros((), device=accelerator.device)
+        batches = 0
+        for hidden, label in train_loader:  # [B, H], [B]
+            loss = weighted_bce(model(hidden), label, config.reject_weight)
+            optimizer.zero_grad()
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.detach()
+            batches += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
+        train_loss = accelerator.reduce(loss_sum / max(1, batches), reduction="mean")
+
+        model.eval()
+        logits_parts, label_parts = [], []
+        with torch.no_grad():
+            for hidden, label in val_loader:
+                logits, label = accelerator.gather_for_metrics((model(hidden), label))
+                logits_parts.append(logits.float().cpu())
+                label_parts.append(label.float().cpu())
+        val_logits = torch.cat(logits_parts)  # [V]
+        val_label = torch.cat(label_parts)  # [V]
+        metrics = evaluate_predictions(val_logits, val_label, config.rule, config.reject_weight)
+        record = {
+            "epoch": epoch,
+            "train_loss": float(train_loss),
+            **metrics,
+            "lr": scheduler.get_last_lr()[0],
+        }
+        history.append(record)
+        if best is None or metrics["val_loss"] < best["val_loss"]:
+            best = record
+            unwrapped = accelerator.unwrap_model(model)
+            best_state = {k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items()}
+            best_val = (torch.sigmoid(val_logits), val_label)
+        if progress and accelerator.is_local_main_process:
+            tqdm.write(_epoch_line(record))
+    bar.close()
+    assert best is not None and best_state is not None and best_val is not None
+
+    final = AcceptanceHead(head.config)  # a clean CPU copy, free of accelerate's wrappers
+    final.load_state_dict(best_state)
+    mean_pred, mean_label, counts = reliability_bins(*best_val)
+    out_dir = Path(out_dir)
+    result: dict[str, Any] = {
+        "config": asdict(config),
+        "data": {
+            "dir": str(Path(data_dir).resolve()),
+            "examples": int(data.hidden.shape[0]),
+            "hidden_size": int(hidden_size),
+            "prompts": int(torch.unique(data.prompt_index).numel()),
+            "meta": data.meta,
+        },
+        "head": asdict(final.config),
+        "split": {
+            "train_examples": int(train_rows.numel()),
+            "val_examples": int(val_rows.numel()),
+            "train_prompts": torch.unique(data.prompt_index[train_rows]).tolist(),
+            "val_prompts": torch.unique(data.prompt_index[val_rows]).tolist(),
+        },
+        "label_base_rate": {
+            "label": LABEL_KEYS[config.rule],
+            "train": float(data.label[train_rows].mean()),
+            "val": float(data.label[val_rows].mean()),
+            "greedy_all": float(data.label_greedy.mean()),
+        },
+        # What a head that ignores the hidden state would score: the train base rate, constant.
+        "constant_baseline": _constant_baseline(data, train_rows, val_rows, config),
+        "epochs": history,
+        "best_epoch": best["epoch"],
+        "best": best,
+        "reliability": {
+            "bins": int(counts.numel()),
+            "mean_pred": _nan_to_none(mean_pred),
+            "mean_label": _nan_to_none(mean_label),
+            "counts": counts.tolist(),
+        },
+        "device": str(accelerator.device),
+        "num_processes": accelerator.num_processes,
+        "head_dir": str(out_dir),
+    }
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final.save(out_dir)
+        result["reliability_plot"] = plot_reliability(
+            *best_val, out_dir / RELIABILITY_FILE, title_prefix=f"{config.rule} head, val"
+        )
+    result["seconds"] = time.perf_counter() - started
+    if accelerator.is_main_process:
+        (out_dir / TRAINING_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    return result
+
+
+def _constant_baseline(
+    data: HeadData, train_rows: torch.Tensor, val_rows: torch.Tensor, config: TrainConfig
+) -> dict[str, float | None]:
+    rate = float(data.label[train_rows].mean().clamp(1e-6, 1 - 1e-6))
+    val_label = data.label[val_rows]  # [V]
+    logits = torch.full_like(val_label, math.log(rate / (1 - rate)), dtype=torch.float64)
+    metrics = evaluate_predictions(logits, val_label, config.rule, config.reject_weight)
+    return {k: metrics[k] for k in ("val_loss", "val_bce", "val_ece")}
+
+
+def _epoch_line(record: dict[str, Any]) -> str:
+    parts = [f"epoch {record['epoch']}", f"train {record['train_loss']:.4f}"]
+    parts += [f"val {record['val_loss']:.4f}", f"bce {record['val_bce']:.4f}"]
+    parts.append(f"ece {record['val_ece']:.3f}")
+    if record.get("val_auc") is not None:
+        parts.append(f"auc {record['val_auc']:.3f}")
+    return "  ".join(parts)
+
+
+def plot_reliability(
+    pred: torch.Tensor, label: torch.Tensor, path: str | Path, title_prefix: str = ""
+) -> str | None:
+    """Reliability diagram plus bin-count histogram, saved as a PNG; returns its path.
+
+    Uses a bare `Figure` (Agg canvas) rather than pyplot, so no display and no global pyplot
+    state are involved. matplotlib is an optional extra: without it the plot is skipped with a
+    warning instead of losing the trained head.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn("matplotlib is not installed; skipping the reliability plot", stacklevel=2)
+        return None
+    mean_pred, mean_label, counts = reliability_bins(pred, label)
+    bins = counts.numel()
+    edges = torch.linspace(0, 1, bins + 1)  # [bins + 1]
+    centers = ((edges[:-1] + edges[1:]) / 2).tolist()
+    filled = (counts > 0).tolist()
+    ece = expected_calibration_error(pred, label)
+
+    fig = Figure(figsize=(5, 6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    top.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
+    xs = [p for p, f in zip(mean_pred.tolist(), filled, strict=True) if f]
+    ys = [y for y, f in zip(mean_label.tolist(), filled, strict=True) if f]
+    top.plot(xs, ys, marker="o", label="head")
+    top.set_ylabel("observed mean label")
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.legend(loc="upper left")
+    top.set_title(f"{title_prefix}: ECE {ece:.3f} (N={int(counts.sum())})".lstrip(": "))
+    bottom.bar(centers, counts.tolist(), width=1 / bins, edgecolor="black")
+    bottom.set_xlabel("predicted acceptance probability")
+    bottom.set_ylabel("count")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return str(path)

@@ -1,0 +1,194 @@
+"""Length policies: how many tokens each row drafts in a round.
+
+One protocol, four policies, chosen by name (`POLICIES`):
+
+* `constant`: k tokens every round (SpecDec; the baseline).
+* `heuristic`: `transformers` assisted generation's schedule, per row: k grows by 2 after a round
+  where every drafted token was accepted and shrinks by 1 otherwise.
+* `confidence`: stop drafting once the drafter's own top probability falls under a threshold
+  (the idea of `transformers`' `assistant_confidence_threshold`).
+* `head` (SpecDec++, Huang et al. 2024): stop once the predicted probability that at least one
+  token of the round gets rejected, 1 - prod_i a_i, exceeds `stop_threshold`, where a_i is the
+  acceptance head's prediction for the i-th drafted token. The SpecDec++ MDP analysis shows this
+  threshold rule is the optimal stopping policy.
+
+Every row decides on its own; the token that triggers a stop is kept (it is already drafted and
+verifying it costs almost nothing), and the round ends when every row has stopped or reached the
+round's maximum. A policy only chooses how many tokens are drafted, never which: each verdict is
+exact for any draft length chosen from the tokens drafted so far (a stopping time), so outputs
+under greedy and the sampled distribution are unchanged (tests check this for every policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdecode.config import DecodeConfig
+
+
+@dataclass(frozen=True)
+class DraftedPosition:
+    """What a policy may look at after the `index`-th token (0-based) of a round is drafted."""
+
+    index: int
+    logits: torch.Tensor  # [batch, vocab] the drafter's logits that produced the token
+    probs: torch.Tensor | None  # [batch, vocab] the law it was sampled from (None under greedy)
+    hidden: torch.Tensor | None  # [batch, hidden] drafter's last hidden state, if asked for
+
+
+class LengthPolicy(Protocol):
+    name: str
+    stops_early: bool  # False: the round length is known up front (no per-position decision)
+    needs_hidden: bool  # True: `keep_drafting` reads the drafter's hidden states
+
+    def start(self, batch_size: int, device: torch.device) -> None: ...
+
+    def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor:
+        """max_tokens [batch] (what the budget allows) -> most tokens per row this round."""
+        ...
+
+    def keep_drafting(self, position: DraftedPosition) -> torch.Tensor:
+        """-> [batch] bool: whether each row goes on to draft position index + 1."""
+        ...
+
+    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None: ...
+
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+
+class _Stateless:
+    """Policies without per-row state across rounds."""
+
+    def start(self, batch_size: int, device: torch.device) -> None:
+        pass
+
+    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+
+class ConstantLength(_Stateless):
+    name = "constant"
+    stops_early = False
+    needs_hidden = False
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+
+    def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor:
+        return max_tokens.clamp(max=self.num_draft_tokens)
+
+    def keep_drafting(self, position: DraftedPosition) -> torch.Tensor:
+        return torch.ones(position.logits.shape[0], dtype=torch.bool, device=position.logits.device)
+
+
+class HeuristicLength:
+    """Per-row k: +2 after a fully accepted round, -1 (not below 1) otherwise, within bounds."""
+
+    name = "heuristic"
+    stops_early = False
+    needs_hidden = False
+
+    def __init__(self, first: int, min_tokens: int, max_tokens: int) -> None:
+        self.first, self.min_tokens, self.max_tokens = first, min_tokens, max_tokens
+        self.k = torch.zeros(0, dtype=torch.long)
+
+    def start(self, batch_size: int, device: torch.device) -> None:
+        first = min(max(self.first, self.min_tokens), self.max_tokens)
+        self.k = torch.full((batch_size,), first, dtype=torch.long, device=device)  # [batch]
+
+    def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor:
+        return torch.minimum(max_tokens, self.k)
+
+    def keep_drafting(self, position: DraftedPosition) -> torch.Tensor:
+        return torch.ones_like(self.k, dtype=torch.bool)
+
+    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        # a row that drafted nothing (budget spent) keeps its k
+        all_in = num_accepted >= num_drafted
+        step = torch.where(all_in, 2, -1) * (num_drafted > 0)
+        self.k = (self.k + step).clamp(self.min_tokens, self.max_tokens)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.k = self.k.index_select(0, rows.to(self.k.device))
+
+
+class _StopRule(_Stateless):
+    """Adaptive policies: draft up to `max_tokens`, stop a row when `should_stop` says so."""
+
+    stops_early = True
+    needs_hidden = False
+
+    def __init__(self, threshold: float, min_tokens: int, max_tokens: int) -> None:
+        self.threshold, self.min_tokens, self.max_tokens = threshold, min_tokens, max_tokens
+
+    def round_limits(self, max_tokens: torch.Tensor) -> torch.Tensor:
+        self.begin_round(max_tokens.shape[0], max_tokens.device)
+        return max_tokens.clamp(max=self.max_tokens)
+
+    def begin_round(self, batch_size: int, device: torch.device) -> None:
+        pass
+
+    def keep_drafting(self, position: DraftedPosition) -> torch.Tensor:
+        stop = self.should_stop(position)  # [batch]
+        return ~stop | (position.index + 1 < self.min_tokens)
+
+    def should_stop(self, position: DraftedPosition) -> torch.Tensor: ...
+
+
+class ConfidenceLength(_StopRule):
+    """Stop after a token drafted while the drafter's top probability was under the threshold."""
+
+    name = "confidence"
+
+    def should_stop(self, position: DraftedPosition) -> torch.Tensor:
+        probs = position.probs if position.probs is not None else position.logits.softmax(-1)
+        return probs.max(-1).values < self.threshold  # [batch]
+
+
+class HeadLength(_StopRule):
+    """SpecDec++: stop once P(some token of this round is rejected) > threshold."""
+
+    name = "head"
+    needs_hidden = True
+
+    def __init__(self, head: torch.nn.Module, threshold: float, min_tokens: int, max_tokens: int):
+        super().__init__(threshold, min_tokens, max_tokens)
+        self.head = head
+        self.log_all_accepted = torch.zeros(0)
+
+    def begin_round(self, batch_size: int, device: torch.device) -> None:
+        self.log_all_accepted = torch.zeros(batch_size, device=device)  # [batch]
+
+    def should_stop(self, position: DraftedPosition) -> torch.Tensor:
+        if position.hidden is None:
+            raise ValueError("the head policy needs the drafter's hidden states")
+        logit = self.head(position.hidden).float()  # [batch]
+        # log sigmoid is exact where the product of many probabilities would underflow
+        self.log_all_accepted = self.log_all_accepted + torch.nn.functional.logsigmoid(logit)
+        return -torch.expm1(self.log_all_accepted) > self.threshold  # 1 - prod a_i > h
+
+
+POLICIES = ("constant", "heuristic", "confidence", "head")
+
+
+def make_policy(cfg: DecodeConfig, head: torch.nn.Module | None = None) -> LengthPolicy:
+    """A fresh policy (policies keep per-row state) for one decoding call."""
+    low, high = cfg.draft_bound
+    if cfg.length_policy == "constant":
+        return ConstantLength(cfg.num_draft_tokens)
+    if cfg.length_policy == "heuristic":
+        return HeuristicLength(cfg.num_draft_tokens, low, high)
+    if cfg.length_policy == "confidence":
+        return ConfidenceLength(cfg.policy_threshold, low, high)
+    if head is None:
+        raise ValueError(
+            "length policy 'head' needs an acceptance head; load one (e.g. "
+            "SpeculativeDecoder.load_head(path) or --head PATH)"
+        )
+    return HeadLength(head, cfg.policy_threshold, low, high)
