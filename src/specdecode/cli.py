@@ -23,7 +23,29 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus sampling")
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
+    parser.add_argument(
+        "--length-policy",
+        choices=["constant", "heuristic", "confidence", "head"],
+        default="constant",
+        help="how many tokens to draft per round (head: SpecDec++, needs --head)",
+    )
+    parser.add_argument(
+        "--stop-threshold",
+        type=float,
+        default=None,
+        help="confidence: least drafter top probability (0.4); head: stop once "
+        "P(some drafted token rejected) exceeds it (0.3)",
+    )
+    parser.add_argument(
+        "--bound",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="tokens per round of the adaptive policies (default 1 8)",
+    )
+    parser.add_argument("--head", default=None, help="acceptance head directory (head policy)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -55,6 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = None if args.no_draft else args.draft
     dtype = DTYPES[args.dtype]
     decoder = SpeculativeDecoder.from_pretrained(args.target, draft, dtype, args.device)
+    if args.head is not None:
+        decoder.load_head(args.head)
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -62,6 +86,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         num_draft_tokens=args.num_draft_tokens,
         seed=args.seed,
+        length_policy=args.length_policy,
+        stop_threshold=args.stop_threshold,
+        bound=tuple(args.bound) if args.bound else None,
     )
     records = []
     for start in range(0, len(prompts), args.batch_size):
@@ -112,7 +139,7 @@ def add_generate(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdecode import model_store
+    from specdecode import head_cli, model_store
     from specdecode.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
@@ -122,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(subparsers)
     model_store.add_subcommands(subparsers)
     bench_cli.add_subcommands(subparsers)
+    head_cli.add_subcommands(subparsers)
     return parser
 
 

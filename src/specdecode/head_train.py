@@ -373,7 +373,8 @@ def train_head(
             loss_sum += loss.detach()
             batches += 1
             bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
+            if not bar.disable and batches % 10 == 1:  # .item() syncs a GPU: not every step
+                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
         train_loss = accelerator.reduce(loss_sum / max(1, batches), reduction="mean")
 
         model.eval()
@@ -447,8 +448,9 @@ def train_head(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final.save(out_dir)
+        title = f"{config.rule} head (reject weight {config.reject_weight:g}), val"
         result["reliability_plot"] = plot_reliability(
-            *best_val, out_dir / RELIABILITY_FILE, title_prefix=f"{config.rule} head, val"
+            *best_val, out_dir / RELIABILITY_FILE, title_prefix=title
         )
     result["seconds"] = time.perf_counter() - started
     if accelerator.is_main_process:
@@ -507,7 +509,7 @@ def plot_reliability(
     top.set_ylabel("observed mean label")
     top.set_xlim(0, 1)
     top.set_ylim(0, 1)
-    top.legend(loc="upper left")
+    top.legend(loc="lower right")
     top.set_title(f"{title_prefix}: ECE {ece:.3f} (N={int(counts.sum())})".lstrip(": "))
     bottom.bar(centers, counts.tolist(), width=1 / bins, edgecolor="black")
     bottom.set_xlabel("predicted acceptance probability")

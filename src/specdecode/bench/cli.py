@@ -48,12 +48,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         chat=args.chat or args.prompts == "mtbench",
         prepack=not args.no_prepack,
         threads=args.threads,
+        policies=tuple(args.length_policy),
+        stop_thresholds=tuple(args.stop_threshold or [0.3]),
+        confidence_thresholds=tuple(args.confidence_threshold),
+        bound=tuple(args.bound or (1, 8)),
+        head=args.head,
     )
     target, tokenizer = load_causal_lm(cfg.target)
     drafter, _ = load_causal_lm(cfg.draft)
     if cfg.prepack:
         prepack_linears(target)
-    models = Models(target, tokenizer, drafter)
+    models = Models(target, tokenizer, drafter, head=cfg.head)
     prompts = load_prompts(cfg.prompts, limit=cfg.limit)
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
@@ -91,9 +96,19 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--out", default="runs/bench", help="folder for record.json, table.md, plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        nargs="+",
+        default=[0.4],
+        help="thresholds of the confidence policy (a sweep)",
+    )
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_bench)
-    # several k for the sweep: replace the single-valued option of the shared arguments
+    # sweeps: several k, policies and head thresholds instead of the shared single values
+    sweeps = {"num_draft_tokens": [4], "length_policy": ["constant"], "stop_threshold": None}
     for action in p._actions:
-        if action.dest == "num_draft_tokens":
-            action.nargs, action.default = "+", [4]
+        if action.dest in sweeps:
+            action.nargs, action.default = "+", sweeps[action.dest]
+        if action.dest == "stop_threshold":
+            action.help = "thresholds of the head policy (a sweep; default 0.3)"

@@ -9,6 +9,10 @@
 * `sd-int8`: this engine with an int8 dynamically quantized copy of the drafter.
 
 A `+dense` suffix runs a method with the default PyTorch kernels instead of the prepacked ones.
+
+`sd` and `sd-int8` run under every length policy asked for (see `length_policies`): `constant`
+once per k, `heuristic` starting from the largest k, `confidence` and `head` once per threshold,
+the adaptive ones within the same (MIN, MAX) bound.
 """
 
 from __future__ import annotations
@@ -28,11 +32,16 @@ KINDS = ("ar", "hf", "hf-assisted", *KINDS_WITH_K)
 BATCH1_ONLY = ("hf-assisted", "hf-assisted-k")
 
 
+ENGINE_KINDS = ("sd", "sd-int8")  # the kinds that take a length policy
+
+
 @dataclass(frozen=True)
 class Method:
     kind: str
     k: int | None = None
     dense: bool = False
+    policy: str = "constant"
+    threshold: float | None = None  # confidence / head policies
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,25 +50,48 @@ class Method:
             raise ValueError(
                 f"method {self.kind!r}: k is {'required' if self.k is None else 'unused'}"
             )
+        if self.policy != "constant" and self.kind not in ENGINE_KINDS:
+            raise ValueError(f"method {self.kind!r} has no length policy {self.policy!r}")
 
     @property
     def label(self) -> str:
-        return (
-            self.kind
-            + (f"[k={self.k}]" if self.k is not None else "")
-            + ("+dense" if self.dense else "")
-        )
+        if self.policy == "constant":
+            inner = f"[k={self.k}]" if self.k is not None else ""
+        elif self.policy == "heuristic":
+            inner = f"[heuristic k0={self.k}]"
+        else:
+            inner = f"[{self.policy} t={self.threshold:g}]"
+        return self.kind + inner + ("+dense" if self.dense else "")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy != "constant"
 
     @classmethod
-    def expand(cls, names: list[str], ks: list[int]) -> list[Method]:
+    def expand(
+        cls,
+        names: list[str],
+        ks: list[int],
+        policies: list[str] = ("constant",),
+        thresholds: dict[str, list[float]] | None = None,
+    ) -> list[Method]:
         """`sd` with ks [3, 4] gives sd[k=3] and sd[k=4]; `+dense` keeps default kernels."""
+        thresholds = thresholds or {}
         methods = []
         for name in names:
             kind, dense = name.removesuffix("+dense"), name.endswith("+dense")
-            if kind in KINDS_WITH_K:
-                methods += [cls(kind, k, dense) for k in ks]
-            else:
+            if kind not in KINDS_WITH_K:
                 methods.append(cls(kind, None, dense))
+                continue
+            for policy in policies if kind in ENGINE_KINDS else ["constant"]:
+                if policy == "constant":
+                    methods += [cls(kind, k, dense) for k in ks]
+                elif policy == "heuristic":
+                    methods.append(cls(kind, max(ks), dense, policy))
+                else:
+                    methods += [
+                        cls(kind, max(ks), dense, policy, t) for t in thresholds.get(policy, [])
+                    ]
         return methods
 
 
@@ -71,6 +103,7 @@ class Settings:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    bound: tuple[int, int] | None = None  # adaptive policies' (MIN, MAX) tokens per round
 
 
 @dataclass
@@ -87,6 +120,7 @@ class Models:
     target: torch.nn.Module
     tokenizer: object
     drafter: torch.nn.Module
+    head: str | None = None  # acceptance head directory, for the `head` policy
     _decoders: dict[str, SpeculativeDecoder] = field(default_factory=dict)
 
     def decoder(self, kind: str) -> SpeculativeDecoder:
@@ -94,7 +128,10 @@ class Models:
             drafter = None if kind == "ar" else self.drafter
             if kind == "sd-int8":
                 drafter = quantize_int8(self.drafter)
-            self._decoders[kind] = SpeculativeDecoder(self.target, self.tokenizer, drafter)
+            decoder = SpeculativeDecoder(self.target, self.tokenizer, drafter)
+            if self.head is not None and drafter is not None:
+                decoder.load_head(self.head)
+            self._decoders[kind] = decoder
         return self._decoders[kind]
 
     def drafter_model(self, kind: str) -> torch.nn.Module | None:
@@ -115,6 +152,9 @@ def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Sett
         num_draft_tokens=method.k or 1,
         seed=s.seed,
         stop_token_ids=s.stop_token_ids,
+        length_policy=method.policy,
+        stop_threshold=method.threshold,
+        bound=s.bound if method.adaptive else None,
     )
     return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
 

@@ -23,9 +23,10 @@ def markdown_table(record: dict) -> str:
         + ".",
         "",
         "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] | tokens/call "
-        "| alpha | c (calibrated / in run) | bound | efficiency (calibrated / in run) "
-        "| verify cost in steps (in run) | weights GiB | output == ar |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| drafted/round | alpha | c (calibrated / in run) | bound "
+        "| efficiency (calibrated / in run) | verify cost in steps (in run) "
+        "| policy ms/drafted token | weights GiB | output == ar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     greedy = cfg["temperature"] == 0
     for row in sorted(record["methods"], key=lambda r: (r["batch_size"], -r["tokens_per_s"])):
@@ -43,10 +44,11 @@ def markdown_table(record: dict) -> str:
         lines.append(
             f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']:.2f} | "
             f"{s['geomean']:.2f} | {s['median']:.2f} [{s['p10']:.2f}, {s['p90']:.2f}] | "
-            f"{fmt('tokens_per_target_call')} | {fmt('alpha')} | "
+            f"{fmt('tokens_per_target_call')} | {fmt('drafted_per_round')} | {fmt('alpha')} | "
             f"{fmt('c', 3)} / {fmt('c_in_run', 3)} | {fmt('leviathan_bound')} | "
             f"{fmt('efficiency')} / {fmt('efficiency_in_run')} | "
-            f"{fmt('verify_cost_in_steps_in_run')} | {fmt('model_gib', 1)} | {same} |"
+            f"{fmt('verify_cost_in_steps_in_run')} | {fmt('policy_ms_per_drafted_token', 3)} | "
+            f"{fmt('model_gib', 1)} | {same} |"
         )
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]
@@ -102,6 +104,7 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
+    paths += plot_policies(rows, out_dir, plt)
     hists = [r for r in rows if r.get("accepted_hist")]
     if hists:
         best = max(hists, key=lambda r: r["speedup"]["geomean"])
@@ -116,6 +119,80 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
         paths.append(out_dir / "accepted_hist.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+    return paths
+
+
+def _family(row: dict) -> str:
+    """`sd-int8[head t=0.3]` -> `sd-int8 head`: the curve a point belongs to."""
+    return f"{row['method'].split('[')[0]} {row['policy']} (b{row['batch_size']})"
+
+
+def plot_policies(rows: list[dict], out_dir: Path, plt) -> list[Path]:
+    """The SpecDec++ comparison: constant-k sweep beside the threshold sweeps.
+
+    Left: speedup against k (constant) and against the threshold (head, confidence), with the
+    heuristic as a line. Right: the Pareto view, tokens per target call against drafter forward
+    passes per generated token, one curve per policy (up and to the left is better).
+    """
+    drafting = [r for r in rows if r.get("policy")]
+    if not any(r["policy"] != "constant" for r in drafting):
+        return []
+    curves: dict[str, list[dict]] = {}
+    for r in drafting:
+        curves.setdefault(_family(r), []).append(r)
+    fig, (ax_k, ax_t) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig2, ax_p = plt.subplots(figsize=(6.5, 4.5))
+    for name, points in sorted(curves.items()):
+        policy = points[0]["policy"]
+        key = "k" if policy == "constant" else "threshold"
+        points.sort(key=lambda r: r[key] if r[key] is not None else 0)
+        speed = [r["speedup"]["geomean"] for r in points]
+        if policy == "constant":
+            ax_k.plot([r["k"] for r in points], speed, "o-", label=name)
+        elif policy == "heuristic":
+            for ax in (ax_k, ax_t):
+                ax.axhline(speed[0], ls=":", color="grey", label=name if ax is ax_t else None)
+        else:
+            ax_t.plot([r["threshold"] for r in points], speed, "o-", label=name)
+        xs = [r["drafter_forwards_per_token"] for r in points]
+        ys = [r["tokens_per_target_call"] for r in points]
+        ax_p.plot(xs, ys, "o-" if len(points) > 1 else "s", label=name)
+        for r, x, y in zip(points, xs, ys, strict=True):
+            tag = r["k"] if policy == "constant" else r["threshold"]
+            if tag is not None:
+                ax_p.annotate(
+                    f"{tag:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                )
+    best = max(
+        (r for r in drafting if r["policy"] == "constant"),
+        key=lambda r: r["speedup"]["geomean"],
+        default=None,
+    )
+    if best is not None:
+        ax_t.axhline(
+            best["speedup"]["geomean"],
+            ls="--",
+            color="black",
+            lw=0.8,
+            label=f"best constant ({best['method']})",
+        )
+    ax_k.set(
+        xlabel="draft tokens k (constant)", ylabel="speedup vs ar (geomean)", title="Constant k"
+    )
+    ax_t.set(xlabel="stop threshold", title="Adaptive draft length")
+    ax_k.legend(fontsize=7)
+    ax_t.legend(fontsize=7)
+    ax_p.set(
+        xlabel="drafter forward passes per generated token",
+        ylabel="tokens per target call",
+        title="Pareto view: target calls saved per drafter call spent",
+    )
+    ax_p.legend(fontsize=7)
+    paths = [out_dir / "policy_sweep.png", out_dir / "policy_pareto.png"]
+    for figure, path in zip((fig, fig2), paths, strict=True):
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
     return paths
 
 

@@ -42,6 +42,11 @@ class BenchConfig:
     chat: bool = False
     prepack: bool = True
     threads: int | None = None
+    policies: tuple[str, ...] = ("constant",)
+    stop_thresholds: tuple[float, ...] = (0.3,)  # the head policy's sweep
+    confidence_thresholds: tuple[float, ...] = (0.4,)
+    bound: tuple[int, int] = (1, 8)
+    head: str | None = None
 
     def __post_init__(self) -> None:
         if any(b < 1 for b in self.batch_sizes):
@@ -50,7 +55,29 @@ class BenchConfig:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if "ar" not in self.methods:
             raise ValueError("the methods must include 'ar', the baseline of every ratio")
-        Method.expand(list(self.methods), list(self.num_draft_tokens))  # validates names
+        from specdecode.length_policies import POLICIES
+
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown length policies {unknown}; known: {', '.join(POLICIES)}")
+        if "head" in self.policies and self.head is None:
+            raise ValueError("the head policy needs --head DIR (a trained acceptance head)")
+        for t in (*self.stop_thresholds, *self.confidence_thresholds):
+            if not 0.0 < t < 1.0:
+                raise ValueError(f"thresholds must be in (0, 1), got {t}")
+        low, high = self.bound
+        if not 1 <= low <= high:
+            raise ValueError(f"bound must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
+        self.method_list()  # validates names
+
+    def method_list(self) -> list[Method]:
+        thresholds = {
+            "head": list(self.stop_thresholds),
+            "confidence": list(self.confidence_thresholds),
+        }
+        return Method.expand(
+            list(self.methods), list(self.num_draft_tokens), list(self.policies), thresholds
+        )
 
 
 @dataclass
@@ -62,6 +89,7 @@ class MethodRecord:
     stats: RowStats = field(default_factory=RowStats)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    policy_seconds: float = 0.0
     drafter_forwards: int = 0
     target_forwards: int = 0
     mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
@@ -112,6 +140,8 @@ def calibrate(models: Models, methods: list[Method], context: list[int]) -> dict
     step = step_seconds(models.target, context, 1)
     ks = sorted({m.k for m in methods if m.k is not None})
     costs = {"target_step_s": step, "verify_cost_in_steps": {}, "c": {}}
+    if any(m.adaptive for m in methods):
+        ks = sorted({*ks, *range(1, max(m.k for m in methods if m.adaptive) + 1)})
     for k in ks:
         costs["verify_cost_in_steps"][k] = step_seconds(models.target, context, k + 1) / step
     for kind in sorted({m.kind for m in methods if m.k is not None or m.kind == "hf-assisted"}):
@@ -122,7 +152,7 @@ def calibrate(models: Models, methods: list[Method], context: list[int]) -> dict
 
 
 def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress=True):
-    methods = Method.expand(list(cfg.methods), list(cfg.num_draft_tokens))
+    methods = cfg.method_list()
     settings = Settings(
         cfg.max_new_tokens,
         cfg.temperature,
@@ -130,9 +160,12 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
         cfg.top_p,
         cfg.seed,
         models.decoder("ar").default_stop_ids(),
+        tuple(cfg.bound),
     )
     costs = calibrate(models, methods, prompt_ids[0])
-    warm = Settings(8, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, settings.stop_token_ids)
+    warm = Settings(
+        8, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, settings.stop_token_ids, cfg.bound
+    )
     for method in methods:  # warm-up: first calls pay for allocation and lazy set-up
         run_method(method, models, prompt_ids[:1], warm)
     records: dict[tuple[str, int], MethodRecord] = {}
@@ -165,6 +198,7 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                     rec.stats = rec.stats.merge(result.stats.total)
                     rec.draft_seconds += result.stats.draft_seconds
                     rec.verify_seconds += result.stats.verify_seconds
+                    rec.policy_seconds += result.stats.policy_seconds
                     rec.drafter_forwards += result.stats.drafter_forwards
                     rec.target_forwards += result.stats.target_forwards
                 if cfg.temperature == 0:
@@ -181,6 +215,43 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
         size = model_bytes(models.target) + (model_bytes(drafter) if drafter is not None else 0)
         memory[kind] = size / 2**30
     return summarise_run(cfg, methods, records, costs, skipped, memory)
+
+
+def draft_figures(method: Method, rec: MethodRecord, costs: dict) -> dict:
+    """Round figures of a drafting method; Leviathan's bound only for a constant k."""
+    stats, tokens = rec.stats, max(sum(rec.tokens), 1)
+    row = dict(
+        policy=method.policy,
+        threshold=method.threshold,
+        k=None if method.adaptive else method.k,
+        tokens_per_target_call=stats.tokens_per_target_call,
+        acceptance_rate=stats.acceptance_rate,
+        drafted_per_round=stats.drafted / stats.target_calls,
+        drafter_forwards_per_token=rec.drafter_forwards / tokens,
+        target_forwards_per_token=rec.target_forwards / tokens,
+        accepted_hist=stats.accepted_hist,
+        c=costs["c"].get(method.kind),
+        policy_seconds=rec.policy_seconds,
+        policy_ms_per_drafted_token=1000 * rec.policy_seconds / stats.drafted,
+        policy_share_of_time=rec.policy_seconds / sum(rec.seconds),
+    )
+    if method.adaptive:
+        return row
+    tau = stats.tokens_per_target_call
+    alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
+    row.update(alpha=alpha, verify_cost_in_steps=costs["verify_cost_in_steps"].get(method.k))
+    return row
+
+
+def add_bounds(row: dict, method: Method) -> None:
+    """Measured speedup beside Leviathan's bound from measured alpha and c (constant k only)."""
+    if "alpha" not in row:
+        return
+    for suffix, c in (("", row.get("c")), ("_in_run", row.get("c_in_run"))):
+        if c is not None:
+            bound = leviathan_speedup(row["alpha"], method.k, c)
+            row[f"leviathan_bound{suffix}"] = bound
+            row[f"efficiency{suffix}"] = row["speedup"]["geomean"] / bound
 
 
 def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
@@ -211,26 +282,8 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
         if ar_step and rec.target_forwards:
             row["verify_cost_in_steps_in_run"] = rec.verify_seconds / rec.target_forwards / ar_step
         if rec.stats.target_calls and method.k is not None and rec.stats.drafted:
-            tau = rec.stats.tokens_per_target_call
-            alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
-            c = costs["c"].get(method.kind)
-            row.update(
-                tokens_per_target_call=tau,
-                acceptance_rate=rec.stats.acceptance_rate,
-                alpha=alpha,
-                c=c,
-                accepted_hist=rec.stats.accepted_hist,
-                verify_cost_in_steps=costs["verify_cost_in_steps"].get(method.k),
-            )
-            if c is not None:
-                bound = leviathan_speedup(alpha, method.k, c)
-                row.update(leviathan_bound=bound, efficiency=row["speedup"]["geomean"] / bound)
-            if row.get("c_in_run") is not None:
-                bound = leviathan_speedup(alpha, method.k, row["c_in_run"])
-                row.update(
-                    leviathan_bound_in_run=bound,
-                    efficiency_in_run=row["speedup"]["geomean"] / bound,
-                )
+            row.update(draft_figures(method, rec, costs))
+            add_bounds(row, method)
         row["model_gib"] = memory.get(method.kind)
         summary.append(row)
     return {

@@ -1,0 +1,192 @@
+"""`specdecode head collect | train`: make an acceptance head for a drafter/target pair.
+
+    specdecode head collect --prompts humaneval --skip 40 --out DATA     # labelled drafter states
+    specdecode head train DATA --out HEAD                                # weighted BCE, calibration
+    specdecode generate --length-policy head --head HEAD --prompt ...    # use it
+
+`head collect` needs both models; `head train` only needs the collected tensors, so it runs
+anywhere `accelerate` finds a device. The defaults come from `CollectConfig` and `TrainConfig`,
+so the command line and the Python API cannot drift apart. Heavy imports (accelerate,
+matplotlib) wait until the command runs, keeping `specdecode --help` fast. Bad input raises
+ValueError / FileNotFoundError naming the culprit; the main CLI turns those into one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from specdecode.acceptance_head import RULES
+from specdecode.head_train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
+
+_DEFAULTS = TrainConfig()
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `specdecode head train DATA_DIR --out HEAD_DIR ...`."""
+    parser.add_argument("data_dir", metavar="DATA_DIR", help="written by `specdecode head collect`")
+    parser.add_argument("--out", required=True, metavar="HEAD_DIR", help="where to save the head")
+    parser.add_argument(
+        "--rule",
+        choices=RULES,
+        default=_DEFAULTS.rule,
+        help="which acceptance to learn: greedy (argmax agreement) or sampling (expected)",
+    )
+    parser.add_argument("--layers", type=int, default=_DEFAULTS.num_layers, help="residual blocks")
+    parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
+    parser.add_argument(
+        "--reject-weight",
+        type=float,
+        default=_DEFAULTS.reject_weight,
+        help="loss weight of rejected tokens relative to accepted ones",
+    )
+    parser.add_argument("--epochs", type=int, default=_DEFAULTS.epochs)
+    parser.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size)
+    parser.add_argument("--lr", type=float, default=_DEFAULTS.lr)
+    parser.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay)
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=_DEFAULTS.val_fraction,
+        help="fraction of prompts (whole prompts, not positions) held out for validation",
+    )
+    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train, then print a short summary and where the head went."""
+    config = TrainConfig(
+        rule=args.rule,
+        num_layers=args.layers,
+        dropout=args.dropout,
+        reject_weight=args.reject_weight,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+    )
+    result = train_head(args.data_dir, args.out, config, progress=not args.no_progress)
+    best = result["best"]
+    split = result["split"]
+    print(
+        f"best epoch {result['best_epoch']}/{config.epochs}: "
+        f"val loss {best['val_loss']:.4f} (constant predictor "
+        f"{result['constant_baseline']['val_loss']:.4f}), bce {best['val_bce']:.4f}, "
+        f"ECE {best['val_ece']:.3f}, AUC {_fmt(best.get('val_auc'))}"
+    )
+    print(
+        f"{split['train_examples']} train / {split['val_examples']} val examples "
+        f"({len(split['train_prompts'])} / {len(split['val_prompts'])} prompts), "
+        f"{result['seconds']:.1f} s on {result['device']}"
+    )
+    out = Path(args.out)
+    print(f"head saved to {out} ({TRAINING_FILE}, {RELIABILITY_FILE})")
+    return 0
+
+
+def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdecode.head_data import CollectConfig
+
+    d = CollectConfig()
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="drafter directory or known name")
+    parser.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a file")
+    parser.add_argument(
+        "--skip", type=int, default=0, help="leave out the first N prompts (the evaluation ones)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="then take at most N prompts")
+    parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    parser.add_argument("--out", required=True, metavar="DATA_DIR", help="collection directory")
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help="of the target's responses and of the sampling labels (0: greedy)",
+    )
+    parser.add_argument(
+        "--mixing-ratio",
+        type=float,
+        default=d.mixing_ratio,
+        help="chance that a position commits the drafter's token instead of the target's",
+    )
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--fp32-drafter",
+        action="store_true",
+        help="collect with the fp32 drafter (default: its int8 copy, the one that runs fastest)",
+    )
+    parser.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from specdecode.api import SpeculativeDecoder
+    from specdecode.cli import set_threads
+    from specdecode.head_data import CollectConfig, collect
+    from specdecode.kernels import prepack_linears, quantize_int8
+    from specdecode.model_store import load_causal_lm
+    from specdecode.prompts import load_prompts
+
+    set_threads(args.threads)
+    if args.skip < 0:
+        raise ValueError(f"--skip must be >= 0, got {args.skip}")
+    cfg = CollectConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        mixing_ratio=args.mixing_ratio,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    prompts = load_prompts(args.prompts)[args.skip :]
+    prompts = prompts[: args.limit] if args.limit is not None else prompts
+    if not prompts:
+        raise ValueError(f"no prompts left in {args.prompts!r} after --skip {args.skip}")
+    target, tokenizer = load_causal_lm(args.target)
+    drafter, draft_tokenizer = load_causal_lm(args.draft)
+    if not args.no_prepack:
+        prepack_linears(target)
+    if not args.fp32_drafter:
+        drafter = quantize_int8(drafter)
+    # the decoder runs the same compatibility checks as decoding does, and encodes the prompts
+    decoder = SpeculativeDecoder(target, tokenizer, drafter, draft_tokenizer)
+    ids = decoder.encode([p.text for p in prompts], chat=args.chat)
+    source = f"{args.prompts}[{args.skip}:{args.skip + len(prompts)}]"
+    meta = collect(
+        target,
+        drafter,
+        ids,
+        args.out,
+        cfg,
+        decoder.default_stop_ids(),
+        source,
+        progress=not args.no_progress,
+    )
+    print(
+        f"{meta['num_examples']} examples from {len(ids)} prompts ({source}) in "
+        f"{meta['seconds']:.0f} s; mean greedy acceptance {meta['mean_label_greedy']:.3f}, "
+        f"mean sampling acceptance {meta['mean_label_sampling']:.3f}; written to {args.out}"
+    )
+    return 0
+
+
+def add_subcommands(subparsers) -> None:
+    head = subparsers.add_parser("head", help="collect data for and train an acceptance head")
+    jobs = head.add_subparsers(dest="head_command", required=True)
+    collect = jobs.add_parser("collect", help="record drafter states and acceptance labels")
+    add_collect_arguments(collect)
+    collect.set_defaults(func=cmd_collect)
+    train = jobs.add_parser("train", help="train an acceptance head on a collection")
+    add_train_arguments(train)
+    train.set_defaults(func=cmd_train)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3f}"

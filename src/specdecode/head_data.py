@@ -1,0 +1,186 @@
+"""Training data for the acceptance head: drafter states and the target's verdict on them.
+
+Following SpecDec++, each response is a *mixed* sequence: at every position the target's own
+token is committed, except with probability `mixing_ratio` (0.15 by default) the drafter's
+proposal is committed instead. At inference the head is asked about states whose prefix already
+holds drafted tokens (every position after the first of a round), so it must see such states in
+training; a pure target-generated sequence would never show it one.
+
+All of it happens in a single batched pass, both models stepping together with their caches: at
+each position the target's logits p and the drafter's logits q and last hidden state h are at
+hand, the drafter's proposal z is drawn from q, and the labels are what verification would say
+about z there. Then the next committed token is z (with probability `mixing_ratio`) or the
+target's own y. No second labelling pass over the text is needed.
+
+Two labels are recorded per position, so one collection serves heads for both rules:
+* `label_greedy`: 1 if argmax q == argmax p (greedy verification accepts the drafted token);
+* `label_sampling`: sum_x min(p_T(x), q_T(x)), the exact probability that lossless speculative
+  sampling at temperature T accepts a token drawn from q_T. We record this expectation rather
+  than min(1, p/q) of the one token drawn, or the sampled accept/reject outcome: all three have
+  the same mean given the state, and this one has zero sampling variance, so the head learns the
+  same function from fewer examples. (At T = 0 it equals the greedy label.)
+
+Collection is written in shards, one per batch of prompts, and resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdecode.acceptance_head import ModelIdentity
+from specdecode.config import SamplingConfig
+from specdecode.drafters import align_vocab
+from specdecode.kv_cache import CachedModel
+from specdecode.sampling import logits_to_probs
+
+EXAMPLES_FILE = "examples.safetensors"
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    max_new_tokens: int = 96
+    temperature: float = 0.7  # the target's responses and the sampling labels; 0 = greedy
+    mixing_ratio: float = 0.15
+    batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.mixing_ratio <= 1.0:
+            raise ValueError(f"mixing_ratio must be in [0, 1], got {self.mixing_ratio}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        SamplingConfig(self.temperature)  # validates the temperature
+
+
+def _draw(logits: torch.Tensor, sampling: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
+    """logits [batch, vocab] -> one token per row (argmax under greedy)."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, sampling)  # [batch, vocab]
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+@torch.no_grad()
+def collect_batch(
+    target: CachedModel,
+    drafter: CachedModel,
+    prompts: list[list[int]],
+    cfg: CollectConfig,
+    stop_ids: tuple[int, ...],
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """Mixed responses for a batch of prompts, with a labelled example at every position."""
+    sampling = SamplingConfig(cfg.temperature)
+    batch, width = len(prompts), max(map(len, prompts))
+    device = target.device
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+    valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):  # left-padded with holes
+        tokens[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+        valid[row, width - len(prompt) :] = True
+    target.reset(batch)
+    drafter.reset(batch)
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)  # [batch]
+    records: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "greedy", "soft", "row")}
+    positions = []
+    for step in range(cfg.max_new_tokens):
+        p_logits, _ = target.forward(tokens, valid, 1)
+        q_logits, hidden = drafter.forward(tokens, valid, 1, want_hidden=True)
+        p_logits = p_logits[:, -1].float()  # [batch, vocab]
+        q_logits = align_vocab(q_logits[:, -1].float(), vocab)  # [batch, vocab]
+        greedy = (q_logits.argmax(-1) == p_logits.argmax(-1)).float()  # [batch]
+        if sampling.greedy:
+            soft = greedy
+        else:
+            p_law, q_law = logits_to_probs(p_logits, sampling), logits_to_probs(q_logits, sampling)
+            soft = torch.minimum(p_law, q_law).sum(-1)  # [batch]
+        rows = alive.nonzero()[:, 0]
+        records["hidden"].append(hidden[rows, -1].half().cpu())
+        records["greedy"].append(greedy[rows].cpu())
+        records["soft"].append(soft[rows].clamp(0, 1).cpu())
+        records["row"].append(rows.cpu())
+        positions.append(torch.full((len(rows),), step))
+        own, proposal = _draw(p_logits, sampling, gen), _draw(q_logits, sampling, gen)
+        mix = torch.rand(batch, generator=gen, device=device) < cfg.mixing_ratio
+        nxt = torch.where(mix, proposal, own)  # [batch]
+        alive = alive & ~torch.isin(nxt, stops)
+        if not bool(alive.any()):
+            break
+        tokens, valid = nxt[:, None], alive[:, None]
+    return {
+        "hidden": torch.cat(records["hidden"]),  # [n, hidden]
+        "label_greedy": torch.cat(records["greedy"]),  # [n]
+        "label_sampling": torch.cat(records["soft"]),  # [n]
+        "row": torch.cat(records["row"]),  # [n] row of the batch
+        "position": torch.cat(positions),  # [n] index inside the response
+    }
+
+
+def collect(
+    target: torch.nn.Module,
+    drafter: torch.nn.Module,
+    prompts: list[list[int]],
+    out_dir: str | Path,
+    cfg: CollectConfig,
+    stop_ids: tuple[int, ...],
+    source: str = "",
+    progress: bool = True,
+) -> dict:
+    """Collect into `out_dir` (resuming finished shards) and merge into one examples file."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    shards = out / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "drafter": asdict(ModelIdentity.of(drafter)),
+        "target": asdict(ModelIdentity.of(target)),
+        "prompts": source,
+        "num_prompts": len(prompts),
+        **asdict(cfg),
+    }
+    old = out / META_FILE
+    if old.is_file():
+        before = json.loads(old.read_text())
+        same = {k: before.get(k) for k in meta} == meta
+        if not same:
+            raise ValueError(
+                f"{out} holds a collection made with other settings or models; "
+                "use a new --out directory or delete it"
+            )
+    started = time.perf_counter()
+    seconds = json.loads(old.read_text()).get("seconds", 0.0) if old.is_file() else 0.0
+    target_lm, drafter_lm = CachedModel(target, "target"), CachedModel(drafter, "drafter")
+    starts = range(0, len(prompts), cfg.batch_size)
+    for n, start in enumerate(tqdm(starts, desc="collect", unit="batch", disable=not progress)):
+        shard = shards / f"{n:05d}.safetensors"
+        if shard.is_file():
+            continue
+        gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
+        part = collect_batch(
+            target_lm, drafter_lm, prompts[start : start + cfg.batch_size], cfg, stop_ids, gen
+        )
+        part["prompt_index"] = part.pop("row") + start
+        save_file(part, shard)
+        meta["seconds"] = seconds + time.perf_counter() - started
+        old.write_text(json.dumps(meta, indent=1) + "\n")
+    parts = [load_file(path) for path in sorted(shards.glob("*.safetensors"))]
+    merged = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+    save_file(merged, out / EXAMPLES_FILE)
+    meta["num_examples"] = len(merged["label_greedy"])
+    meta["mean_label_greedy"] = float(merged["label_greedy"].mean())
+    meta["mean_label_sampling"] = float(merged["label_sampling"].mean())
+    meta["seconds"] = seconds + time.perf_counter() - started
+    old.write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
