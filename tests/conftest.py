@@ -94,3 +94,23 @@ def word_tokenizer(vocab: int = VOCAB, prefix: str = "t") -> PreTrainedTokenizer
 def _threads():
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """Saved tiny target and drafter directories (EOS t0) and a 4-prompt .jsonl file."""
+    import json
+
+    root = tmp_path_factory.mktemp("models")
+    paths = []
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        model = tiny_llama(seed, layers=layers)
+        model.generation_config.eos_token_id = 0
+        model.save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
+        paths.append(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"t{i} t{i + 1} t{i + 2}"}) + "\n" for i in range(5, 9))
+    )
+    return paths[0], paths[1], prompts

@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-from conftest import tiny_llama, word_tokenizer
 
 from specdecode.bench.methods import Method
 from specdecode.bench.metrics import (
@@ -58,23 +57,6 @@ def test_method_expansion_and_errors():
     assert [m.label for m in methods] == ["ar", "sd[k=2]", "sd[k=3]", "hf-assisted+dense"]
     with pytest.raises(ValueError, match="unknown method"):
         Method.expand(["nope"], [1])
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    paths = []
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        model = tiny_llama(seed, layers=layers)
-        model.generation_config.eos_token_id = 0
-        model.save_pretrained(root / name)
-        word_tokenizer().save_pretrained(root / name)
-        paths.append(root / name)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt": f"t{i} t{i + 1} t{i + 2}"}) + "\n" for i in range(5, 9))
-    )
-    return paths[0], paths[1], prompts
 
 
 def test_bench_smoke_run(tiny_pair, tmp_path, capsys):

@@ -24,6 +24,7 @@ from torch import nn
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
 RULES = ("greedy", "sampling")
+SHIPPED_DIR = Path(__file__).parent / "heads"  # heads trained by the project for default pairs
 
 
 class HeadMismatchError(ValueError):
@@ -129,10 +130,14 @@ class AcceptanceHead(nn.Module):
         """hidden [batch, hidden_size] -> P(accepted) [batch]."""
         return torch.sigmoid(self(hidden))
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Weights as safetensors (in `dtype` if given: fp16 halves a shipped head) + config."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        tensors = {
+            name: t.detach().to(dtype or t.dtype).contiguous().cpu()
+            for name, t in self.state_dict().items()
+        }
         save_file(tensors, directory / WEIGHTS_FILE)
         (directory / CONFIG_FILE).write_text(self.config.to_json() + "\n")
         return directory
@@ -172,3 +177,15 @@ def load_head(
     head = AcceptanceHead(config)
     head.load_state_dict(load_file(directory / WEIGHTS_FILE))
     return head.eval()
+
+
+def find_shipped_head(drafter: nn.Module, target: nn.Module, rule: str) -> Path | None:
+    """A head shipped with the package for exactly this drafter, target and rule, if any."""
+    want = (model_fingerprint(drafter), model_fingerprint(target), rule)
+    for config_path in sorted(SHIPPED_DIR.glob(f"*/{CONFIG_FILE}")):
+        config = HeadConfig.from_json(config_path.read_text())
+        if config.drafter is None or config.target is None:
+            continue
+        if (config.drafter.fingerprint, config.target.fingerprint, config.rule) == want:
+            return config_path.parent
+    return None

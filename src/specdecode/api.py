@@ -67,6 +67,7 @@ class SpeculativeDecoder:
         self.drafter = self._draft_lm.model if self._draft_lm is not None else None
         self.tokenizer = tokenizer
         self.acceptance_head = acceptance_head
+        self._shipped_heads: dict[str, torch.nn.Module | None] = {}
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.context = context_length(target)
 
@@ -169,15 +170,26 @@ class SpeculativeDecoder:
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
 
     def _checked_head(self, cfg: DecodeConfig, rule: str) -> torch.nn.Module | None:
-        """The head, if the policy needs one and it learnt the acceptance of this rule."""
+        """The head, if the policy needs one and it learnt the acceptance of this rule.
+
+        With no head loaded, a head shipped with the package for this exact pair and rule is
+        used, so the default models run `length_policy="head"` without any training.
+        """
+        if cfg.length_policy != "head":
+            return self.acceptance_head
         head = self.acceptance_head
-        if cfg.length_policy != "head" or head is None:
-            return head
-        learnt = getattr(getattr(head, "config", None), "rule", None)
-        if learnt is not None and learnt != rule:
+        if head is None:
+            if rule not in self._shipped_heads:
+                from specdecode.acceptance_head import find_shipped_head, load_head
+
+                found = find_shipped_head(self.drafter, self.target, rule)
+                self._shipped_heads[rule] = found and load_head(found, rule=rule)
+            return self._shipped_heads[rule]
+        if head.config.rule != rule:
             raise ValueError(
-                f"the acceptance head learnt {learnt} acceptance, but this call verifies with "
-                f"the {rule} rule; train a head with `specdecode head train --rule {rule}`"
+                f"the acceptance head learnt {head.config.rule} acceptance, but this call "
+                f"verifies with the {rule} rule; train a head with "
+                f"`specdecode head train --rule {rule}`"
             )
         return head
 

@@ -158,7 +158,6 @@ def cmd_collect(args: argparse.Namespace) -> int:
     # the decoder runs the same compatibility checks as decoding does, and encodes the prompts
     decoder = SpeculativeDecoder(target, tokenizer, drafter, draft_tokenizer)
     ids = decoder.encode([p.text for p in prompts], chat=args.chat)
-    source = f"{args.prompts}[{args.skip}:{args.skip + len(prompts)}]"
     meta = collect(
         target,
         drafter,
@@ -166,11 +165,13 @@ def cmd_collect(args: argparse.Namespace) -> int:
         args.out,
         cfg,
         decoder.default_stop_ids(),
-        source,
+        args.prompts,
+        args.skip,
         progress=not args.no_progress,
     )
+    span = f"{args.prompts}[{args.skip}:{args.skip + len(prompts)}]"
     print(
-        f"{meta['num_examples']} examples from {len(ids)} prompts ({source}) in "
+        f"{meta['num_examples']} examples from {len(ids)} prompts ({span}) in "
         f"{meta['seconds']:.0f} s; mean greedy acceptance {meta['mean_label_greedy']:.3f}, "
         f"mean sampling acceptance {meta['mean_label_sampling']:.3f}; written to {args.out}"
     )

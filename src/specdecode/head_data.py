@@ -92,8 +92,8 @@ def collect_batch(
     vocab = target.model.get_output_embeddings().weight.shape[0]
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)  # [batch]
-    records: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "greedy", "soft", "row")}
-    positions = []
+    keys = ("hidden", "greedy", "soft", "row", "position", "proposal", "token", "mixed")
+    records: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     for step in range(cfg.max_new_tokens):
         p_logits, _ = target.forward(tokens, valid, 1)
         q_logits, hidden = drafter.forward(tokens, valid, 1, want_hidden=True)
@@ -110,21 +110,22 @@ def collect_batch(
         records["greedy"].append(greedy[rows].cpu())
         records["soft"].append(soft[rows].clamp(0, 1).cpu())
         records["row"].append(rows.cpu())
-        positions.append(torch.full((len(rows),), step))
+        records["position"].append(torch.full((len(rows),), step))
         own, proposal = _draw(p_logits, sampling, gen), _draw(q_logits, sampling, gen)
         mix = torch.rand(batch, generator=gen, device=device) < cfg.mixing_ratio
         nxt = torch.where(mix, proposal, own)  # [batch]
+        records["proposal"].append(proposal[rows].cpu())
+        records["token"].append(nxt[rows].cpu())
+        records["mixed"].append(mix[rows].cpu())
         alive = alive & ~torch.isin(nxt, stops)
         if not bool(alive.any()):
             break
         tokens, valid = nxt[:, None], alive[:, None]
-    return {
-        "hidden": torch.cat(records["hidden"]),  # [n, hidden]
-        "label_greedy": torch.cat(records["greedy"]),  # [n]
-        "label_sampling": torch.cat(records["soft"]),  # [n]
-        "row": torch.cat(records["row"]),  # [n] row of the batch
-        "position": torch.cat(positions),  # [n] index inside the response
-    }
+    out = {key: torch.cat(parts) for key, parts in records.items()}
+    # hidden [n, hidden]; every other entry [n]: row of the batch, position in the response,
+    # the drafter's proposal there, the token committed there, and whether it was the proposal
+    out["label_greedy"], out["label_sampling"] = out.pop("greedy"), out.pop("soft")
+    return out
 
 
 def collect(
@@ -135,9 +136,14 @@ def collect(
     cfg: CollectConfig,
     stop_ids: tuple[int, ...],
     source: str = "",
+    skip: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Collect into `out_dir` (resuming finished shards) and merge into one examples file."""
+    """Collect into `out_dir` (resuming finished shards) and merge into one examples file.
+
+    `source` and `skip` name the prompts (the set, and how many of its first prompts were left
+    out); a later call with the same settings resumes, and may ask for more or fewer prompts.
+    """
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -147,18 +153,18 @@ def collect(
         "drafter": asdict(ModelIdentity.of(drafter)),
         "target": asdict(ModelIdentity.of(target)),
         "prompts": source,
-        "num_prompts": len(prompts),
+        "skip": skip,
         **asdict(cfg),
     }
     old = out / META_FILE
     if old.is_file():
         before = json.loads(old.read_text())
-        same = {k: before.get(k) for k in meta} == meta
-        if not same:
+        if {k: before.get(k) for k in meta} != meta:
             raise ValueError(
                 f"{out} holds a collection made with other settings or models; "
                 "use a new --out directory or delete it"
             )
+    meta["num_prompts"] = len(prompts)
     started = time.perf_counter()
     seconds = json.loads(old.read_text()).get("seconds", 0.0) if old.is_file() else 0.0
     target_lm, drafter_lm = CachedModel(target, "target"), CachedModel(drafter, "drafter")
@@ -171,11 +177,11 @@ def collect(
         part = collect_batch(
             target_lm, drafter_lm, prompts[start : start + cfg.batch_size], cfg, stop_ids, gen
         )
-        part["prompt_index"] = part.pop("row") + start
+        part["prompt_index"] = part.pop("row") + start  # index among the prompts after `skip`
         save_file(part, shard)
         meta["seconds"] = seconds + time.perf_counter() - started
         old.write_text(json.dumps(meta, indent=1) + "\n")
-    parts = [load_file(path) for path in sorted(shards.glob("*.safetensors"))]
+    parts = [load_file(shards / f"{n:05d}.safetensors") for n in range(len(starts))]
     merged = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     save_file(merged, out / EXAMPLES_FILE)
     meta["num_examples"] = len(merged["label_greedy"])

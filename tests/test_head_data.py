@@ -1,0 +1,260 @@
+"""Head data: labels equal what verification does, and collect -> train -> bench runs end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_llama
+from safetensors.torch import load_file
+
+from specdecode.cli import main
+from specdecode.config import SamplingConfig
+from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
+from specdecode.sampling import RowRandom, logits_to_probs
+from specdecode.verification import GreedyRule, LosslessSamplingRule
+
+PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+
+
+def collected(tmp_path, temperature: float, mixing: float = 0.3):
+    target, drafter = tiny_llama(0, init=0.2), tiny_llama(0, init=0.2)
+    torch.manual_seed(1)
+    with torch.no_grad():  # the same weights perturbed: partial agreement
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    cfg = CollectConfig(max_new_tokens=12, temperature=temperature, mixing_ratio=mixing)
+    collect(target, drafter, PROMPTS, tmp_path, cfg, stop_ids=(), progress=False)
+    return target, drafter, load_file(tmp_path / EXAMPLES_FILE)
+
+
+def prefixes(examples: dict) -> list[list[int]]:
+    """The committed sequence before every example, rebuilt from the recorded tokens."""
+    committed: dict[int, list[int]] = {}
+    order = sorted(
+        range(len(examples["position"])),
+        key=lambda i: (int(examples["prompt_index"][i]), int(examples["position"][i])),
+    )
+    rebuilt = [None] * len(order)
+    for i in order:
+        row = int(examples["prompt_index"][i])
+        seq = committed.setdefault(row, list(PROMPTS[row]))
+        rebuilt[i] = list(seq)
+        seq.append(int(examples["token"][i]))
+    return rebuilt
+
+
+@torch.no_grad()
+def fresh(model, prefix: list[int]):
+    out = model(torch.tensor([prefix]), output_hidden_states=True)
+    return out.logits[0, -1], out.hidden_states[-1][0, -1]
+
+
+def test_greedy_labels_are_what_greedy_verification_accepts(tmp_path):
+    target, drafter, ex = collected(tmp_path, temperature=0.0)
+    labels = ex["label_greedy"]
+    assert 0.1 < labels.mean() < 0.9, "the pair must give both accepts and rejects"
+    assert set(ex["prompt_index"].tolist()) == {0, 1, 2}
+    for i, prefix in enumerate(prefixes(ex)):
+        p_logits, _ = fresh(target, prefix)
+        q_logits, hidden = fresh(drafter, prefix)
+        proposal = q_logits.argmax()
+        assert int(ex["proposal"][i]) == int(proposal)
+        verdict = GreedyRule().verify(
+            proposal.view(1, 1),
+            None,
+            torch.stack([p_logits, p_logits])[None],
+            torch.ones(1, dtype=torch.long),
+            None,
+        )
+        assert int(verdict.num_accepted[0]) == int(labels[i])
+        torch.testing.assert_close(ex["hidden"][i].float(), hidden, atol=2e-2, rtol=1e-2)
+        expected = proposal if ex["mixed"][i] else p_logits.argmax()
+        assert int(ex["token"][i]) == int(expected)
+    assert 0 < ex["mixed"].float().mean() < 0.7
+
+
+def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path):
+    target, drafter, ex = collected(tmp_path, temperature=0.8)
+    sampling = SamplingConfig(0.8)
+    rule = LosslessSamplingRule(sampling)
+    for i, prefix in list(enumerate(prefixes(ex)))[:: max(1, len(ex["position"]) // 6)]:
+        p_logits, _ = fresh(target, prefix)
+        q_logits, _ = fresh(drafter, prefix)
+        p, q = (
+            logits_to_probs(p_logits[None], sampling)[0],
+            logits_to_probs(q_logits[None], sampling)[0],
+        )
+        assert float(ex["label_sampling"][i]) == pytest.approx(
+            float(torch.minimum(p, q).sum()), abs=1e-5
+        )
+        # Monte Carlo through the rule itself: draw from q, verify, count acceptances
+        n = 3000
+        gen = torch.Generator().manual_seed(i)
+        drafts = torch.multinomial(q, n, replacement=True, generator=gen)[:, None]  # [n, 1]
+        logits = torch.stack([p_logits, p_logits])[None].expand(n, 2, -1)
+        rng = RowRandom.for_batch(n, None, tuple(range(i * n, (i + 1) * n)))
+        verdict = rule.verify(
+            drafts, q.expand(n, 1, -1), logits, torch.ones(n, dtype=torch.long), rng
+        )
+        rate = verdict.num_accepted.float().mean().item()
+        assert rate == pytest.approx(float(ex["label_sampling"][i]), abs=0.035)
+
+
+def test_collection_resumes_and_refuses_other_settings(tmp_path):
+    target, drafter = tiny_llama(0), tiny_llama(1, layers=1)
+    cfg = CollectConfig(max_new_tokens=4, batch_size=2)
+    first = collect(target, drafter, PROMPTS[:2], tmp_path, cfg, (), progress=False)
+    more = collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
+    assert more["num_prompts"] == 3 and more["num_examples"] > first["num_examples"]
+    with pytest.raises(ValueError, match="other settings or models"):
+        collect(
+            target, drafter, PROMPTS, tmp_path, CollectConfig(max_new_tokens=5), (), progress=False
+        )
+
+
+def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
+    target, draft, prompts = tiny_pair
+    data, head, bench = tmp_path / "data", tmp_path / "head", tmp_path / "bench"
+    common = ["--target", str(target), "--draft", str(draft)]
+    assert (
+        main(
+            [
+                "head",
+                "collect",
+                *common,
+                "--prompts",
+                str(prompts),
+                "--skip",
+                "1",
+                "--max-new-tokens",
+                "16",
+                "--batch-size",
+                "2",
+                "--temperature",
+                "0",
+                "--out",
+                str(data),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["skip"] == 1 and meta["num_prompts"] == 3 and meta["mixing_ratio"] == 0.15
+    assert (
+        main(
+            [
+                "head",
+                "train",
+                str(data),
+                "--out",
+                str(head),
+                "--epochs",
+                "2",
+                "--batch-size",
+                "16",
+                "--val-fraction",
+                "0.34",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (head / "head.safetensors").is_file() and (head / "reliability.png").is_file()
+    code = main(
+        [
+            "bench",
+            *common,
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--methods",
+            "ar",
+            "sd",
+            "--num-draft-tokens",
+            "2",
+            "3",
+            "--length-policy",
+            "constant",
+            "heuristic",
+            "confidence",
+            "head",
+            "--stop-threshold",
+            "0.3",
+            "0.7",
+            "--head",
+            str(head),
+            "--bound",
+            "1",
+            "5",
+            "--out",
+            str(bench),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    record = json.loads((bench / "record.json").read_text())
+    assert record["ok"]
+    labels = {r["method"] for r in record["methods"]}
+    assert {
+        "sd[k=2]",
+        "sd[heuristic k0=3]",
+        "sd[confidence t=0.4]",
+        "sd[head t=0.3]",
+        "sd[head t=0.7]",
+    } <= labels
+    head_row = next(r for r in record["methods"] if r["method"] == "sd[head t=0.3]")
+    assert head_row["policy_seconds"] > 0 and head_row["policy_ms_per_drafted_token"] > 0
+    assert "leviathan_bound" not in head_row  # the bound assumes a constant k
+    assert {"policy_sweep.png", "policy_pareto.png"} <= {p.name for p in bench.iterdir()}
+    # the trained head drives generation from the command line too
+    assert (
+        main(
+            [
+                "generate",
+                *common,
+                "--prompt",
+                "t5 t6",
+                "--max-new-tokens",
+                "6",
+                "--length-policy",
+                "head",
+                "--head",
+                str(head),
+                "--json",
+            ]
+        )
+        == 0
+    )
+
+
+def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_path, capsys):
+    from specdecode.acceptance_head import AcceptanceHead, HeadConfig, ModelIdentity
+
+    target, draft, _ = tiny_pair
+    AcceptanceHead(HeadConfig(32, drafter=ModelIdentity("other", "0" * 16), target=None)).save(
+        tmp_path / "h"
+    )
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompt",
+            "t5",
+            "--length-policy",
+            "head",
+            "--head",
+            str(tmp_path / "h"),
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "trained for the drafter 'other'" in err and "specdecode head collect" in err

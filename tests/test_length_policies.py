@@ -1,0 +1,722 @@
+"""Length policies choose how many tokens a row drafts, never which, so no policy may change
+what is emitted.
+
+Four layers: each policy's decisions on hand-built inputs (exact thresholds, bounds, per-row
+state); the drafter's per-row stopping on tiny models; the acceptance head's weights, storage and
+refusals; and end to end, greedy outputs identical to plain decoding and sampled laws equal to
+the target's for every policy (with checks that the adaptive policies really vary the length,
+so those tests are not vacuous).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_llama, word_tokenizer
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from test_sampling_e2e import PROMPT as SAMPLE_PROMPT
+from test_sampling_e2e import SAMPLING, chi2, chi2_critical, exact_marginals
+from test_sampling_e2e import VOCAB as SMALL_VOCAB
+from torch import nn
+
+from specdecode import SpeculativeDecoder, api
+from specdecode.acceptance_head import (
+    AcceptanceHead,
+    HeadConfig,
+    HeadMismatchError,
+    ModelIdentity,
+    load_head,
+)
+from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.drafters import Draft, ModelDrafter
+from specdecode.kv_cache import CachedModel
+from specdecode.length_policies import (
+    ConfidenceLength,
+    ConstantLength,
+    DraftedPosition,
+    HeadLength,
+    HeuristicLength,
+    LengthPolicy,
+    make_policy,
+)
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def logit(a: float) -> float:
+    return math.log(a / (1 - a))
+
+
+class ColumnHead(nn.Module):
+    """A fake acceptance head: the logit is hidden[:, 0], so a test sets a = sigmoid(x) per row."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, 0]
+
+
+class ConstantHead(nn.Module):
+    """Every drafted token gets the same acceptance probability `a`."""
+
+    def __init__(self, a: float) -> None:
+        super().__init__()
+        self.value = logit(a)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.full(hidden.shape[:1], self.value)
+
+
+class RecordingHead(nn.Module):
+    """Wraps a head and keeps the acceptance probabilities it predicted, call by call."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.head(hidden)
+        self.seen.append(torch.sigmoid(out.double()))
+        return out
+
+
+class RecordingConfidence(ConfidenceLength):
+    """Never stops; keeps the drafter's top probability at each position."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__(0.0, 1, max_tokens)
+        self.seen: list[torch.Tensor] = []
+
+    def should_stop(self, position: DraftedPosition) -> torch.Tensor:
+        self.seen.append(position.logits.double().softmax(-1).max(-1).values)
+        return super().should_stop(position)
+
+
+def at(index: int, batch: int = 2, **fields: torch.Tensor | None) -> DraftedPosition:
+    """A drafted position; logits default to uniform (they matter to the confidence policy)."""
+    logits = fields.get("logits")
+    logits = torch.zeros(batch, 5) if logits is None else logits
+    return DraftedPosition(index, logits, fields.get("probs"), fields.get("hidden"))
+
+
+def acceptance_hidden(a: torch.Tensor) -> torch.Tensor:
+    """[batch] acceptance probabilities -> [batch, 2] hidden states for ColumnHead."""
+    return torch.stack([torch.logit(a.double()).float(), torch.zeros_like(a).float()], 1)
+
+
+def simulate_round(policy: LengthPolicy, acceptances: torch.Tensor, budget: list[int]) -> list[int]:
+    """Drive a head policy like `ModelDrafter.propose` does: tokens drafted per row this round.
+
+    acceptances: [batch, positions] the a_i the ColumnHead reports at each position.
+    """
+    limits = policy.round_limits(torch.tensor(budget))
+    lengths = [0] * len(budget)
+    active = [lim > 0 for lim in limits.tolist()]
+    for i in range(int(limits.max())):
+        for row, on in enumerate(active):
+            lengths[row] += int(on)
+        keep = policy.keep_drafting(at(i, len(budget), hidden=acceptance_hidden(acceptances[:, i])))
+        rows = zip(active, limits.tolist(), keep.tolist(), strict=True)
+        active = [on and lim > i + 1 and k for on, lim, k in rows]
+        if not any(active):
+            break
+    return lengths
+
+
+def first_stop(risks: list[float], h: float, low: int, high: int) -> int:
+    """The SpecDec++ rule, written out: the least m >= MIN whose risk exceeds h, else MAX."""
+    return next((m for m in range(low, high + 1) if risks[m - 1] > h), high)
+
+
+def noisy_copy(model: nn.Module, scale: float, seed: int = 7) -> nn.Module:
+    """A drafter close to the target: its weights plus a little noise (mixed acceptances)."""
+    close = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in close.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * p.std() * scale)
+    return close
+
+
+def spread_head(hidden_size: int, seed: int = 3, rule: str = "greedy") -> AcceptanceHead:
+    """A random head whose predictions spread over (0.5, 1): lengths then vary from row to row."""
+    torch.manual_seed(seed)
+    head = AcceptanceHead(HeadConfig(hidden_size=hidden_size, num_layers=2, rule=rule)).eval()
+    with torch.no_grad():
+        head.out.weight.mul_(6.0)
+        head.out.bias.fill_(1.5)
+    return head
+
+
+def padded(prompts: list[list[int]], extra: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    sequences = torch.zeros(len(prompts), max(map(len, prompts)) + extra, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        sequences[row, : len(prompt)] = torch.tensor(prompt)
+    return sequences, torch.tensor([len(p) for p in prompts])
+
+
+def draft_once(model: nn.Module, policy: LengthPolicy, prompts: list[list[int]], k: int) -> Draft:
+    """One greedy drafting round of a ModelDrafter over a ragged batch, each row allowed k."""
+    drafter = ModelDrafter(CachedModel(model), SamplingConfig(), VOCAB, policy)
+    drafter.start(len(prompts))
+    sequences, lens = padded(prompts)
+    return drafter.propose(sequences, lens, torch.full((len(prompts),), k), None)
+
+
+class RecordingDrafter(ModelDrafter):
+    """Keeps, per round, the budget each row had and how many tokens it drafted."""
+
+    rounds: ClassVar[list[tuple[list[int], list[int]]]] = []
+
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        draft = super().propose(sequences, seq_lens, max_tokens, rng)
+        RecordingDrafter.rounds.append((max_tokens.tolist(), draft.lengths.tolist()))
+        return draft
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int]]]:
+    """The decoder builds RecordingDrafters; the fixture returns their shared round log."""
+    monkeypatch.setattr(api, "ModelDrafter", RecordingDrafter)
+    monkeypatch.setattr(RecordingDrafter, "rounds", [])
+    return RecordingDrafter.rounds
+
+
+def chosen_lengths(rounds: list[tuple[list[int], list[int]]], high: int) -> set[int]:
+    """Draft lengths the policy chose, leaving out rows whose budget capped the round."""
+    return {
+        n for budget, lengths in rounds for b, n in zip(budget, lengths, strict=True) if b >= high
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# 1. decisions on hand-built inputs
+
+
+def test_constant_clamps_to_k_and_to_each_rows_budget() -> None:
+    policy = ConstantLength(3)
+    assert policy.round_limits(torch.tensor([0, 1, 3, 4, 50])).tolist() == [0, 1, 3, 3, 3]
+    assert policy.keep_drafting(at(0, 3)).tolist() == [True] * 3
+    assert not policy.stops_early and not policy.needs_hidden
+
+
+def test_heuristic_schedule_per_row() -> None:
+    """+2 after a fully accepted round, -1 otherwise, within [MIN, MAX]; rows are independent."""
+    policy = HeuristicLength(first=4, min_tokens=2, max_tokens=7)
+    policy.start(4, torch.device("cpu"))
+    assert policy.round_limits(torch.tensor([9, 9, 9, 3])).tolist() == [4, 4, 4, 3]
+    # row 0 all in, row 1 one rejected, row 2 drafted nothing (budget spent), row 3 capped and in
+    policy.observe(torch.tensor([4, 4, 0, 3]), torch.tensor([4, 3, 0, 3]))
+    assert policy.k.tolist() == [6, 3, 4, 6]
+    policy.observe(torch.tensor([6, 3, 4, 6]), torch.tensor([6, 0, 1, 6]))
+    assert policy.k.tolist() == [7, 2, 3, 7]  # clamped at MAX 7; 3 - 1 = 2
+    policy.observe(torch.tensor([7, 2, 3, 7]), torch.tensor([2, 0, 0, 7]))
+    assert policy.k.tolist() == [6, 2, 2, 7]  # never below MIN 2
+    assert policy.round_limits(torch.tensor([9, 9, 1, 9])).tolist() == [6, 2, 1, 7]
+    policy.select_rows(torch.tensor([3, 0]))
+    assert policy.k.tolist() == [7, 6]
+    policy.observe(torch.tensor([7, 6]), torch.tensor([0, 6]))
+    assert policy.k.tolist() == [6, 7]
+
+
+@pytest.mark.parametrize(("first", "low", "high", "start"), [(10, 1, 6, 6), (0, 2, 6, 2)])
+def test_heuristic_first_k_within_bounds(first: int, low: int, high: int, start: int) -> None:
+    policy = HeuristicLength(first, low, high)
+    policy.start(2, torch.device("cpu"))
+    assert policy.k.tolist() == [start, start]
+
+
+def confident_rows() -> torch.Tensor:
+    """Row 0: top probability 0.9; row 1: uniform over five tokens, top probability 0.2."""
+    probs = torch.tensor([[0.9, 0.025, 0.025, 0.025, 0.025], [0.2] * 5])
+    return probs.log()
+
+
+def test_confidence_stops_each_row_on_its_own() -> None:
+    policy = ConfidenceLength(0.4, 1, 6)
+    assert policy.round_limits(torch.tensor([2, 9])).tolist() == [2, 6]
+    assert policy.keep_drafting(at(0, logits=confident_rows())).tolist() == [True, False]
+    assert policy.keep_drafting(at(4, logits=confident_rows())).tolist() == [True, False]
+    flipped = confident_rows().flip(0)
+    assert policy.keep_drafting(at(0, logits=flipped)).tolist() == [False, True]
+
+
+def test_confidence_min_bound_forces_drafting() -> None:
+    policy = ConfidenceLength(0.4, 3, 6)
+    policy.round_limits(torch.tensor([6, 6]))
+    for index in (0, 1):  # index + 1 < MIN: go on whatever the confidence
+        assert policy.keep_drafting(at(index, logits=confident_rows())).tolist() == [True, True]
+    assert policy.keep_drafting(at(2, logits=confident_rows())).tolist() == [True, False]
+
+
+def test_confidence_reads_the_sampling_law_when_given() -> None:
+    """Under sampling the drawn-from law (after temperature, top-k) decides, not raw logits."""
+    policy = ConfidenceLength(0.4, 1, 6)
+    uniform_logits = torch.zeros(2, 5)
+    probs = confident_rows().exp()
+    assert policy.keep_drafting(at(0, logits=uniform_logits, probs=probs)).tolist() == [True, False]
+    assert policy.keep_drafting(at(0, logits=confident_rows(), probs=probs.flip(0))).tolist() == [
+        False,
+        True,
+    ]
+
+
+@pytest.mark.parametrize("delta", [-1e-4, 1e-4])
+def test_head_stops_exactly_when_risk_exceeds_threshold(delta: float) -> None:
+    """After a1 = 0.9 and a2 = 0.8 the risk 1 - a1 a2 is 0.28: stop iff 0.28 > h."""
+    h = 0.28 + delta
+    policy = HeadLength(ColumnHead(), h, 1, 6)
+    policy.round_limits(torch.tensor([6]))
+    assert policy.keep_drafting(at(0, 1, hidden=acceptance_hidden(torch.tensor([0.9])))).item()
+    keep = policy.keep_drafting(at(1, 1, hidden=acceptance_hidden(torch.tensor([0.8])))).item()
+    assert keep == (delta > 0)
+
+
+def test_head_per_row_and_reset_every_round() -> None:
+    policy = HeadLength(ColumnHead(), 0.3, 1, 6)
+    a = torch.tensor([[0.9, 0.8, 0.9, 0.9], [0.6, 0.99, 0.99, 0.99], [0.99] * 4])
+    # risks: row 0 0.1, 0.28, 0.352 (stop, keeping the 3rd); row 1 0.4; row 2 < 0.04 (never)
+    assert simulate_round(policy, a, [4, 4, 4]) == [3, 1, 4]
+    # a new round forgets the last one's product (else row 0 would stop at once)
+    assert simulate_round(policy, a, [4, 4, 2]) == [3, 1, 2]
+    direct = HeadLength(ColumnHead(), 0.3, 1, 6)
+    direct.round_limits(torch.tensor([6, 6]))
+    for _ in range(5):  # many confident positions in one round accumulate past the threshold...
+        direct.keep_drafting(at(0, hidden=acceptance_hidden(torch.tensor([0.95, 0.95]))))
+    direct.round_limits(torch.tensor([6, 6]))  # ...but the next round starts from zero risk
+    keep = direct.keep_drafting(at(0, hidden=acceptance_hidden(torch.tensor([0.95, 0.5]))))
+    assert keep.tolist() == [True, False]
+
+
+def test_head_min_bound_and_max_clamp() -> None:
+    policy = HeadLength(ColumnHead(), 0.3, 3, 5)
+    assert policy.round_limits(torch.tensor([0, 4, 5, 9])).tolist() == [0, 4, 5, 5]
+    low = torch.full((1, 6), 0.1)  # risk 0.9 from the first token on
+    assert simulate_round(policy, low, [9]) == [3]  # MIN 3 forces two more
+    high = torch.full((1, 6), 0.999)
+    assert simulate_round(policy, high, [9]) == [5]  # MAX ends the round
+
+
+def test_head_without_hidden_states_is_refused() -> None:
+    policy = HeadLength(ColumnHead(), 0.3, 1, 4)
+    policy.round_limits(torch.tensor([4]))
+    with pytest.raises(ValueError, match="hidden"):
+        policy.keep_drafting(at(0, 1))
+
+
+def test_make_policy_builds_each_policy_from_the_config() -> None:
+    constant = make_policy(DecodeConfig(num_draft_tokens=3))
+    assert isinstance(constant, ConstantLength) and constant.num_draft_tokens == 3
+    heuristic = make_policy(
+        DecodeConfig(num_draft_tokens=3, length_policy="heuristic", bound=(2, 5))
+    )
+    assert isinstance(heuristic, HeuristicLength)
+    assert (heuristic.first, heuristic.min_tokens, heuristic.max_tokens) == (3, 2, 5)
+    confidence = make_policy(DecodeConfig(length_policy="confidence"))
+    assert isinstance(confidence, ConfidenceLength)
+    assert (confidence.threshold, confidence.min_tokens, confidence.max_tokens) == (0.4, 1, 8)
+    head_cfg = DecodeConfig(length_policy="head", stop_threshold=0.2, bound=(2, 5))
+    head = make_policy(head_cfg, ColumnHead())
+    assert isinstance(head, HeadLength) and head.needs_hidden and head.stops_early
+    assert (head.threshold, head.min_tokens, head.max_tokens) == (0.2, 2, 5)
+    assert head_cfg.max_draft_tokens == 5 and DecodeConfig(num_draft_tokens=3).max_draft_tokens == 3
+
+
+def test_make_policy_head_without_a_head() -> None:
+    with pytest.raises(ValueError, match="needs an acceptance head"):
+        make_policy(DecodeConfig(length_policy="head"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(length_policy="oracle"), "unknown length policy 'oracle'"),
+        (
+            dict(length_policy="confidence", stop_threshold=0.0),
+            r"stop_threshold must be in \(0, 1\)",
+        ),
+        (dict(length_policy="head", stop_threshold=1.0), r"stop_threshold must be in \(0, 1\)"),
+        (dict(length_policy="head", stop_threshold=-0.2), r"stop_threshold must be in \(0, 1\)"),
+        (dict(length_policy="head", stop_threshold=float("nan")), "stop_threshold must be in"),
+        (dict(length_policy="constant", stop_threshold=0.5), "not 'constant'"),
+        (dict(length_policy="heuristic", stop_threshold=0.5), "not 'heuristic'"),
+        (dict(length_policy="head", bound=(5, 3)), "1 <= MIN <= MAX"),
+        (dict(length_policy="confidence", bound=(0, 3)), "1 <= MIN <= MAX"),
+    ],
+)
+def test_decode_config_refuses_bad_policy_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DecodeConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. per-row stopping inside the drafter
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [20, 21, 22, 23, 24], [40], [7, 7, 7, 7, 7, 7]]
+MAX = 6
+
+
+@pytest.fixture(scope="module")
+def peaked_drafter() -> nn.Module:
+    """A one-layer drafter with large weights: confident at some positions, not at others."""
+    return tiny_llama(seed=1, layers=1, init=0.5)
+
+
+def test_constant_head_ends_the_round_when_every_row_stops(peaked_drafter: nn.Module) -> None:
+    """a = 0.9 everywhere, h = 0.25: risks 0.1, 0.19, 0.271 -> three tokens, three forwards."""
+    draft = draft_once(peaked_drafter, HeadLength(ConstantHead(0.9), 0.25, 1, MAX), PROMPTS, MAX)
+    assert draft.lengths.tolist() == [3] * len(PROMPTS) and draft.forwards == 3
+    drafter = ModelDrafter(
+        CachedModel(peaked_drafter),
+        SamplingConfig(),
+        VOCAB,
+        HeadLength(ConstantHead(0.9), 0.25, 1, MAX),
+    )
+    drafter.start(2)
+    sequences, lens = padded(PROMPTS[:2])
+    draft = drafter.propose(sequences, lens, torch.tensor([MAX, 2]), None)
+    assert draft.lengths.tolist() == [3, 2] and draft.forwards == 3
+
+
+def spaced_threshold(
+    values: torch.Tensor, stops: Callable[[float], torch.Tensor], low: int, early: bool
+) -> tuple[float, list[int]]:
+    """A threshold, away from every observed value, under which rows stop at different places
+    (and, if `early`, all of them before MAX); with the lengths the rule predicts per row."""
+    levels = values.flatten().unique().sort().values
+    candidates = ((levels[1:] + levels[:-1]) / 2).tolist()
+    gaps = (levels[1:] - levels[:-1]).tolist()
+    for h, gap in sorted(zip(candidates, gaps, strict=True), key=lambda c: -c[1]):
+        if gap < 2e-3:
+            break
+        stop = stops(h)  # [batch, MAX]
+        lengths = [
+            next((m for m in range(low, MAX + 1) if stop[b, m - 1]), MAX)
+            for b in range(stop.shape[0])
+        ]
+        if len(set(lengths)) > 2 and (max(lengths) < MAX or not early):
+            return h, lengths
+    raise AssertionError("no threshold splits the rows; the test models no longer fit")
+
+
+@pytest.mark.parametrize("kind", ["head", "confidence"])
+def test_drafter_rows_stop_where_the_rule_says(peaked_drafter: nn.Module, kind: str) -> None:
+    """Per-row draft lengths follow the rule applied to what a never-stopping round saw; each
+    row drafts the same tokens as the row alone; the round costs the longest row's forwards."""
+    if kind == "head":
+        probe_head = RecordingHead(spread_head(32))
+        probe = draft_once(peaked_drafter, HeadLength(probe_head, 1.0, 1, MAX), PROMPTS, MAX)
+        acceptance = torch.stack(probe_head.seen, 1)  # [batch, MAX]
+        risk = 1 - acceptance.cumprod(1)
+        low = 1
+        h, expected = spaced_threshold(risk, lambda h: risk > h, low, early=True)
+
+        def policy() -> LengthPolicy:
+            return HeadLength(spread_head(32), h, low, MAX)
+    else:
+        recorder = RecordingConfidence(MAX)
+        probe = draft_once(peaked_drafter, recorder, PROMPTS, MAX)
+        top = torch.stack(recorder.seen, 1)  # [batch, MAX]
+        low = 2
+        h, expected = spaced_threshold(top, lambda h: top < h, low, early=False)
+
+        def policy() -> LengthPolicy:
+            return ConfidenceLength(h, low, MAX)
+
+    assert probe.lengths.tolist() == [MAX] * len(PROMPTS)
+    draft = draft_once(peaked_drafter, policy(), PROMPTS, MAX)
+    assert draft.lengths.tolist() == expected
+    assert draft.forwards == max(expected)
+    assert max(expected) < MAX or kind == "confidence"  # the head round ends early
+    for row, n in enumerate(expected):
+        assert draft.tokens[row, :n].tolist() == probe.tokens[row, :n].tolist()
+        alone = draft_once(peaked_drafter, policy(), [PROMPTS[row]], MAX)
+        assert alone.lengths.tolist() == [n] and alone.forwards == n
+        assert alone.tokens[0, :n].tolist() == draft.tokens[row, :n].tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# 3. the acceptance head: weights, storage, refusals
+
+
+def test_head_layers_have_their_own_weights() -> None:
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=16, num_layers=3))
+    weights = [block.linear.weight for block in head.blocks]
+    assert len({w.data_ptr() for w in weights}) == 3
+    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
+    assert sum(p.numel() for p in head.parameters()) == 3 * (16 * 16 + 16) + 16 + 1
+    before = weights[1].detach().clone()
+    with torch.no_grad():
+        weights[0].add_(1.0)
+    assert torch.equal(weights[1], before)
+
+
+def named(model: nn.Module, name: str) -> nn.Module:
+    model.config.name_or_path = f"tiny/{name}"
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair() -> dict[str, nn.Module]:
+    return {
+        "target": named(tiny_llama(seed=0), "target-a"),
+        "other_target": named(tiny_llama(seed=4), "target-b"),
+        "drafter": named(tiny_llama(seed=1, layers=1), "drafter-a"),
+        "other_drafter": named(tiny_llama(seed=2, layers=1), "drafter-b"),
+    }
+
+
+def saved_head(directory: Path, pair: dict[str, nn.Module], rule: str = "greedy") -> AcceptanceHead:
+    torch.manual_seed(5)
+    config = HeadConfig(
+        hidden_size=32,
+        rule=rule,
+        drafter=ModelIdentity.of(pair["drafter"]),
+        target=ModelIdentity.of(pair["target"]),
+    )
+    head = AcceptanceHead(config).eval()
+    head.save(directory)
+    return head
+
+
+def test_head_save_load_round_trip(tmp_path: Path, pair: dict[str, nn.Module]) -> None:
+    head = saved_head(tmp_path / "head", pair)
+    loaded = load_head(tmp_path / "head", drafter=pair["drafter"], target=pair["target"])
+    assert loaded.config == head.config and not loaded.training
+    hidden = torch.randn(7, 32)
+    assert torch.equal(loaded(hidden), head(hidden))
+
+
+@pytest.mark.parametrize("role", ["drafter", "target"])
+def test_head_for_another_model_is_refused(
+    tmp_path: Path, pair: dict[str, nn.Module], role: str
+) -> None:
+    saved_head(tmp_path / "head", pair)
+    given = dict(drafter=pair["drafter"], target=pair["target"])
+    given[role] = pair[f"other_{role}"]
+    with pytest.raises(HeadMismatchError) as error:
+        load_head(tmp_path / "head", **given)
+    message = str(error.value)
+    for model in (pair[role], pair[f"other_{role}"]):
+        identity = ModelIdentity.of(model)
+        assert identity.name in message and identity.fingerprint in message
+    assert role in message
+
+
+def test_head_rule_mismatch_is_refused(tmp_path: Path, pair: dict[str, nn.Module]) -> None:
+    saved_head(tmp_path / "head", pair, rule="greedy")
+    assert load_head(tmp_path / "head", rule="greedy").config.rule == "greedy"
+    with pytest.raises(HeadMismatchError, match=r"greedy acceptance.*sampling verification"):
+        load_head(tmp_path / "head", rule="sampling")
+
+
+def test_missing_head_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no acceptance head at .*head_config\.json") as e:
+        load_head(tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere") in str(e.value) and "specdecode head train" in str(e.value)
+
+
+@pytest.mark.parametrize(("rule", "temperature"), [("greedy", 0.8), ("sampling", 0.0)])
+def test_generate_refuses_a_head_of_the_other_rule(
+    pair: dict[str, nn.Module], rule: str, temperature: float
+) -> None:
+    head = AcceptanceHead(HeadConfig(hidden_size=32, rule=rule)).eval()
+    decoder = SpeculativeDecoder(pair["target"], drafter=pair["drafter"], acceptance_head=head)
+    with pytest.raises(ValueError, match=f"learnt {rule} acceptance"):
+        decoder.generate(
+            [[3, 4]], max_new_tokens=4, temperature=temperature, seed=0, length_policy="head"
+        )
+
+
+def test_generate_head_policy_without_head(pair: dict[str, nn.Module]) -> None:
+    decoder = SpeculativeDecoder(pair["target"], drafter=pair["drafter"])
+    with pytest.raises(ValueError, match="needs an acceptance head"):
+        decoder.generate([[3, 4]], max_new_tokens=4, length_policy="head")
+
+
+# --------------------------------------------------------------------------------------------
+# 4. outputs unchanged by every policy
+
+GREEDY_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [20, 21, 22, 23, 24], [40]]
+GREEDY_POLICIES: list[dict] = [
+    dict(length_policy="constant", num_draft_tokens=1),
+    dict(length_policy="constant", num_draft_tokens=3),
+    dict(length_policy="heuristic"),
+    dict(length_policy="confidence", stop_threshold=0.3),
+    dict(length_policy="confidence", stop_threshold=0.9),
+    *(
+        dict(length_policy="head", stop_threshold=h, bound=bound)
+        for h in (0.1, 0.5, 0.9)
+        for bound in ((1, 6), (2, 4))
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def greedy_models() -> dict[str, nn.Module]:
+    """Large weights make the models confident at some positions: adaptive lengths vary."""
+    target = tiny_llama(seed=0, init=0.8)
+    return {
+        "target": target,
+        "other": tiny_llama(seed=1, layers=1, init=0.8),  # almost every draft rejected
+        "same": target,  # every draft accepted: long rounds
+    }
+
+
+@pytest.mark.parametrize("drafter", ["other", "same"])
+def test_greedy_output_identical_under_every_policy(
+    greedy_models: dict[str, nn.Module],
+    recorded: list[tuple[list[int], list[int]]],
+    drafter: str,
+) -> None:
+    target = greedy_models["target"]
+    decoder = SpeculativeDecoder(
+        target, word_tokenizer(), greedy_models[drafter], acceptance_head=spread_head(32)
+    )
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    plain = decoder.generate(GREEDY_PROMPTS, use_drafter=False, **kw).new_tokens
+    varied = 0
+    for policy in GREEDY_POLICIES:
+        recorded.clear()
+        out = decoder.generate(GREEDY_PROMPTS, **kw, **policy)
+        assert out.new_tokens == plain, policy
+        total = out.stats.total
+        drafted = [n for _, lengths in recorded for n in lengths]
+        assert total.drafted == sum(drafted)
+        assert out.stats.drafter_forwards == sum(max(lengths) for _, lengths in recorded)
+        if drafter == "same":
+            assert total.acceptance_rate == 1.0
+        else:
+            assert total.recovered > 0
+        high = DecodeConfig(**policy).max_draft_tokens
+        chosen = chosen_lengths(recorded, high)
+        if policy["length_policy"] == "constant":
+            assert max(drafted) <= policy["num_draft_tokens"]
+        else:
+            low = policy.get("bound", (1, 8))[0]
+            assert min(chosen) >= low
+            assert max(drafted) <= high
+            varied += len(chosen) > 1
+    # every adaptive policy (heuristic, 2 confidence, 6 head) chose more than one length
+    assert varied == len(GREEDY_POLICIES) - 2, varied
+
+
+@pytest.fixture(scope="module")
+def small_models() -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
+    target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
+    drafter = tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1)
+    return target, drafter, exact_marginals(target)
+
+
+SAMPLE_ROWS = 2000
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(length_policy="confidence", stop_threshold=0.7, bound=(3, 4)),
+        dict(length_policy="head", stop_threshold=0.7, bound=(3, 4)),
+    ],
+)
+def test_sampled_law_equals_target_under_adaptive_policy(
+    small_models: tuple[nn.Module, nn.Module, list[torch.Tensor]],
+    recorded: list[tuple[list[int], list[int]]],
+    policy: dict,
+) -> None:
+    """The first three tokens of thousands of seeded rows follow the target's exact law.
+
+    Every row shares the prompt, and this drafter's first two tokens are near certain, so the
+    rows' decisions part from the third drafted position on: MIN 3, MAX 4 and five new tokens
+    make the first round stop at 3 for some rows and 4 for others.
+    """
+    target, drafter, marginals = small_models
+    head = spread_head(32, rule="sampling")
+    decoder = SpeculativeDecoder(target, drafter=drafter, acceptance_head=head)
+    out = decoder.generate(
+        [SAMPLE_PROMPT] * SAMPLE_ROWS,
+        max_new_tokens=5,
+        temperature=SAMPLING.temperature,
+        top_k=SAMPLING.top_k,
+        top_p=SAMPLING.top_p,
+        row_seeds=range(SAMPLE_ROWS),
+        stop_token_ids=[],
+        **policy,
+    )
+    first_round = recorded[0][1]
+    assert set(first_round) == {3, 4}, sorted(set(first_round))
+    tokens = torch.tensor(out.new_tokens)  # [rows, 5]
+    for position, law in enumerate(marginals):
+        stat, df = chi2(torch.bincount(tokens[:, position], minlength=SMALL_VOCAB).float(), law)
+        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+
+
+def test_sampling_rows_with_own_seeds_equal_rows_alone_head_policy(
+    recorded: list[tuple[list[int], list[int]]],
+) -> None:
+    target = tiny_llama(seed=0, init=0.3)
+    decoder = SpeculativeDecoder(
+        target,
+        drafter=noisy_copy(target, 0.05),
+        acceptance_head=spread_head(32, rule="sampling"),
+    )
+    seeds = [11, 22, 33, 44, 55]
+    kw = dict(
+        max_new_tokens=16,
+        temperature=0.9,
+        top_k=40,
+        top_p=0.95,
+        length_policy="head",
+        stop_threshold=0.5,
+        bound=(1, 6),
+        stop_token_ids=[],
+    )
+    batched = decoder.generate(PROMPTS, row_seeds=seeds, **kw).new_tokens
+    assert len(chosen_lengths(recorded, 6)) > 1
+    alone = [
+        decoder.generate([p], row_seeds=[s], **kw).new_tokens[0]
+        for p, s in zip(PROMPTS, seeds, strict=True)
+    ]
+    assert batched == alone
+    assert decoder.generate(PROMPTS, row_seeds=[s + 1 for s in seeds], **kw).new_tokens != batched
+
+
+# --------------------------------------------------------------------------------------------
+# 5. the SpecDec++ stopping rule, as a property
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.data(),
+    rows=st.integers(1, 3),
+    h=st.floats(0.01, 0.99),
+    low=st.integers(1, 4),
+    width=st.integers(0, 4),
+)
+def test_head_drafts_until_risk_exceeds_threshold(
+    data: st.DataObject, rows: int, h: float, low: int, width: int
+) -> None:
+    high = low + width
+    acceptances = data.draw(
+        st.lists(
+            st.lists(st.floats(0.02, 0.999), min_size=high, max_size=high),
+            min_size=rows,
+            max_size=rows,
+        )
+    )
+    # what the policy sees: float32 logits; the rule is applied to exactly those values
+    a = torch.sigmoid(torch.logit(torch.tensor(acceptances, dtype=torch.float64)).float().double())
+    risks = (1 - a.cumprod(1)).tolist()  # [rows, high]
+    assume(all(abs(r - h) > 1e-5 for row in risks for r in row))
+    policy = HeadLength(ColumnHead(), h, low, high)
+    got = simulate_round(policy, a.float(), [high + 3] * rows)
+    assert got == [first_stop(row, h, low, high) for row in risks]
