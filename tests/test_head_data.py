@@ -258,3 +258,44 @@ def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_
     assert code == 2
     err = capsys.readouterr().err
     assert "trained for the drafter 'other'" in err and "specdecode head collect" in err
+
+
+def test_policy_preview_matches_a_direct_simulation():
+    from specdecode.head_train import preview_policies
+
+    gen = torch.Generator().manual_seed(0)
+    label = (torch.rand(40, generator=gen) < 0.7).float()
+    pred = torch.rand(40, generator=gen) * 0.5 + 0.5
+    prompt = torch.tensor([0] * 25 + [1] * 15)
+    position = torch.cat([torch.arange(25), torch.arange(15)])
+    shuffle = torch.randperm(40, generator=gen)  # the preview must not rely on storage order
+    rows = preview_policies(
+        pred[shuffle], label[shuffle], prompt[shuffle], position[shuffle], bound=(2, 5)
+    )
+
+    def direct(stop_after) -> float:
+        total = []
+        for j in range(40):
+            end = 25 if j < 25 else 40
+            m = stop_after(j, end)
+            accepted = 0
+            while accepted < m and label[j + accepted] == 1:
+                accepted += 1
+            total.append(1 + accepted)
+        return sum(total) / len(total)
+
+    def head_stop(h):
+        def stop_after(j, end):
+            prod, m = 1.0, 0
+            while m < 5 and j + m < end:
+                prod *= float(pred[j + m])
+                m += 1
+                if m >= 2 and 1 - prod > h:
+                    break
+            return m
+
+        return stop_after
+
+    assert rows["k=3"]["tokens_per_round"] == pytest.approx(direct(lambda j, e: min(3, e - j)))
+    for h in (0.3, 0.6):
+        assert rows[f"head h={h:g}"]["tokens_per_round"] == pytest.approx(direct(head_stop(h)))

@@ -59,6 +59,7 @@ class TrainConfig:
     val_fraction: float = 0.15  # fraction of prompts (not positions) held out
     seed: int = 0
     warmup_ratio: float = 0.03  # linear warm-up over this fraction of steps, then cosine decay
+    half: bool = False  # save fp16 weights: half the size of a head that ships with a project
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -191,6 +192,7 @@ class HeadData:
     label_greedy: torch.Tensor  # [N] float32
     prompt_index: torch.Tensor  # [N] int64
     meta: dict[str, Any]
+    position: torch.Tensor | None = None  # [N] int64 index in the response
 
 
 def load_examples(data_dir: str | Path, rule: str) -> HeadData:
@@ -257,6 +259,7 @@ def load_examples(data_dir: str | Path, rule: str) -> HeadData:
         label_greedy=tensors["label_greedy"].float(),
         prompt_index=tensors["prompt_index"].long(),
         meta=meta,
+        position=tensors["position"].long(),
     )
 
 
@@ -441,13 +444,23 @@ def train_head(
             "mean_label": _nan_to_none(mean_label),
             "counts": counts.tolist(),
         },
+        "policy_preview": (
+            preview_policies(
+                best_val[0].cpu(),
+                best_val[1].cpu(),
+                data.prompt_index[val_rows],
+                data.position[val_rows],
+            )
+            if data.position is not None
+            else None
+        ),
         "device": str(accelerator.device),
         "num_processes": accelerator.num_processes,
         "head_dir": str(out_dir),
     }
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        final.save(out_dir)
+        final.save(out_dir, torch.float16 if config.half else None)
         title = f"{config.rule} head (reject weight {config.reject_weight:g}), val"
         result["reliability_plot"] = plot_reliability(
             *best_val, out_dir / RELIABILITY_FILE, title_prefix=title
@@ -458,6 +471,59 @@ def train_head(
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     return result
+
+
+PREVIEW_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def preview_policies(
+    pred: torch.Tensor,
+    label: torch.Tensor,
+    prompt_index: torch.Tensor,
+    position: torch.Tensor,
+    bound: tuple[int, int] = (1, 8),
+    cost: float = 0.15,
+) -> dict[str, dict[str, float]]:
+    """What each stop threshold (and each constant k) would do on held-out responses.
+
+    A round may start at every position of a response; the head stops it once
+    1 - prod(pred) > h (within `bound`); its expected tokens are 1 + sum_m prod_{i<=m} label_i
+    (exact for greedy 0/1 labels, the expectation for sampling ones). `est_speed` prices a
+    drafted token at `cost` target steps and a verify pass at one step: a rough guide for
+    choosing thresholds to benchmark, not a measurement (the states here follow the mixed
+    collection sequences, not real drafts).
+    """
+    # pred, label, prompt_index, position: [N]
+    order = torch.argsort(prompt_index * (int(position.max()) + 1) + position)
+    pred, label, prompt = pred[order].double(), label[order].double(), prompt_index[order]
+    low, high = bound
+    n = len(pred)
+    # windows[j, m] = the m-th position of a round starting at j (same response, else absent)
+    idx = torch.arange(n)[:, None] + torch.arange(high)[None, :]  # [N, MAX]
+    inside = (idx < n) & (prompt[idx.clamp(max=n - 1)] == prompt[:, None])
+    idx = idx.clamp(max=n - 1)
+    keep_p = torch.where(inside, pred[idx], 0.0).cumprod(1)  # [N, MAX] predicted all-accepted
+    keep_l = torch.where(inside, label[idx], 0.0).cumprod(1)  # [N, MAX] actual all-accepted
+    available = inside.sum(1)  # [N]
+
+    def outcome(drafted: torch.Tensor) -> dict[str, float]:
+        drafted = torch.minimum(drafted, available)
+        used = torch.arange(high)[None, :] < drafted[:, None]
+        tokens = 1 + (keep_l * used).sum(1)
+        per_round, cost_round = tokens.mean(), 1 + cost * drafted.double().mean()
+        return {
+            "tokens_per_round": float(per_round),
+            "drafted_per_round": float(drafted.double().mean()),
+            "est_speed": float(per_round / cost_round),
+        }
+
+    rows = {f"k={k}": outcome(torch.full((n,), k)) for k in range(1, high + 1)}
+    steps = torch.arange(1, high + 1)[None, :]  # [1, MAX]
+    for h in PREVIEW_THRESHOLDS:
+        stop = (1 - keep_p > h) & (steps >= low)  # [N, MAX] a stop after token m
+        first = torch.where(stop, steps, high).min(1).values
+        rows[f"head h={h:g}"] = outcome(first)
+    return rows
 
 
 def _constant_baseline(
