@@ -212,6 +212,10 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     assert head_row["policy_seconds"] > 0 and head_row["policy_ms_per_drafted_token"] > 0
     assert "leviathan_bound" not in head_row  # the bound assumes a constant k
     assert {"policy_sweep.png", "policy_pareto.png"} <= {p.name for p in bench.iterdir()}
+    compared = {c["method"]: c for c in record["policy_comparison"]}
+    assert compared["sd[head t=0.3]"]["best_constant"] in ("sd[k=2]", "sd[k=3]")
+    assert compared["sd[heuristic k0=3]"]["batches"] == 2
+    assert "against the best constant k" in (bench / "table.md").read_text()
     # the trained head drives generation from the command line too
     assert (
         main(

@@ -6,6 +6,48 @@ import json
 from pathlib import Path
 
 
+def policy_comparison(record: dict) -> list[dict]:
+    """Each adaptive policy against the best constant k of the same drafter and batch size.
+
+    The ratio is the geometric mean over prompt batches of (policy speed / best constant speed),
+    both measured on the same batch in the same interleaved round, so drift cancels.
+    """
+    from specdecode.bench.metrics import geometric_mean
+
+    rows = [r for r in record["methods"] if r.get("policy")]
+    out = []
+    for r in rows:
+        if r["policy"] == "constant":
+            continue
+        family = r["method"].split("[")[0]
+        constants = [
+            c
+            for c in rows
+            if c["policy"] == "constant"
+            and c["method"].split("[")[0] == family
+            and c["batch_size"] == r["batch_size"]
+        ]
+        if not constants:
+            continue
+        best = max(constants, key=lambda c: c["speedup"]["geomean"])
+        ratios = [
+            a / b for a, b in zip(r["per_batch_speedup"], best["per_batch_speedup"], strict=True)
+        ]
+        out.append(
+            {
+                "method": r["method"],
+                "batch_size": r["batch_size"],
+                "best_constant": best["method"],
+                "vs_best_constant": geometric_mean(ratios),
+                "wins": sum(x > 1 for x in ratios),
+                "batches": len(ratios),
+                "policy_ms_per_drafted_token": r.get("policy_ms_per_drafted_token"),
+                "policy_share_of_time": r.get("policy_share_of_time"),
+            }
+        )
+    return out
+
+
 def markdown_table(record: dict) -> str:
     cfg = record["config"]
     lines = [
@@ -50,6 +92,25 @@ def markdown_table(record: dict) -> str:
             f"{fmt('verify_cost_in_steps_in_run')} | {fmt('policy_ms_per_drafted_token', 3)} | "
             f"{fmt('model_gib', 1)} | {same} |"
         )
+    comparison = policy_comparison(record)
+    if comparison:
+        lines += [
+            "",
+            "Adaptive length policies against the best constant k (geomean of per-batch ratios):",
+            "",
+            "| policy | batch | best constant | speed vs best constant | batches won "
+            "| policy ms/drafted token | policy share of time |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in comparison:
+            ms = c["policy_ms_per_drafted_token"]
+            share = c["policy_share_of_time"]
+            lines.append(
+                f"| {c['method']} | {c['batch_size']} | {c['best_constant']} | "
+                f"{c['vs_best_constant']:.3f} | {c['wins']}/{c['batches']} | "
+                f"{'-' if ms is None else f'{ms:.3f}'} | "
+                f"{'-' if share is None else f'{100 * share:.2f}%'} |"
+            )
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]
     lines += ["", f"Peak memory (process RSS): {record['peak_rss_gib']:.1f} GiB."]

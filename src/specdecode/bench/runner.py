@@ -286,7 +286,7 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
             add_bounds(row, method)
         row["model_gib"] = memory.get(method.kind)
         summary.append(row)
-    return {
+    record = {
         "config": asdict(cfg),
         "machine": machine_info(),
         "costs": costs,
@@ -295,3 +295,7 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
         "methods": summary,
         "ok": not any(r["mismatches"] for r in summary),
     }
+    from specdecode.bench.report import policy_comparison
+
+    record["policy_comparison"] = policy_comparison(record)
+    return record
