@@ -188,7 +188,8 @@ def make_policy(cfg: DecodeConfig, head: torch.nn.Module | None = None) -> Lengt
         return ConfidenceLength(cfg.policy_threshold, low, high)
     if head is None:
         raise ValueError(
-            "length policy 'head' needs an acceptance head; load one (e.g. "
-            "SpeculativeDecoder.load_head(path) or --head PATH)"
+            "length policy 'head' needs an acceptance head: none was loaded, and none ships for "
+            "this drafter, target and verification rule; train one (`specdecode head collect`, "
+            "`specdecode head train`) and pass it (--head DIR, or SpeculativeDecoder.load_head)"
         )
     return HeadLength(head, cfg.policy_threshold, low, high)

@@ -107,8 +107,10 @@ class LosslessSamplingRule:
         target_probs = logits_to_probs(target_logits, self.sampling)  # [batch, k + 1, vocab]
         if draft_probs is None:  # a deterministic drafter proposes with probability one
             draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1])
-        draft_probs = draft_probs.to(target_probs.dtype)
-        # a zero row after the draft: at index k the residual is the target itself (bonus)
+        # laws past a row's own draft are padding (rows of a batch draft different lengths):
+        # zero them, so that after a full acceptance the residual is the target itself (bonus)
+        drafted = drafted_mask(num_drafted, k)  # [batch, k]
+        draft_probs = draft_probs.to(target_probs.dtype) * drafted[..., None]
         padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
         uniforms = rng.uniform((num_drafted + 1).tolist(), target_probs.device)  # [batch, <=k+1]
         uniforms = torch.nn.functional.pad(uniforms, (0, k + 1 - uniforms.shape[1]))
@@ -116,10 +118,10 @@ class LosslessSamplingRule:
         p_tok = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
         q_tok = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
         keep = uniforms[:, :k] < acceptance_probability(p_tok, q_tok)  # [batch, k]
-        accept = keep & drafted_mask(num_drafted, k)
+        accept = keep & drafted
         num_accepted = leading_true(accept)  # [batch]
         at = num_accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
-        # padded has a zero row at index k, so after a full acceptance this is the target (bonus)
+        # padded is zero from each row's num_drafted on: after a full acceptance, the target
         residual = residual_law(target_probs.gather(1, at), padded.gather(1, at)).squeeze(1)
         resample_u = uniforms.gather(1, num_drafted[:, None]).squeeze(1)  # [batch]
         return Verdict(num_accepted, sample_from(residual, resample_u))

@@ -60,8 +60,6 @@ class BenchConfig:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:
             raise ValueError(f"unknown length policies {unknown}; known: {', '.join(POLICIES)}")
-        if "head" in self.policies and self.head is None:
-            raise ValueError("the head policy needs --head DIR (a trained acceptance head)")
         for t in (*self.stop_thresholds, *self.confidence_thresholds):
             if not 0.0 < t < 1.0:
                 raise ValueError(f"thresholds must be in (0, 1), got {t}")

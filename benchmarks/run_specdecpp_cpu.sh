@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# SpecDec++ on the default pair (qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b int8 drafter), CPU.
+# 1. collect head data on HumanEval prompts 40..103 (the evaluation uses prompts 0..5, so the two
+#    never meet), 96 new tokens, responses at temperature 0.7, mixing ratio 0.15;
+# 2. train a greedy head and a sampling head (fp16, shipped in src/specdecode/heads/);
+# 3. bench constant k, heuristic, confidence and head on HumanEval (in distribution) and MT-Bench
+#    (out of distribution for a head trained on code), greedy and temperature 0.7, batch 1.
+# Collection takes about 40 minutes on 2 cores, training a few minutes, each bench about 15.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+data=${SPECDECODE_CACHE:-$HOME/.cache/specdecode}/heads/data-humaneval-40-104
+heads=src/specdecode/heads
+specdecode head collect --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
+  --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --out "$data"
+for rule in greedy sampling; do
+  specdecode head train "$data" --rule "$rule" --half --no-progress \
+    --out "$heads/qwen2.5-coder-0.5b-for-1.5b-$rule" | tee "benchmarks/specdecpp-train-$rule.txt"
+done
+thresholds_greedy=${THRESHOLDS_GREEDY:-"0.5 0.7 0.8"}
+thresholds_sampling=${THRESHOLDS_SAMPLING:-"0.5 0.7 0.8"}
+for prompts in humaneval mtbench; do
+  for temperature in 0 0.7; do
+    if [ "$temperature" = 0 ]; then mode=greedy; th=$thresholds_greedy; else mode=t07; th=$thresholds_sampling; fi
+    specdecode bench --prompts $prompts --limit 6 --max-new-tokens 64 --temperature $temperature \
+      --seed 0 --methods ar sd-int8 --num-draft-tokens 3 4 5 \
+      --length-policy constant heuristic confidence head --stop-threshold $th --bound 1 8 \
+      --out benchmarks/specdecpp-$prompts-$mode --quiet
+  done
+done
