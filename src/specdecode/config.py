@@ -74,6 +74,11 @@ class DecodeConfig:
             if not (math.isfinite(self.stop_threshold) and 0.0 < self.stop_threshold < 1.0):
                 raise ValueError(f"stop_threshold must be in (0, 1), got {self.stop_threshold}")
         if self.bound is not None:
+            if self.length_policy == "constant":
+                raise ValueError(
+                    "bound (MIN, MAX) applies to the adaptive length policies; the constant "
+                    "policy drafts num_draft_tokens every round"
+                )
             low, high = self.bound
             if not (1 <= low <= high):
                 raise ValueError(f"bound must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
