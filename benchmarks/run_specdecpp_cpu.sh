@@ -5,7 +5,7 @@
 # 2. train a greedy head and a sampling head (fp16, shipped in src/specdecode/heads/);
 # 3. bench constant k, heuristic, confidence and head on HumanEval (in distribution) and MT-Bench
 #    (out of distribution for a head trained on code), greedy and temperature 0.7, batch 1.
-# Collection takes about 20-25 minutes on 2 cores, training 15-20 s per head, each bench about 15.
+# Collection takes about 20-25 minutes on 2 cores, training 15-20 s per head, each bench 15-25.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data=${SPECDECODE_CACHE:-$HOME/.cache/specdecode}/heads/data-humaneval-40-104
@@ -16,14 +16,17 @@ for rule in greedy sampling; do
   specdecode head train "$data" --rule "$rule" --half --no-progress \
     --out "$heads/qwen2.5-coder-0.5b-for-1.5b-$rule" | tee "benchmarks/specdecpp-train-$rule.txt"
 done
-thresholds_greedy=${THRESHOLDS_GREEDY:-"0.3 0.5 0.7"}
-thresholds_sampling=${THRESHOLDS_SAMPLING:-"0.3 0.5 0.7"}
-for prompts in humaneval mtbench; do
-  for temperature in 0 0.7; do
-    if [ "$temperature" = 0 ]; then mode=greedy; th=$thresholds_greedy; else mode=t07; th=$thresholds_sampling; fi
-    specdecode bench --prompts $prompts --limit 6 --max-new-tokens 64 --temperature $temperature \
-      --seed 0 --methods ar sd-int8 --num-draft-tokens 3 4 5 \
-      --length-policy constant heuristic confidence head --stop-threshold $th --bound 1 8 \
-      --out benchmarks/specdecpp-$prompts-$mode --quiet
-  done
-done
+# HumanEval: 6 prompts, thresholds 0.3 0.5 0.7; MT-Bench (longer, slower rounds): 4 prompts and
+# the two thresholds that led on HumanEval, to fit the session.
+run() {  # prompts limit temperature thresholds...
+  local prompts=$1 limit=$2 temperature=$3; shift 3
+  local mode=greedy; [ "$temperature" != 0 ] && mode=t07
+  specdecode bench --prompts "$prompts" --limit "$limit" --max-new-tokens 64 \
+    --temperature "$temperature" --seed 0 --methods ar sd-int8 --num-draft-tokens 3 4 5 \
+    --length-policy constant heuristic confidence head --stop-threshold "$@" --bound 1 8 \
+    --out "benchmarks/specdecpp-$prompts-$mode" --quiet
+}
+run humaneval 6 0 0.3 0.5 0.7
+run humaneval 6 0.7 0.3 0.5 0.7
+run mtbench 4 0 0.5 0.7
+run mtbench 4 0.7 0.5 0.7
