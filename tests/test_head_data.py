@@ -303,3 +303,30 @@ def test_policy_preview_matches_a_direct_simulation():
     assert rows["k=3"]["tokens_per_round"] == pytest.approx(direct(lambda j, e: min(3, e - j)))
     for h in (0.3, 0.6):
         assert rows[f"head h={h:g}"]["tokens_per_round"] == pytest.approx(direct(head_stop(h)))
+
+
+def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch):
+    """A head shipped in the package is used for its pair and rule only, with no loading step."""
+    from specdecode import acceptance_head
+    from specdecode.acceptance_head import AcceptanceHead, HeadConfig, ModelIdentity, load_head
+    from specdecode.api import SpeculativeDecoder
+
+    for shipped in sorted(acceptance_head.SHIPPED_DIR.glob("*/head_config.json")):
+        head = load_head(shipped.parent)  # every shipped head loads and names its pair
+        assert head.config.rule in ("greedy", "sampling") and head.config.drafter is not None
+
+    target, drafter = tiny_llama(0), tiny_llama(1, layers=1)
+    monkeypatch.setattr(acceptance_head, "SHIPPED_DIR", tmp_path)
+    config = HeadConfig(
+        32, rule="greedy", drafter=ModelIdentity.of(drafter), target=ModelIdentity.of(target)
+    )
+    AcceptanceHead(config).save(tmp_path / "pair-greedy")
+    assert acceptance_head.find_shipped_head(drafter, target, "greedy") == tmp_path / "pair-greedy"
+    assert acceptance_head.find_shipped_head(drafter, target, "sampling") is None
+    assert acceptance_head.find_shipped_head(tiny_llama(2), target, "greedy") is None
+    decoder = SpeculativeDecoder(target, drafter=drafter)
+    out = decoder.generate([[5, 6, 7]], max_new_tokens=8, length_policy="head", stop_token_ids=[])
+    plain = decoder.generate([[5, 6, 7]], max_new_tokens=8, use_drafter=False, stop_token_ids=[])
+    assert out.new_tokens == plain.new_tokens and out.stats.policy_seconds > 0
+    with pytest.raises(ValueError, match="none ships for this drafter"):
+        decoder.generate([[5, 6, 7]], max_new_tokens=8, length_policy="head", temperature=0.7)
