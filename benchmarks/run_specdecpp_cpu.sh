@@ -30,3 +30,7 @@ run humaneval 6 0 0.3 0.5 0.7
 run humaneval 6 0.7 0.3 0.5 0.7
 run mtbench 4 0 0.5 0.7
 run mtbench 4 0.7 0.5 0.7
+# the sampling head stops early at 0.3-0.7: a rerun with higher thresholds
+specdecode bench --prompts humaneval --limit 6 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 4 5 --length-policy constant head \
+  --stop-threshold 0.8 0.9 --bound 1 8 --out benchmarks/specdecpp-humaneval-t07-high-thresholds --quiet
