@@ -183,7 +183,7 @@ class SpeculativeDecoder:
                 from specdecode.acceptance_head import find_shipped_head, load_head
 
                 found = find_shipped_head(self.drafter, self.target, rule)
-                self._shipped_heads[rule] = found and load_head(found, rule=rule)
+                self._shipped_heads[rule] = load_head(found, rule=rule) if found else None
             return self._shipped_heads[rule]
         if head.config.rule != rule:
             raise ValueError(

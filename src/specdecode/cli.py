@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from specdecode.config import POLICIES
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +28,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
     parser.add_argument(
         "--length-policy",
-        choices=["constant", "heuristic", "confidence", "head"],
+        choices=POLICIES,
         default="constant",
         help="how many tokens to draft per round (head: SpecDec++, needs --head)",
     )

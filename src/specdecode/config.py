@@ -62,8 +62,8 @@ class DecodeConfig:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.row_seeds is not None and any(not isinstance(s, int) for s in self.row_seeds):
             raise ValueError(f"row_seeds must be integers, got {self.row_seeds}")
-        if self.length_policy not in POLICY_DEFAULT_THRESHOLDS:
-            known = ", ".join(POLICY_DEFAULT_THRESHOLDS)
+        if self.length_policy not in POLICIES:
+            known = ", ".join(POLICIES)
             raise ValueError(f"unknown length policy {self.length_policy!r}; known: {known}")
         if self.stop_threshold is not None:
             if self.length_policy not in ("confidence", "head"):
@@ -102,4 +102,5 @@ class DecodeConfig:
 
 # `transformers`' assistant_confidence_threshold default, and the SpecDec++ scripts' threshold
 POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.3}
+POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound

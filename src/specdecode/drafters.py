@@ -51,8 +51,11 @@ class Drafter(Protocol):
         rng: RowRandom | None,
     ) -> Draft: ...
 
-    def rollback(self, lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Keep `lengths[b]` committed tokens per row; `num_accepted[b]` of the draft survived."""
+    def rollback(
+        self, lengths: torch.Tensor, num_drafted: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
+        """Keep `lengths[b]` committed tokens per row; `num_accepted[b]` of the
+        `num_drafted[b]` drafted tokens survived."""
         ...
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
@@ -87,7 +90,6 @@ class ModelDrafter:
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.policy = policy
-        self.last_lengths = torch.zeros(0, dtype=torch.long)  # [batch] drafted last round
 
     def start(self, batch_size: int) -> None:
         self.lm.reset(batch_size)
@@ -100,10 +102,10 @@ class ModelDrafter:
         limit_list = limits.tolist()
         width = max(limit_list, default=0)
         if width == 0:
-            self.last_lengths = limits
             return Draft.empty(len(limit_list), sequences.device)
         tokens, valid = self.lm.pending(sequences, seq_lens)  # [batch, n_pending]
-        active = [lim > 0 for lim in limit_list]  # rows drafting position i (host copy)
+        active = limits > 0  # [batch] rows drafting position i
+        active_host = [lim > 0 for lim in limit_list]  # the same, for the per-row draws
         lengths = torch.zeros_like(limits)  # [batch]
         drafted, laws, policy_seconds = [], [], 0.0
         invalid = torch.zeros((), dtype=torch.bool, device=sequences.device)
@@ -117,35 +119,31 @@ class ModelDrafter:
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [batch, vocab]
                 # only rows still drafting draw a number: a row's stream depends on it alone
-                draws = rng.uniform([int(a) for a in active], probs.device)
+                draws = rng.uniform([int(a) for a in active_host], probs.device)
                 token = sample_from(probs, draws[:, 0])
                 laws.append(probs)
             drafted.append(token)
-            now = torch.tensor(active, device=limits.device)  # [batch]
-            lengths = lengths + now
-            go_on = now & (limits > i + 1)  # [batch] rows that will draft position i + 1
+            lengths = lengths + active
+            go_on = active & (limits > i + 1)  # [batch] rows that will draft position i + 1
             if policy.stops_early:
                 t0 = time.perf_counter()
                 last = hidden[:, -1] if hidden is not None else None  # [batch, hidden]
                 go_on = go_on & policy.keep_drafting(DraftedPosition(i, logits, probs, last))
                 policy_seconds += time.perf_counter() - t0
-                active = go_on.tolist()  # the per-position host sync adaptive lengths need
-                if not any(active):
+                active_host = go_on.tolist()  # the per-position host sync adaptive lengths need
+                if not any(active_host):
                     break
             else:
-                active = [i + 1 < lim for lim in limit_list]
+                active_host = [i + 1 < lim for lim in limit_list]
             # feed d_i only to rows that will draft position i + 1
-            tokens = token[:, None]
-            valid = go_on[:, None]
+            active, tokens, valid = go_on, token[:, None], go_on[:, None]
         probs = torch.stack(laws, 1) if laws else None  # [batch, drafted, vocab]
-        self.last_lengths = lengths
         return Draft(torch.stack(drafted, 1), probs, lengths, len(drafted), invalid, policy_seconds)
 
-    def rollback(self, lengths: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
         self.lm.truncate(lengths)
-        self.policy.observe(self.last_lengths, num_accepted)
+        self.policy.observe(num_drafted, num_accepted)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.lm.select_rows(rows)
         self.policy.select_rows(rows)
-        self.last_lengths = self.last_lengths.index_select(0, rows.to(self.last_lengths.device))

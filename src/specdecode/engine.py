@@ -105,7 +105,7 @@ def speculative_step(
     committed = batch.seq_lens + verdict.num_accepted  # [batch] cache keeps these tokens
     target.truncate(committed)
     if drafter is not None:
-        drafter.rollback(committed, verdict.num_accepted)
+        drafter.rollback(committed, draft.lengths, verdict.num_accepted)
     block, counts, done = batch.commit(draft, verdict.num_accepted, verdict.next_tokens)
     stats.verify_seconds += time.perf_counter() - t1
     stats.draft_seconds += t1 - t0

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from specdecode.config import DecodeConfig
+from specdecode.config import POLICIES, DecodeConfig
 
 
 @dataclass(frozen=True)
@@ -174,22 +174,25 @@ class HeadLength(_StopRule):
         return -torch.expm1(self.log_all_accepted) > self.threshold  # 1 - prod a_i > h
 
 
-POLICIES = ("constant", "heuristic", "confidence", "head")
-
-
-def make_policy(cfg: DecodeConfig, head: torch.nn.Module | None = None) -> LengthPolicy:
-    """A fresh policy (policies keep per-row state) for one decoding call."""
-    low, high = cfg.draft_bound
-    if cfg.length_policy == "constant":
-        return ConstantLength(cfg.num_draft_tokens)
-    if cfg.length_policy == "heuristic":
-        return HeuristicLength(cfg.num_draft_tokens, low, high)
-    if cfg.length_policy == "confidence":
-        return ConfidenceLength(cfg.policy_threshold, low, high)
+def _head_policy(cfg: DecodeConfig, head: torch.nn.Module | None) -> HeadLength:
     if head is None:
         raise ValueError(
             "length policy 'head' needs an acceptance head: none was loaded, and none ships for "
             "this drafter, target and verification rule; train one (`specdecode head collect`, "
             "`specdecode head train`) and pass it (--head DIR, or SpeculativeDecoder.load_head)"
         )
-    return HeadLength(head, cfg.policy_threshold, low, high)
+    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound)
+
+
+BUILDERS = {
+    "constant": lambda cfg, head: ConstantLength(cfg.num_draft_tokens),
+    "heuristic": lambda cfg, head: HeuristicLength(cfg.num_draft_tokens, *cfg.draft_bound),
+    "confidence": lambda cfg, head: ConfidenceLength(cfg.policy_threshold, *cfg.draft_bound),
+    "head": _head_policy,
+}
+assert tuple(BUILDERS) == POLICIES
+
+
+def make_policy(cfg: DecodeConfig, head: torch.nn.Module | None = None) -> LengthPolicy:
+    """A fresh policy (policies keep per-row state) for one decoding call."""
+    return BUILDERS[cfg.length_policy](cfg, head)

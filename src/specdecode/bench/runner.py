@@ -133,13 +133,16 @@ def step_seconds(model: torch.nn.Module, context: list[int], n: int, reps: int =
     return sorted(times[1:])[reps // 2]
 
 
-def calibrate(models: Models, methods: list[Method], context: list[int]) -> dict:
-    """Drafter/target step-cost ratio c, and the cost of a verify pass in target steps."""
+def calibrate(
+    models: Models, methods: list[Method], context: list[int], longest_round: int = 0
+) -> dict:
+    """Drafter/target step-cost ratio c, and the cost of a verify pass in target steps.
+
+    `longest_round` adds every round length up to it (adaptive policies draft 1..MAX tokens).
+    """
     step = step_seconds(models.target, context, 1)
-    ks = sorted({m.k for m in methods if m.k is not None})
+    ks = sorted({m.k for m in methods if m.k is not None} | set(range(1, longest_round + 1)))
     costs = {"target_step_s": step, "verify_cost_in_steps": {}, "c": {}}
-    if any(m.adaptive for m in methods):
-        ks = sorted({*ks, *range(1, max(m.k for m in methods if m.adaptive) + 1)})
     for k in ks:
         costs["verify_cost_in_steps"][k] = step_seconds(models.target, context, k + 1) / step
     for kind in sorted({m.kind for m in methods if m.k is not None or m.kind == "hf-assisted"}):
@@ -160,7 +163,8 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
         models.decoder("ar").default_stop_ids(),
         tuple(cfg.bound),
     )
-    costs = calibrate(models, methods, prompt_ids[0])
+    longest = cfg.bound[1] if any(m.adaptive for m in methods) else 0
+    costs = calibrate(models, methods, prompt_ids[0], longest)
     warm = Settings(
         8, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, settings.stop_token_ids, cfg.bound
     )
