@@ -1,0 +1,179 @@
+"""What the seq2seq trainers share: token-budget batches, the inverse-square-root schedule,
+resumable checkpoints, a wall-clock budget, and greedy BLEU on the validation split.
+
+Training runs on a 2-core CPU within a session, so every trainer is resumable: the model,
+optimizer, scheduler, step counter and random states are saved every few minutes, and the same
+command picks up where it stopped. `accelerate` drives the loop, so the same command uses a GPU
+(or several) where there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The parts of a training run every trainer has."""
+
+    lr: float = 1e-3
+    warmup: int = 400
+    max_tokens: int = 2048  # target tokens per batch (PARALLEL.md: 4096 was worse on CPU)
+    minutes: float = 30.0  # wall-clock budget of this call (resume to go on)
+    max_steps: int = 0  # 0: no step limit
+    eval_minutes: float = 5.0
+    checkpoint_minutes: float = 5.0
+    clip_norm: float = 3.0
+    weight_decay: float = 1e-5
+    seed: int = 0
+    threads: int = 0  # 0: all cores
+
+
+def inverse_sqrt(warmup: int) -> Callable[[int], float]:
+    """Linear warm-up to the peak, then lr * sqrt(warmup / step), as fairseq's `inverse_sqrt`."""
+
+    def factor(step: int) -> float:
+        step = max(step, 1)
+        return step / warmup if step < warmup else math.sqrt(warmup / step)
+
+    return factor
+
+
+def token_batches(
+    lengths: Sequence[int], max_tokens: int, rng: random.Random, max_rows: int = 512
+) -> list[list[int]]:
+    """Indices grouped by similar length, each batch's padded size within `max_tokens`, shuffled.
+
+    Sorting by length (with a random tie-break) keeps padding low; shuffling whole batches keeps
+    the order random between epochs.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random()))
+    batches, current, longest = [], [], 0
+    for i in order:
+        longest_if = max(longest, lengths[i])
+        if current and (longest_if * (len(current) + 1) > max_tokens or len(current) >= max_rows):
+            batches.append(current)
+            current, longest_if = [], lengths[i]
+        current.append(i)
+        longest = longest_if
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+@dataclass
+class LoopState:
+    """Progress that survives a restart."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    seconds: float = 0.0
+    best_bleu: float = -1.0
+    history: list | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Checkpointer:
+    """`<dir>/last/` holds the resumable state, `<dir>/best/` the best model by validation BLEU."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.last = directory / "last"
+        self.best = directory / "best"
+
+    def exists(self) -> bool:
+        return (self.last / "state.json").exists()
+
+    def save(self, model, optimizer, scheduler, state: LoopState, save_model: Callable) -> None:
+        tmp = self.directory / "last.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_model(model, tmp)
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            },
+            tmp / "optimizer.pt",
+        )
+        (tmp / "state.json").write_text(json.dumps(state.to_json(), indent=1))
+        if self.last.exists():
+            old = self.directory / "last.old"
+            self.last.rename(old)
+            tmp.rename(self.last)
+            _rmtree(old)
+        else:
+            tmp.rename(self.last)
+
+    def restore(self, optimizer, scheduler) -> LoopState:
+        blob = torch.load(self.last / "optimizer.pt", weights_only=False)
+        optimizer.load_state_dict(blob["optimizer"])
+        scheduler.load_state_dict(blob["scheduler"])
+        torch.set_rng_state(blob["torch_rng"])
+        random.setstate(blob["python_rng"])
+        return LoopState(**json.loads((self.last / "state.json").read_text()))
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Clock:
+    """Wall-clock budget and periodic events (evaluation, checkpoints)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.start = time.monotonic()
+        self.budget = minutes * 60
+        self.marks: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def out_of_time(self) -> bool:
+        return self.elapsed() >= self.budget
+
+    def every(self, name: str, minutes: float) -> bool:
+        last = self.marks.setdefault(name, self.start)
+        if time.monotonic() - last >= minutes * 60:
+            self.marks[name] = time.monotonic()
+            return True
+        return False
+
+
+def epoch_batches(
+    lengths: Sequence[int], cfg: LoopConfig, state: LoopState
+) -> Iterator[tuple[int, list[int]]]:
+    """Batches from the current epoch on, skipping those a resumed run already trained on."""
+    while True:
+        batches = token_batches(lengths, cfg.max_tokens, random.Random(cfg.seed * 1000 + state.epoch))
+        for b in range(state.batch_in_epoch, len(batches)):
+            state.batch_in_epoch = b + 1
+            yield state.epoch, batches[b]
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+
+def corpus_bleu(hypotheses: list[str], references: list[list[str]]) -> float:
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(hypotheses, references).score)
