@@ -95,6 +95,10 @@ class CachedModel:
         self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
+    def _rollback_layers(self) -> list:
+        """The cache layers whose slots follow `slot_pos` (all layers of a decoder-only model)."""
+        return self.cache.layers
+
     @property
     def physical_len(self) -> int:
         return self.slot_pos.shape[1]
@@ -140,7 +144,7 @@ class CachedModel:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows stop costing compute)."""
         rows = rows.to(self.device)
-        for layer in self.cache.layers:
+        for layer in self._rollback_layers():
             if layer.keys is not None and layer.keys.numel():
                 layer.keys = layer.keys.index_select(0, rows)
                 layer.values = layer.values.index_select(0, rows)
@@ -171,7 +175,7 @@ class CachedModel:
             self.compact()
 
     def _crop(self, keep: int) -> None:
-        for layer in self.cache.layers:
+        for layer in self._rollback_layers():
             if layer.keys is not None and layer.keys.numel():
                 layer.keys = layer.keys[:, :, :keep]
                 layer.values = layer.values[:, :, :keep]
@@ -183,7 +187,7 @@ class CachedModel:
         # stable sort on validity: holes (0) first, valid slots (1) after, in physical order
         order = torch.sort((self.slot_pos >= 0).int(), dim=1, stable=True).indices
         index = order[:, self.physical_len - width :]  # [batch, width]
-        for layer in self.cache.layers:
+        for layer in self._rollback_layers():
             if layer.keys is not None and layer.keys.numel():
                 b, h, _, d = layer.keys.shape
                 gather = index[:, None, :, None].expand(b, h, width, d)

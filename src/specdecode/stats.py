@@ -94,6 +94,17 @@ class DecodeStats:
             total = total.merge(row)
         return total
 
+    def absorb(self, part: DecodeStats, rows: list[int]) -> None:
+        """Add the figures of a sub-batch whose row i is row `rows[i]` of this one."""
+        for i, row in enumerate(rows):
+            self.rows[row] = self.rows[row].merge(part.rows[i])
+        self.target_forwards += part.target_forwards
+        self.drafter_forwards += part.drafter_forwards
+        self.draft_seconds += part.draft_seconds
+        self.verify_seconds += part.verify_seconds
+        self.policy_seconds += part.policy_seconds
+        self.wall_seconds += part.wall_seconds
+
     def as_dict(self) -> dict:
         return {
             "total": self.total.as_dict(),

@@ -10,6 +10,12 @@ One protocol, several rules, chosen by name from `RULES`:
   normalize(max(0, target_probs - draft_probs)); if all are accepted, a bonus token is sampled
   from the target. The output distribution equals the target's.
 
+* `top-beta-tau`: SpecDec's relaxed rule (Xia et al., 2023) for a deterministic drafter. A draft
+  token is accepted while it is among the target's top-beta tokens at its position and its
+  log-probability is within tau of the top-1's; the first that fails is replaced by the target's
+  top-1. beta = 1 is exactly greedy; beta > 1 trades fidelity for longer accepted runs, so its
+  output is approximate (`exact` is False and every report marks it).
+
 Vocabulary of the outcome (vLLM's): *accepted* draft tokens, a *recovered* token after a
 rejection, a *bonus* token when everything was accepted. Every row has its own number of drafted
 tokens (`num_drafted`), so rows stop drafting independently.
@@ -127,8 +133,61 @@ class LosslessSamplingRule:
         return Verdict(num_accepted, sample_from(residual, resample_u))
 
 
-def make_rule(name: str | None, sampling: SamplingConfig) -> VerificationRule:
+@dataclass(frozen=True)
+class TopBetaTau:
+    """Parameters of the relaxed rule; the defaults are those of SpecDec's inference script."""
+
+    beta: int = 5
+    tau: float = 3.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
+            raise ValueError(f"beta must be an integer >= 1, got {self.beta!r}")
+        if not (self.tau >= 0 and self.tau != float("inf")):
+            raise ValueError(f"tau must be a finite number >= 0, got {self.tau}")
+
+    @property
+    def exact(self) -> bool:
+        return self.beta == 1
+
+    @property
+    def label(self) -> str:
+        return "b=1" if self.exact else f"b={self.beta},t={self.tau:g}"
+
+
+class TopBetaTauRule:
+    """Accept a draft token while it is in the target's top-beta and within tau of the top-1."""
+
+    name = "top-beta-tau"
+
+    def __init__(self, sampling: SamplingConfig, params: TopBetaTau | None = None) -> None:
+        if not sampling.greedy:
+            raise ValueError("top-beta-tau is a deterministic rule; use temperature 0")
+        self.params = params or TopBetaTau()
+        self.exact = self.params.exact
+
+    def verify(self, draft_tokens, draft_probs, target_logits, num_drafted, rng) -> Verdict:
+        k = draft_tokens.shape[1]
+        logp = target_logits[:, :k].float().log_softmax(-1)  # [batch, k, vocab]
+        top = logp.topk(self.params.beta, dim=-1)  # values, indices: [batch, k, beta]
+        in_top = (top.indices == draft_tokens[..., None]).any(-1)  # [batch, k]
+        draft_logp = logp.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, k]
+        close = top.values[..., 0] - draft_logp <= self.params.tau  # [batch, k]
+        accept = in_top & close & drafted_mask(num_drafted, k)
+        num_accepted = leading_true(accept)  # [batch]
+        best = target_logits.argmax(-1)  # [batch, k + 1]
+        next_tokens = best.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+        return Verdict(num_accepted, next_tokens)
+
+
+def make_rule(
+    name: str | None, sampling: SamplingConfig, relaxed: TopBetaTau | None = None
+) -> VerificationRule:
     """Pick a rule by name; `None` means greedy at temperature 0 and lossless sampling above."""
+    if relaxed is not None and name != "top-beta-tau":
+        raise ValueError(f"beta/tau parameters belong to the top-beta-tau rule, not {name!r}")
+    if name == "top-beta-tau":
+        return TopBetaTauRule(sampling, relaxed)
     if name is None:
         name = "greedy" if sampling.greedy else "sampling"
     if name not in RULES:
@@ -141,4 +200,5 @@ def make_rule(name: str | None, sampling: SamplingConfig) -> VerificationRule:
 RULES: dict[str, Callable[[SamplingConfig], VerificationRule]] = {
     "greedy": GreedyRule,
     "sampling": LosslessSamplingRule,
+    "top-beta-tau": TopBetaTauRule,
 }

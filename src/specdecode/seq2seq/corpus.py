@@ -121,7 +121,8 @@ def download_debs(dest: Path, packages: Iterable[DebPackage] = PACKAGES) -> list
                 done = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
             if done.returncode != 0 or not path.exists():
                 raise CorpusError(
-                    f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-400:]}"
+                    f"`{' '.join(cmd)}` failed (exit {done.returncode}): "
+                    f"{done.stderr.strip()[-400:]}"
                 )
         got = sha256(path)
         if got != pkg.sha256:
@@ -135,7 +136,8 @@ def download_debs(dest: Path, packages: Iterable[DebPackage] = PACKAGES) -> list
 def unpack_debs(debs: Iterable[Path], dest: Path) -> Path:
     """Unpack the .deb files into ``dest``; return the SWORD library root inside it."""
     for deb in debs:
-        done = subprocess.run(["dpkg-deb", "-x", str(deb), str(dest)], capture_output=True, text=True)
+        cmd = ["dpkg-deb", "-x", str(deb), str(dest)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise CorpusError(f"dpkg-deb -x {deb.name} failed: {done.stderr.strip()[-400:]}")
     return dest / "usr" / "share" / "sword"
@@ -186,7 +188,9 @@ def read_module(sword_dir: Path, module: str) -> dict[tuple[str, int, int], str]
     modules = SwordModules(str(sword_dir))
     found = modules.parse_modules()
     if module not in found:
-        raise CorpusError(f"SWORD module {module} not found under {sword_dir} (found {sorted(found)})")
+        raise CorpusError(
+            f"SWORD module {module} not found under {sword_dir} (found {sorted(found)})"
+        )
     bible = modules.get_bible_from_module(module)
     # pysword re-decompresses a whole block for every verse; verses are read in order, so a
     # small cache of decompressed blocks turns a minute per module into seconds.
@@ -226,7 +230,8 @@ def align(
         if nt > MAX_WORDS or ns > MAX_WORDS or not RATIO[0] <= nt / ns <= RATIO[1]:
             continue
         book, chapter, verse = key
-        pairs.append(Verse(f"{book_names.get(book, book)} {chapter}:{verse}", s, t, ref2.get(key, "")))
+        ref = f"{book_names.get(book, book)} {chapter}:{verse}"
+        pairs.append(Verse(ref, s, t, ref2.get(key, "")))
     return pairs
 
 

@@ -165,7 +165,8 @@ def epoch_batches(
 ) -> Iterator[tuple[int, list[int]]]:
     """Batches from the current epoch on, skipping those a resumed run already trained on."""
     while True:
-        batches = token_batches(lengths, cfg.max_tokens, random.Random(cfg.seed * 1000 + state.epoch))
+        rng = random.Random(cfg.seed * 1000 + state.epoch)
+        batches = token_batches(lengths, cfg.max_tokens, rng)
         for b in range(state.batch_in_epoch, len(batches)):
             state.batch_in_epoch = b + 1
             yield state.epoch, batches[b]

@@ -97,7 +97,8 @@ def read_pairs(path: Path | None) -> tuple[list[str], list[str]]:
 
 
 def init_from(model, source_dir: Path) -> None:
-    """Copy every parameter whose name and shape match (a shallower decoder takes the first layers)."""
+    """Copy every parameter whose name and shape match (a shallower decoder takes the first
+    layers)."""
     from transformers import MarianMTModel
 
     source = MarianMTModel.from_pretrained(str(source_dir)).state_dict()
@@ -107,15 +108,22 @@ def init_from(model, source_dir: Path) -> None:
 
 
 @torch.no_grad()
-def translate(model, tokenizer, sources: list[str], batch_size: int = 64, max_new: int = 160) -> list[str]:
-    """Greedy translations with `generate`, in length-sorted batches (validation and distillation)."""
+def translate(
+    model, tokenizer, sources: list[str], batch_size: int = 64, max_new: int = 160
+) -> list[str]:
+    """Greedy translations with `generate`, in length-sorted batches (validation, distillation)."""
     model.eval()
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[str] = [""] * len(sources)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        enc = tokenizer([sources[i] for i in idx], return_tensors="pt", padding=True,
-                        truncation=True, max_length=model.config.max_position_embeddings)
+        enc = tokenizer(
+            [sources[i] for i in idx],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=model.config.max_position_embeddings,
+        )
         gen = model.generate(**enc, num_beams=1, do_sample=False, max_new_tokens=max_new)
         for i, text in zip(idx, tokenizer.batch_decode(gen, skip_special_tokens=True), strict=True):
             out[i] = text
@@ -184,7 +192,11 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         hyps = translate(accelerator.unwrap_model(model), tokenizer, [v.src for v in valid])
         bleu = corpus_bleu(hyps, [[v.tgt for v in valid]])
         state.history.append(
-            {"step": state.step, "minutes": round(state.seconds / 60, 2), "valid_bleu": round(bleu, 2)}
+            {
+                "step": state.step,
+                "minutes": round(state.seconds / 60, 2),
+                "valid_bleu": round(bleu, 2),
+            }
         )
         if bleu > state.best_bleu:
             state.best_bleu = bleu
@@ -197,9 +209,12 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(accelerator.device)
         labels = pad([tgt_ids[i] for i in rows], -100).to(accelerator.device)  # [b, T]
         dec_in = labels.masked_fill(labels == -100, tokenizer.pad_token_id)
-        dec_in = torch.cat([torch.full_like(dec_in[:, :1], model.config.decoder_start_token_id), dec_in[:, :-1]], 1)
+        start = torch.full_like(dec_in[:, :1], model.config.decoder_start_token_id)
+        dec_in = torch.cat([start, dec_in[:, :-1]], 1)  # shifted right
         logits = model(
-            input_ids=src, attention_mask=(src != tokenizer.pad_token_id).long(), decoder_input_ids=dec_in
+            input_ids=src,
+            attention_mask=(src != tokenizer.pad_token_id).long(),
+            decoder_input_ids=dec_in,
         ).logits  # [b, T, vocab]
         loss = loss_fn(logits.flatten(0, 1), labels.flatten())
         accelerator.backward(loss)
@@ -211,7 +226,8 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         tokens_seen += int((labels != -100).sum())
         state.seconds = seconds_before + clock.elapsed()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch, tok_s=f"{tokens_seen / clock.elapsed():.0f}")
+        rate = tokens_seen / clock.elapsed()
+        bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch, tok_s=f"{rate:.0f}")
         done = clock.out_of_time() or (loop.max_steps and state.step >= loop.max_steps)
         if clock.every("eval", loop.eval_minutes) or done:
             evaluate()

@@ -1,0 +1,120 @@
+"""Translate with an encoder-decoder verifier and (optionally) a block drafter: SpecDec.
+
+    pair = TranslationPair.from_dir("path/to/pair")           # or load_pair() for the shipped one
+    out = pair.translate(["En el principio crió Dios los cielos y la tierra."])
+    out.texts, out.stats.tokens_per_target_call
+
+`translate` runs the core engine (`engine.decode`) with `CachedSeq2Seq` as the target: the encoder
+runs once per batch, the decoder cache is rolled back per row, and the rule is exact greedy,
+lossless sampling, or SpecDec's relaxed top-beta/tau (approximate when beta > 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.engine import decode
+from specdecode.seq2seq.block_drafter import BlockDrafter
+from specdecode.seq2seq.cached import CachedSeq2Seq
+from specdecode.seq2seq.nar_drafter import NARDrafter
+from specdecode.stats import DecodeStats, RowStats
+from specdecode.verification import TopBetaTau, make_rule
+
+
+@dataclass(frozen=True)
+class TranslationOutput:
+    texts: list[str]
+    token_ids: list[list[int]]  # without the decoder start token and the final </s>
+    stats: DecodeStats
+    exact: bool  # False when a relaxed rule (beta > 1) may have changed the output
+
+
+class TranslationPair:
+    """A verifier (any `transformers` encoder-decoder), its tokenizer, and an optional drafter."""
+
+    def __init__(self, verifier, tokenizer, drafter: BlockDrafter | None = None) -> None:
+        self.verifier = verifier.eval()
+        self.tokenizer = tokenizer
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.cached = CachedSeq2Seq(self.verifier)
+        if drafter is not None and drafter.cfg.vocab_size != verifier.config.vocab_size:
+            raise ValueError(
+                f"drafter vocabulary ({drafter.cfg.vocab_size}) differs from the verifier's "
+                f"({verifier.config.vocab_size}); they must share the tokenizer"
+            )
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, dtype: torch.dtype = torch.float32) -> TranslationPair:
+        """`<dir>/verifier` (a `save_pretrained` model + tokenizer) and optional `<dir>/drafter`."""
+        from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+        directory = Path(directory)
+        verifier_dir = directory / "verifier"
+        if not (verifier_dir / "config.json").exists():
+            raise FileNotFoundError(f"{directory} holds no verifier ({verifier_dir}/config.json)")
+        verifier = AutoModelForSeq2SeqLM.from_pretrained(str(verifier_dir), dtype=dtype)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(verifier_dir))
+        drafter_dir = directory / "drafter"
+        drafter = BlockDrafter.load(drafter_dir).to(dtype) if drafter_dir.exists() else None
+        return cls(verifier, tokenizer, drafter)
+
+    def translate(
+        self,
+        sources: list[str],
+        *,
+        block_size: int = 25,
+        beta: int = 1,
+        tau: float = 3.0,
+        use_drafter: bool = True,
+        batch_size: int = 32,
+        max_new_tokens: int = 200,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> TranslationOutput:
+        if not sources:
+            raise ValueError("no sources to translate")
+        if use_drafter and self.drafter is None:
+            raise ValueError("this pair has no drafter; pass use_drafter=False for plain decoding")
+        sampling = SamplingConfig(temperature=temperature)
+        relaxed = TopBetaTau(beta, tau)
+        if not relaxed.exact and not sampling.greedy:
+            raise ValueError("beta > 1 (top-beta/tau) is defined for greedy decoding only")
+        rule = (
+            make_rule("top-beta-tau", sampling, relaxed)
+            if not relaxed.exact
+            else make_rule(None, sampling)
+        )
+        cfg = DecodeConfig(
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=block_size,
+            sampling=sampling,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+            seed=seed,
+        )
+        drafter = NARDrafter(self.drafter, self.cached, block_size) if use_drafter else None
+        stats = DecodeStats([RowStats() for _ in sources])
+        token_ids: list[list[int]] = [[] for _ in sources]
+        for start in range(0, len(sources), batch_size):
+            rows = list(range(start, min(start + batch_size, len(sources))))
+            enc = self.tokenizer(
+                [sources[i] for i in rows],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.verifier.config.max_position_embeddings,
+            )
+            self.cached.encode(enc["input_ids"], enc["attention_mask"])
+            part = DecodeStats([RowStats() for _ in rows])
+            prompts = [[self.cached.decoder_start] for _ in rows]
+            for event in decode(self.cached, drafter, rule, prompts, cfg, part):
+                for row, new in zip(event.rows, event.new_tokens, strict=True):
+                    token_ids[rows[row]].extend(new)
+            stats.absorb(part, rows)
+        eos = self.tokenizer.eos_token_id
+        token_ids = [ids[:-1] if ids and ids[-1] == eos else ids for ids in token_ids]
+        texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        return TranslationOutput(texts, token_ids, stats, rule.exact)

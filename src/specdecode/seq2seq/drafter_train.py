@@ -1,0 +1,239 @@
+"""`specdecode seq2seq train-drafter`: the block objective on distilled data.
+
+Each training sentence contributes `blocks_per_sentence` random block positions s: the drafter
+sees the prefix tgt[:s] (after the decoder start token) plus k mask queries and predicts
+tgt[s : s + k] at once (positions past the end of the sentence are ignored), with label smoothing
+0.1, as SpecDec's block objective. The verifier's encoder is frozen and shared (see
+`block_drafter`), so a step is one encoder forward without gradients and one drafter
+forward/backward.
+
+Glancing (GLAT, which SpecDec's code builds on): with `glance > 0`, a first pass predicts the
+block, then a fraction (glance x the share of wrong tokens) of the query slots is replaced by the
+reference tokens, and the loss is taken on the remaining slots. It teaches the drafter the
+dependencies inside a block; `--glance 0` trains the plain objective, so the two can be compared.
+
+The model kept is the one with the most tokens per verifier call on validation sentences,
+measured by decoding them with SpecDec (beta = 1), the figure speed depends on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
+from specdecode.seq2seq.corpus import read_split
+from specdecode.seq2seq.training import (
+    Checkpointer,
+    Clock,
+    LoopConfig,
+    LoopState,
+    epoch_batches,
+    inverse_sqrt,
+    pad,
+)
+from specdecode.seq2seq.verifier_train import read_pairs
+
+
+@dataclass(frozen=True)
+class TrainDrafterConfig:
+    verifier: Path  # a save_pretrained verifier directory (with its tokenizer)
+    train_file: Path  # distilled jsonl of {"src", "tgt"}
+    out: Path
+    block_size: int = 25
+    layers: int = 3
+    blocks_per_sentence: int = 2
+    glance: float = 0.0  # GLAT glancing ratio; 0 disables
+    label_smoothing: float = 0.1
+    valid_sentences: int = 100
+    loop: LoopConfig = field(
+        default_factory=lambda: LoopConfig(lr=5e-4, warmup=300, max_tokens=2048, weight_decay=0.01)
+    )
+
+
+def sample_blocks(
+    targets: list[list[int]], start_id: int, k: int, per_sentence: int, rng: random.Random
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Random block positions: prefixes (start token + tgt[:s]), labels tgt[s:s+k], source row."""
+    prefixes, labels, owner = [], [], []
+    for row, tgt in enumerate(targets):
+        for _ in range(per_sentence):
+            s = rng.randrange(len(tgt))
+            prefixes.append([start_id, *tgt[:s]])
+            block = tgt[s : s + k]
+            labels.append(block + [-100] * (k - len(block)))
+            owner.append(row)
+    return prefixes, labels, owner
+
+
+def glance_inputs(
+    logits: torch.Tensor, labels: torch.Tensor, ratio: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLAT: reveal some reference tokens, more where the first pass was wrong.
+
+    logits [n, k, vocab], labels [n, k] -> reveal [n, k] bool (slots given the reference),
+    loss_labels [n, k] (revealed slots ignored)
+    """
+    valid = labels != -100
+    wrong = ((logits.argmax(-1) != labels) & valid).sum(1)  # [n]
+    n_reveal = (wrong.float() * ratio).long()  # [n]
+    scores = torch.rand(labels.shape, generator=generator).masked_fill(~valid, 2.0)
+    rank = scores.argsort(1).argsort(1)  # [n, k] random order among valid slots
+    reveal = rank < n_reveal[:, None]
+    return reveal, labels.masked_fill(reveal, -100)
+
+
+def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
+    from accelerate import Accelerator
+    from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+    from specdecode.seq2seq.api import TranslationPair
+
+    loop = cfg.loop
+    if loop.threads:
+        torch.set_num_threads(loop.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    verifier = AutoModelForSeq2SeqLM.from_pretrained(str(cfg.verifier)).eval()
+    for p in verifier.parameters():
+        p.requires_grad_(False)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cfg.verifier))
+    src_texts, tgt_texts = read_pairs(cfg.train_file)
+    src_ids = [ids[:200] for ids in tokenizer(src_texts)["input_ids"]]
+    tgt_ids = [ids[:200] for ids in tokenizer(tgt_texts)["input_ids"]]
+    valid_src = [v.src for v in read_split("valid")[: cfg.valid_sentences]]
+    start_id = verifier.config.decoder_start_token_id
+    mask_id = tokenizer.mask_token_id
+    if mask_id is None:
+        raise ValueError("the verifier's tokenizer has no mask token; the drafter needs one")
+
+    torch.manual_seed(loop.seed)
+    rng = random.Random(loop.seed)
+    generator = torch.Generator().manual_seed(loop.seed)
+    ckpt = Checkpointer(out)
+    model_cfg = BlockDrafterConfig(
+        vocab_size=verifier.config.vocab_size,
+        d_model=verifier.config.d_model,
+        layers=cfg.layers,
+        heads=verifier.config.decoder_attention_heads,
+        ffn=verifier.config.decoder_ffn_dim,
+        block_size=cfg.block_size,
+        pad_id=verifier.config.pad_token_id,
+        mask_id=mask_id,
+        scale_embedding=bool(getattr(verifier.config, "scale_embedding", True)),
+    )
+    resuming = ckpt.exists()
+    if resuming:
+        drafter = BlockDrafter.load(ckpt.last).train()
+    else:
+        drafter = BlockDrafter(model_cfg)
+        init_from_verifier(drafter, verifier)
+    (out / "train_config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(),
+        lr=loop.lr,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=loop.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(loop.warmup))
+    state = ckpt.restore(optimizer, scheduler) if resuming else LoopState(history=[])
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    verifier.to(accelerator.device)
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=cfg.label_smoothing)
+    pair = TranslationPair(verifier, tokenizer, None)
+    clock = Clock(loop.minutes)
+    seconds_before = state.seconds
+    bar = tqdm(desc="train-drafter", disable=not progress, initial=state.step, unit="step")
+    k = cfg.block_size
+
+    def evaluate() -> float:
+        model = accelerator.unwrap_model(drafter)
+        model.eval()
+        pair.drafter = model
+        result = pair.translate(valid_src, block_size=k, batch_size=32)
+        model.train()
+        figure = result.stats.total.tokens_per_target_call
+        state.history.append(
+            {
+                "step": state.step,
+                "minutes": round(state.seconds / 60, 2),
+                "valid_tokens_per_verifier_call": round(figure, 3),
+            }
+        )
+        if figure > state.best_bleu:  # best_bleu holds the figure the best model is chosen by
+            state.best_bleu = figure
+            model.save(ckpt.best)
+        minutes = state.seconds / 60
+        bar.write(f"step {state.step} ({minutes:.1f} min): {figure:.3f} tokens/verifier call")
+        return figure
+
+    drafter.train()
+    if not resuming:
+        evaluate()  # the initialised drafter, before any training
+    for _, rows in epoch_batches([len(t) for t in tgt_ids], loop, state):
+        src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(accelerator.device)
+        src_mask = (src != tokenizer.pad_token_id).long()
+        with torch.no_grad():
+            enc = verifier.get_encoder()(input_ids=src, attention_mask=src_mask).last_hidden_state
+        prefixes, labels, owner = sample_blocks(
+            [tgt_ids[i] for i in rows], start_id, k, cfg.blocks_per_sentence, rng
+        )
+        prefix = pad(prefixes, tokenizer.pad_token_id).to(accelerator.device)
+        lens = torch.tensor([len(p) for p in prefixes], device=accelerator.device)
+        labels_t = torch.tensor(labels, device=accelerator.device)  # [n, k]
+        index = torch.tensor(owner, device=accelerator.device)
+        enc_n, mask_n = enc.index_select(0, index), src_mask.index_select(0, index)
+        if cfg.glance > 0:
+            with torch.no_grad():
+                first = drafter(prefix, lens, enc_n, mask_n, k)
+            reveal, loss_labels = glance_inputs(first, labels_t, cfg.glance, generator)
+            given = labels_t.masked_fill(~reveal, mask_id)  # [n, k] reference where revealed
+            logits = drafter(prefix, lens, enc_n, mask_n, k, given)
+        else:
+            loss_labels = labels_t
+            logits = drafter(prefix, lens, enc_n, mask_n, k)  # [n, k, vocab]
+        loss = loss_fn(logits.flatten(0, 1), loss_labels.flatten())
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(drafter.parameters(), 5.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.seconds = seconds_before + clock.elapsed()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch)
+        done = clock.out_of_time() or (loop.max_steps and state.step >= loop.max_steps)
+        if clock.every("eval", loop.eval_minutes) or done:
+            evaluate()
+        if clock.every("ckpt", loop.checkpoint_minutes) or done:
+            ckpt.save(accelerator.unwrap_model(drafter), optimizer, scheduler, state, _save)
+        if done:
+            break
+    bar.close()
+    summary = {
+        "steps": state.step,
+        "minutes": round(state.seconds / 60, 2),
+        "best_valid_tokens_per_verifier_call": round(state.best_bleu, 3),
+        "history": state.history,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _save(model, directory: Path) -> None:
+    model.save(directory)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
