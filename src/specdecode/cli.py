@@ -143,6 +143,8 @@ def add_generate(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from specdecode import head_cli, model_store
     from specdecode.bench import cli as bench_cli
+    from specdecode.seq2seq import cli as seq2seq_cli
+    from specdecode.seq2seq import data_cli
 
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Speculative decoding for Hugging Face models."
@@ -152,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_store.add_subcommands(subparsers)
     bench_cli.add_subcommands(subparsers)
     head_cli.add_subcommands(subparsers)
+    data_cli.add_subcommands(subparsers)
+    seq2seq_cli.add_subcommands(subparsers)
     return parser
 
 

@@ -1,0 +1,376 @@
+"""Encoder-decoder SpecDec on tiny random Marian, BART and T5 models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    MarianConfig,
+    MarianMTModel,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.engine import decode
+from specdecode.kv_cache import UnsupportedModelError
+from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
+from specdecode.seq2seq.cached import CachedSeq2Seq
+from specdecode.seq2seq.nar_drafter import NARDrafter
+from specdecode.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
+
+V = 48
+START, EOS, MASK = 0, 1, 3
+
+
+def tiny_marian(seed: int = 0) -> MarianMTModel:
+    torch.manual_seed(seed)
+    cfg = MarianConfig(
+        vocab_size=V, decoder_vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=128, pad_token_id=0, eos_token_id=EOS,
+        decoder_start_token_id=START, forced_eos_token_id=None,
+    )  # fmt: skip
+    return MarianMTModel(cfg).eval()
+
+
+def tiny_bart(seed: int = 0) -> BartForConditionalGeneration:
+    torch.manual_seed(seed)
+    cfg = BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=128, pad_token_id=0, eos_token_id=EOS, bos_token_id=2,
+        decoder_start_token_id=2, forced_eos_token_id=None, forced_bos_token_id=None,
+    )  # fmt: skip
+    return BartForConditionalGeneration(cfg).eval()
+
+
+def tiny_drafter(model, k: int = 5, seed: int = 1, copy: bool = True) -> BlockDrafter:
+    torch.manual_seed(seed)
+    cfg = BlockDrafterConfig(
+        vocab_size=V, d_model=32, layers=2, heads=2, ffn=64, block_size=k, mask_id=MASK, pad_id=0
+    )
+    drafter = BlockDrafter(cfg).eval()
+    if copy:
+        init_from_verifier(drafter, model)
+    return drafter
+
+
+def sources(batch: int = 3, length: int = 7, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, V, (batch, length), generator=g)
+    mask = torch.ones_like(src)
+    for row in range(1, batch):  # ragged sources: later rows are shorter
+        mask[row, length - row :] = 0
+    return src.masked_fill(mask == 0, 0), mask
+
+
+def run(model, src, mask, drafter_model=None, k=1, rule=None, new=20, **cfg_kwargs):
+    cached = CachedSeq2Seq(model)
+    cached.encode(src, mask)
+    drafter = NARDrafter(drafter_model, cached, k) if drafter_model is not None else None
+    cfg = DecodeConfig(max_new_tokens=new, num_draft_tokens=k, **cfg_kwargs)
+    rule = rule or make_rule(None, cfg.sampling)
+    start = model.config.decoder_start_token_id
+    out: list[list[int]] = [[] for _ in range(src.shape[0])]
+    for event in decode(cached, drafter, rule, [[start]] * src.shape[0], cfg):
+        for row, tokens in zip(event.rows, event.new_tokens, strict=True):
+            out[row].extend(tokens)
+    return out
+
+
+def reference(model, src, mask, new=20) -> list[list[int]]:
+    gen = model.generate(
+        input_ids=src, attention_mask=mask, do_sample=False, num_beams=1,
+        max_new_tokens=new, min_new_tokens=new,
+    )  # fmt: skip
+    return [row[1:] for row in gen.tolist()]
+
+
+@pytest.mark.parametrize("family", [tiny_marian, tiny_bart])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_specdec_greedy_equals_generate(family, k):
+    model = family()
+    src, mask = sources()
+    expected = reference(model, src, mask)
+    drafter = tiny_drafter(model, k, copy=family is tiny_marian)
+    assert run(model, src, mask, drafter, k) == expected
+    # beta = 1 of the relaxed rule is the exact greedy rule
+    relaxed = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=1, tau=3.0))
+    assert run(model, src, mask, drafter, k, rule=relaxed) == expected
+
+
+def test_plain_decoding_without_drafter_equals_generate():
+    model = tiny_marian()
+    src, mask = sources(batch=4)
+    assert run(model, src, mask) == reference(model, src, mask)
+
+
+def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
+    """A drafter built to propose the verifier's own greedy continuation is accepted in full."""
+    model = tiny_marian()
+    src, mask = sources(batch=1)
+    expected = reference(model, src, mask, new=12)[0]
+
+    class Oracle:
+        def __init__(self, k):
+            self.k = k
+
+        def start(self, batch_size):
+            pass
+
+        def propose(self, sequences, seq_lens, max_tokens, rng):
+            from specdecode.drafters import Draft
+
+            done = int(seq_lens[0]) - 1  # tokens after the start token
+            block = (expected[done : done + self.k] + [EOS] * self.k)[: self.k]
+            lengths = max_tokens.clamp(max=self.k)
+            return Draft(torch.tensor([block]), None, lengths, 1)
+
+        def rollback(self, *args):
+            pass
+
+        def select_rows(self, rows):
+            pass
+
+    cached = CachedSeq2Seq(model)
+    cached.encode(src, mask)
+    cfg = DecodeConfig(max_new_tokens=12, num_draft_tokens=4)
+    from specdecode.stats import DecodeStats, RowStats
+
+    stats = DecodeStats([RowStats()])
+    out = []
+    for event in decode(cached, Oracle(4), GreedyRule(), [[START]], cfg, stats):
+        out.extend(event.new_tokens[0])
+    assert out == expected
+    assert stats.total.target_calls == 3  # 12 tokens, 4 drafted + ... each call commits 5, 5, 2
+
+
+def test_relaxed_rule_accepts_more_and_is_marked_approximate():
+    model = tiny_marian()
+    src, mask = sources(batch=3)
+    drafter = tiny_drafter(model, 6, seed=5, copy=False)  # a poor drafter: relaxing matters
+    from specdecode.stats import DecodeStats, RowStats
+
+    def accepted(rule):
+        cached = CachedSeq2Seq(model)
+        cached.encode(src, mask)
+        stats = DecodeStats([RowStats() for _ in range(3)])
+        cfg = DecodeConfig(max_new_tokens=20, num_draft_tokens=6)
+        for _ in decode(cached, NARDrafter(drafter, cached, 6), rule, [[START]] * 3, cfg, stats):
+            pass
+        return stats.total.accepted
+
+    loose = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=V, tau=100.0))
+    assert not loose.exact and TopBetaTauRule(SamplingConfig(), TopBetaTau(1)).exact
+    assert accepted(loose) > accepted(GreedyRule())
+
+
+def test_batch_invariance():
+    """A row's output does not depend on the other rows of its batch (ragged acceptance)."""
+    model = tiny_marian()
+    src, mask = sources(batch=4, seed=7)
+    drafter = tiny_drafter(model, 4)
+    relaxed = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=3, tau=2.0))
+    for rule in (GreedyRule(), relaxed):
+        together = run(model, src, mask, drafter, 4, rule=rule)
+        for row in range(4):
+            width = int(mask[row].sum())
+            alone = run(model, src[row : row + 1, :width], mask[row : row + 1, :width], drafter, 4,
+                        rule=rule)  # fmt: skip
+            assert alone[0] == together[row]
+
+
+def test_sampling_first_token_law_is_the_verifiers():
+    """With a deterministic drafter, lossless sampling keeps the verifier's law."""
+    model = tiny_marian()
+    n = 3000
+    src, mask = sources(batch=1, seed=3)
+    src, mask = src.expand(n, -1).contiguous(), mask.expand(n, -1).contiguous()
+    drafter = tiny_drafter(model, 3)
+    out = run(model, src, mask, drafter, 3, new=2, sampling=SamplingConfig(temperature=1.0),
+              row_seeds=tuple(range(n)))  # fmt: skip
+    with torch.no_grad():
+        logits = model(input_ids=src[:1], attention_mask=mask[:1],
+                       decoder_input_ids=torch.tensor([[START]])).logits[0, -1]  # fmt: skip
+    probs = logits.softmax(-1)
+    counts = torch.bincount(torch.tensor([row[0] for row in out]), minlength=V).float() / n
+    assert (counts - probs).abs().max() < 4 * (probs * (1 - probs) / n).sqrt().max() + 1e-3
+
+
+def test_t5_exact_at_batch_one_and_refused_above():
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=V, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=EOS,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(cfg).eval()
+    src, mask = sources(batch=1)
+    drafter = tiny_drafter(model, 4, copy=False)
+    assert run(model, src, mask, drafter, 4) == reference(model, src, mask)
+    src2, mask2 = sources(batch=2)
+    with pytest.raises(UnsupportedModelError, match="batch size 1"):
+        run(model, src2, mask2, drafter, 4)
+
+
+def test_decoder_only_model_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="not an encoder-decoder"):
+        CachedSeq2Seq(model)
+
+
+# -- the top-beta/tau rule on hand-built logits -------------------------------------------------
+
+
+def logits_from(logps: list[list[float]]) -> torch.Tensor:
+    return torch.tensor([logps]).log()  # [1, k + 1, vocab]: log of the given probabilities
+
+
+def test_top_beta_tau_accepts_within_beta_and_tau():
+    # position 0: draft 1 is 2nd best, log-gap log(0.5/0.3)=0.51; position 1: draft 2 is 3rd best
+    probs = [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]
+    draft = torch.tensor([[1, 2]])
+    rule = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=2, tau=3.0))
+    verdict = rule.verify(draft, None, logits_from(probs), torch.tensor([2]), None)
+    # token 2 at position 1 is outside the top-2: rejected and replaced by the top-1 (token 0)
+    assert verdict.num_accepted.tolist() == [1] and verdict.next_tokens.tolist() == [0]
+    rule3 = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=3, tau=3.0))
+    verdict = rule3.verify(draft, None, logits_from(probs), torch.tensor([2]), None)
+    # both accepted: the bonus is the top-1 of the last position (token 2)
+    assert verdict.num_accepted.tolist() == [2] and verdict.next_tokens.tolist() == [2]
+
+
+def test_top_beta_tau_rejects_beyond_tau_and_stops_at_first_failure():
+    probs = [[0.90, 0.09, 0.01], [0.5, 0.4, 0.1], [0.4, 0.3, 0.3]]
+    draft = torch.tensor([[2, 1]])  # position 0 fails tau (log 90 = 4.5 > 3); position 1 would pass
+    rule = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=3, tau=3.0))
+    verdict = rule.verify(draft, None, logits_from(probs), torch.tensor([2]), None)
+    assert verdict.num_accepted.tolist() == [0] and verdict.next_tokens.tolist() == [0]
+    loose = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=3, tau=5.0))
+    verdict = loose.verify(draft, None, logits_from(probs), torch.tensor([2]), None)
+    assert verdict.num_accepted.tolist() == [2]
+
+
+def test_top_beta_tau_respects_each_rows_draft_length():
+    probs = [[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]
+    logits = logits_from(probs).expand(2, -1, -1)
+    draft = torch.tensor([[1, 1], [1, 1]])
+    rule = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=2, tau=3.0))
+    verdict = rule.verify(draft, None, logits, torch.tensor([2, 1]), None)
+    assert verdict.num_accepted.tolist() == [2, 1]
+    assert verdict.next_tokens.tolist() == [2, 0]  # row 1: the top-1 after its one token
+
+
+def test_beta_one_is_the_greedy_rule_on_random_logits():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(4, 6, 5, generator=g)
+        best = logits.argmax(-1)[:, :5]
+        draft = torch.where(
+            torch.rand(4, 5, generator=g) < 0.7, best, torch.randint(0, 5, (4, 5), generator=g)
+        )
+        lengths = torch.randint(0, 6, (4,), generator=g)
+        a = TopBetaTauRule(SamplingConfig(), TopBetaTau(1, 0.0)).verify(
+            draft, None, logits, lengths, None
+        )
+        b = GreedyRule().verify(draft, None, logits, lengths, None)
+        assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(
+            a.next_tokens, b.next_tokens
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"beta": 0}, "beta"),
+        ({"beta": 2.5}, "beta"),
+        ({"tau": -1.0}, "tau"),
+        ({"tau": float("inf")}, "tau"),
+    ],
+)
+def test_top_beta_tau_bad_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TopBetaTau(**kwargs)
+
+
+def test_top_beta_tau_needs_greedy_and_its_own_name():
+    with pytest.raises(ValueError, match="temperature 0"):
+        TopBetaTauRule(SamplingConfig(temperature=0.7))
+    with pytest.raises(ValueError, match="top-beta-tau"):
+        make_rule("greedy", SamplingConfig(), TopBetaTau())
+
+
+# -- the block drafter ------------------------------------------------------------------------
+
+
+def test_block_inputs_layout():
+    drafter = tiny_drafter(tiny_marian(), 3, copy=False)
+    prefix = torch.tensor([[0, 9, 9, 9], [0, 5, 6, 7]])
+    ids, valid, query = drafter.block_inputs(prefix, torch.tensor([1, 4]), 3)
+    assert ids.tolist() == [
+        [0, MASK, MASK, MASK, 0, 0, 0],  # row 0: start token, 3 queries, padding
+        [0, 5, 6, 7, MASK, MASK, MASK],
+    ]
+    assert valid.tolist() == [[True] * 4 + [False] * 3, [True] * 7]
+    assert query.tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_block_drafter_shapes_and_padding_independence():
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 4)
+    src, mask = sources(batch=2)
+    with torch.no_grad():
+        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+        prefix = torch.tensor([[0, 5, 0, 0], [0, 5, 6, 7]])
+        lens = torch.tensor([2, 4])
+        logits = drafter(prefix, lens, enc, mask, 4)
+        assert logits.shape == (2, 4, V)
+        other = prefix.clone()
+        other[0, 2:] = 11  # what lies past a row's prefix must not matter
+        assert torch.allclose(drafter(other, lens, enc, mask, 4), logits, atol=1e-6)
+        # nor does the content of source padding
+        src2 = src.clone()
+        src2[1, int(mask[1].sum()) :] = 17
+        enc2 = model.get_encoder()(input_ids=src2, attention_mask=mask).last_hidden_state
+        assert torch.allclose(drafter(prefix, lens, enc2, mask, 4), logits, atol=1e-5)
+
+
+def test_block_drafter_initialised_from_verifier_and_layers_distinct():
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 4)
+    assert torch.equal(drafter.embed.weight, model.get_input_embeddings().weight)
+    layer, theirs = drafter.layers[1], model.get_decoder().layers[1]
+    q = layer.self_attn.in_proj_weight[:32]
+    assert torch.equal(q, theirs.self_attn.q_proj.weight)
+    assert torch.equal(layer.linear2.weight, theirs.fc2.weight)
+    first, second = drafter.layers[0].linear1.weight, drafter.layers[1].linear1.weight
+    assert first.data_ptr() != second.data_ptr() and not torch.equal(first, second)
+
+
+def test_block_drafter_save_load_round_trip(tmp_path):
+    drafter = tiny_drafter(tiny_marian(), 4)
+    drafter.save(tmp_path / "d")
+    loaded = BlockDrafter.load(tmp_path / "d")
+    assert loaded.cfg == drafter.cfg
+    for (name, a), (_, b) in zip(
+        drafter.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    config = json.loads((tmp_path / "d" / "drafter_config.json").read_text())
+    assert config["block_size"] == 4
+    with pytest.raises(FileNotFoundError, match="no block drafter"):
+        BlockDrafter.load(tmp_path)
+
+
+def test_block_too_long_for_positions_is_refused():
+    cfg = BlockDrafterConfig(vocab_size=V, d_model=32, layers=1, heads=2, ffn=64, max_positions=8)
+    drafter = BlockDrafter(cfg)
+    with pytest.raises(ValueError, match="positions"):
+        drafter(torch.zeros(1, 5, dtype=torch.long), torch.tensor([5]), torch.zeros(1, 2, 32),
+                torch.ones(1, 2), 4)  # fmt: skip
