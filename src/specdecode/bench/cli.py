@@ -23,7 +23,59 @@ def model_identity(name_or_path: str) -> dict:
     return info
 
 
+def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
+    """`bench --pair`: an encoder-decoder verifier with its block drafter (SpecDec)."""
+    from specdecode.bench.seq2seq import (
+        Seq2SeqBenchConfig,
+        markdown_table,
+        plot,
+        run_seq2seq_bench,
+    )
+    from specdecode.seq2seq.cli import SHIPPED_PAIR
+
+    set_threads(args.threads)
+    relaxed = []
+    for item in args.relaxed:
+        beta, _, tau = item.partition(",")
+        try:
+            relaxed.append((int(beta), float(tau)))
+        except ValueError:
+            raise ValueError(
+                f"--relaxed takes BETA,TAU pairs such as 5,3.0; got {item!r}"
+            ) from None
+    methods = args.methods or ["ar", "hf", "hf-beam5", "hf-assisted", "specdec"]
+    cfg = Seq2SeqBenchConfig(
+        pair=str(SHIPPED_PAIR if args.pair == "shipped" else args.pair),
+        split=args.split,
+        limit=args.limit,
+        methods=tuple(methods),
+        block_sizes=tuple(args.block_sizes),
+        relaxed=tuple(relaxed),
+        batch_sizes=tuple(args.batch_sizes),
+        max_new_tokens=args.max_new_tokens,
+        threads=args.threads,
+    )
+    record = run_seq2seq_bench(cfg, progress=not args.quiet)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "record.json").write_text(json.dumps(record, indent=1))
+    table = markdown_table(record)
+    (out / "table.md").write_text(table + "\n")
+    if not args.no_plots:
+        plot(record, out)
+    print(table)
+    print(f"record written to {out}/record.json")
+    if not record["ok"]:
+        print(
+            "FAILED: an exact method's output differs from ar (see 'mismatches')", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.pair is not None:
+        return cmd_bench_seq2seq(args)
     from specdecode.bench.methods import Models
     from specdecode.bench.report import markdown_table, write_report
     from specdecode.bench.runner import BenchConfig, run_bench
@@ -37,7 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft=args.draft,
         prompts=args.prompts,
         limit=args.limit,
-        methods=tuple(args.methods),
+        methods=tuple(args.methods or ["ar", "hf", "hf-assisted", "sd", "sd-int8"]),
         num_draft_tokens=tuple(args.num_draft_tokens),
         batch_sizes=tuple(args.batch_sizes),
         max_new_tokens=args.max_new_tokens,
@@ -88,8 +140,26 @@ def add_subcommands(subparsers) -> None:
     p.add_argument(
         "--methods",
         nargs="+",
-        default=["ar", "hf", "hf-assisted", "sd", "sd-int8"],
-        help="ar hf hf-assisted hf-assisted-k sd sd-int8; suffix +dense for default kernels",
+        default=None,
+        help="ar hf hf-assisted hf-assisted-k sd sd-int8 (default all but hf-assisted-k); suffix "
+        "+dense for default kernels. With --pair: ar hf hf-beam5 hf-assisted specdec "
+        "specdec-relaxed (default all; specdec includes the relaxed runs)",
+    )
+    p.add_argument(
+        "--pair",
+        nargs="?",
+        const="shipped",
+        default=None,
+        help="benchmark a seq2seq pair directory (SpecDec translation; no value: the shipped "
+        "Bible es-en pair) instead of --target/--draft",
+    )
+    p.add_argument("--split", default="test", help="with --pair: corpus split (test, valid)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[25], help="with --pair: k sweep")
+    p.add_argument(
+        "--relaxed",
+        nargs="*",
+        default=["5,3.0"],
+        help="with --pair: BETA,TAU pairs of the relaxed rule (SpecDec's 5,3.0)",
     )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels for all")

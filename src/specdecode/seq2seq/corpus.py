@@ -25,11 +25,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import html
+import itertools
 import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,13 +151,24 @@ _NOTE = re.compile(r"<note\b[^>]*>.*?</note>", re.DOTALL)
 _CANONICAL_TITLE = re.compile(r"<title\b[^>]*canonical=\"true\"[^>]*>(.*?)</title>", re.DOTALL)
 _OTHER_TITLE = re.compile(r"<title\b[^>]*>.*?</title>", re.DOTALL)
 _TAG = re.compile(r"<[^>]+>")
-_SPACE_BEFORE_PUNCT = re.compile(r"\s+([,.;:!?)\]»])")
+# RV1909 often writes a word added in translation flush against its neighbours
+# ("hay allí</w><transChange>también</transChange><w>bdelio"): the tag boundary is the only word
+# boundary there, so stripping the tags would glue three words. An added enclitic pronoun
+# ("díjo</w><transChange>le</transChange>") belongs to the verb before it and stays glued.
+_CLITIC = r"(?:me|te|se|nos|os|le|les|lo|los|la|las)"
+_WORD_BEFORE_ADDED = re.compile(rf"</w>(?=<transChange\b[^>]*>(?!{_CLITIC}</transChange>))")
+_ADDED_BEFORE_WORD = re.compile(r"</transChange>(?=<w\b)")
+# Closing quotes are included: a note removed between a word and its quote leaves a space there.
+_SPACE_BEFORE_PUNCT = re.compile(r"\s+([,.;:!?)\]»”’])")
 _SPACE_AFTER_OPEN = re.compile(r"([¡¿(\[«])\s+")
-_CAPS_WORD = re.compile(r"^[A-ZÁÉÍÓÚÑÜ]{2,}$")
+_EDGE = "¡¿,.;:!?\"'()“”‘’«»"
+_SENTENCE_END = ".!?:"
 
 
 def clean_osis(text: str, *, chapter_start: bool = False) -> str:
     """OSIS markup -> plain text, keeping canonical titles and the spaces around removed notes."""
+    text = _WORD_BEFORE_ADDED.sub("</w> ", text)
+    text = _ADDED_BEFORE_WORD.sub("</transChange> ", text)
     text = _NOTE.sub(" ", text)
     text = _CANONICAL_TITLE.sub(r" \1 ", text)
     text = _OTHER_TITLE.sub(" ", text)
@@ -167,15 +180,38 @@ def clean_osis(text: str, *, chapter_start: bool = False) -> str:
     return fix_chapter_caps(text) if chapter_start else text
 
 
-def fix_chapter_caps(text: str) -> str:
-    """The all-caps opening of a chapter ("EN el principio", "Y DESPUÉS movió") -> normal case."""
+def fix_chapter_caps(text: str, casing: Mapping[str, str] | None = None) -> str:
+    """The all-caps opening of a chapter ("EN el principio", "Y DESPUÉS movió") -> normal case.
+
+    Only the leading run of capitals is touched (single letters such as "Y" continue it): a
+    capitalised word later on is meant ("And the LORD said" in the KJV). A word in ``casing``
+    (lower case -> usual written form, see ``usual_casing``) takes its usual form, so a proper
+    noun keeps its capital ("Y JEHOVÁ dijo" -> "Y Jehová dijo"); others are lowered.
+    """
     words = text.split(" ")
     for i, word in enumerate(words[:4]):
-        core = word.strip("¡¿,.;:!?\"'()")
-        if _CAPS_WORD.match(core):
-            fixed = core.capitalize() if i == 0 else core.lower()
-            words[i] = word.replace(core, fixed)
+        core = word.strip(_EDGE)
+        if len(core) == 1 and core.isupper():
+            continue
+        if len(core) < 2 or not (core.isalpha() and core.isupper()):
+            break
+        fixed = (casing or {}).get(core.lower(), core.lower())
+        if i == 0:
+            fixed = fixed[0].upper() + fixed[1:]
+        words[i] = word.replace(core, fixed, 1)
     return " ".join(words)
+
+
+def usual_casing(texts: Iterable[str]) -> dict[str, str]:
+    """Lower-cased word -> its most frequent form where case is free (not opening a sentence)."""
+    forms: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    for text in texts:
+        words = text.split()
+        for before, word in itertools.pairwise(words):
+            core = word.strip(_EDGE)
+            if core and before[-1] not in _SENTENCE_END:
+                forms[core.lower()][core] += 1
+    return {word: counts.most_common(1)[0][0] for word, counts in forms.items()}
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -197,6 +233,7 @@ def read_module(sword_dir: Path, module: str) -> dict[tuple[str, int, int], str]
     bible._decompressed_text = functools.lru_cache(maxsize=8)(bible._decompressed_text)
     structure = bible.get_structure()
     verses: dict[tuple[str, int, int], str] = {}
+    chapter_starts = []
     for testament, books in structure.get_books().items():
         for book in books:
             for chapter, length in enumerate(book.chapter_lengths, start=1):
@@ -207,10 +244,16 @@ def read_module(sword_dir: Path, module: str) -> dict[tuple[str, int, int], str]
                     raw = bible._text_for_index(testament, index)
                     if isinstance(raw, bytes):
                         raw = raw.decode("utf-8", "replace")
-                    text = clean_osis(raw or "", chapter_start=verse == 1)
+                    text = clean_osis(raw or "")
                     if text:
                         verses[(book.osis_name, chapter, verse)] = text
+                        if verse == 1:
+                            chapter_starts.append((book.osis_name, chapter, verse))
                 assert len(indices) == length
+    # Chapter openings are set in capitals; each word's usual case is learnt from the other verses.
+    casing = usual_casing(text for key, text in verses.items() if key[2] != 1)
+    for key in chapter_starts:
+        verses[key] = fix_chapter_caps(verses[key], casing)
     return verses
 
 
@@ -227,6 +270,8 @@ def align(
         if t is None:
             continue
         ns, nt = len(s.split()), len(t.split())
+        if not ns or not nt:  # an empty side is no pair (and would divide by zero)
+            continue
         if nt > MAX_WORDS or ns > MAX_WORDS or not RATIO[0] <= nt / ns <= RATIO[1]:
             continue
         book, chapter, verse = key

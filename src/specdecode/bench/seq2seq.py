@@ -1,0 +1,323 @@
+"""`specdecode bench --pair DIR`: translation speed and quality of SpecDec against its peers.
+
+Methods, all on the same verifier:
+
+* `ar`: this engine without a drafter (greedy), the baseline of every ratio;
+* `hf`, `hf-beam5`: `transformers` `generate`, greedy and beam 5;
+* `hf-assisted`: `transformers` assisted generation with the pair's small autoregressive
+  assistant (the verifier's encoder and one decoder layer, trained on the same distilled data);
+  its defaults (heuristic schedule from 20 tokens, confidence 0.4); batch size 1 only;
+* `specdec[k=K]`: the block drafter with exact greedy verification (beta = 1);
+* `specdec[k=K,b=B,t=T]`: the relaxed top-beta/tau rule; approximate, marked so everywhere.
+
+Measurement as in the causal bench: one process, a warm-up, the methods interleaved batch by
+batch in a rotated order, speedups as per-batch time ratios against `ar`. Exact methods must
+reproduce `ar` token for token (a mismatch fails the run); the others are scored by BLEU.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specdecode.bench.metrics import summarize
+from specdecode.bench.runner import machine_info
+from specdecode.seq2seq.api import TranslationPair
+from specdecode.verification import TopBetaTau
+
+BATCH1_ONLY = ("hf-assisted",)
+
+
+@dataclass(frozen=True)
+class Seq2SeqMethod:
+    kind: str  # ar, hf, hf-beam5, hf-assisted, specdec
+    k: int | None = None
+    relaxed: TopBetaTau | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind != "specdec":
+            return self.kind
+        extra = f",{self.relaxed.label}" if self.relaxed is not None else ""
+        return f"specdec[k={self.k}{extra}]"
+
+    @property
+    def exact(self) -> bool:
+        return self.kind in ("ar", "hf", "hf-assisted") or (
+            self.kind == "specdec" and self.relaxed is None
+        )
+
+
+@dataclass(frozen=True)
+class Seq2SeqBenchConfig:
+    pair: str
+    split: str = "test"
+    limit: int | None = 200
+    methods: tuple[str, ...] = ("ar", "hf", "hf-beam5", "hf-assisted", "specdec")
+    block_sizes: tuple[int, ...] = (25,)
+    relaxed: tuple[tuple[int, float], ...] = ((5, 3.0),)
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 200
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        known = ("ar", "hf", "hf-beam5", "hf-assisted", "specdec", "specdec-relaxed")
+        unknown = [m for m in self.methods if m not in known]
+        if unknown:
+            raise ValueError(f"unknown seq2seq methods {unknown}; known: {', '.join(known)}")
+        if "ar" not in self.methods:
+            raise ValueError("the methods must include 'ar', the baseline of every ratio")
+        if any(k < 1 for k in self.block_sizes):
+            raise ValueError(f"block sizes must be >= 1, got {self.block_sizes}")
+
+    def method_list(self) -> list[Seq2SeqMethod]:
+        out = [Seq2SeqMethod(m) for m in self.methods if not m.startswith("specdec")]
+        if "specdec" in self.methods:
+            out += [Seq2SeqMethod("specdec", k) for k in self.block_sizes]
+        if "specdec-relaxed" in self.methods or "specdec" in self.methods:
+            out += [
+                Seq2SeqMethod("specdec", k, TopBetaTau(beta, tau))
+                for k in self.block_sizes
+                for beta, tau in self.relaxed
+                if beta > 1
+            ]
+        return out
+
+
+def run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources, cfg):
+    """-> (token ids per sentence without </s>, seconds, DecodeStats or None)."""
+    if method.kind in ("ar", "specdec"):
+        relaxed = method.relaxed or TopBetaTau(1)
+        start = time.perf_counter()
+        out = pair.translate(
+            sources,
+            block_size=method.k or 1,
+            beta=relaxed.beta,
+            tau=relaxed.tau,
+            use_drafter=method.kind == "specdec",
+            batch_size=len(sources),
+            max_new_tokens=cfg.max_new_tokens,
+        )
+        return out.token_ids, time.perf_counter() - start, out.stats
+    tok = pair.tokenizer
+    kwargs: dict = dict(max_new_tokens=cfg.max_new_tokens, do_sample=False)
+    kwargs["num_beams"] = 5 if method.kind == "hf-beam5" else 1
+    if method.kind == "hf-assisted":
+        kwargs["assistant_model"] = assistant
+        gc = assistant.generation_config
+        gc.num_assistant_tokens_schedule, gc.num_assistant_tokens = "heuristic", 20
+        gc.assistant_confidence_threshold = 0.4
+    start = time.perf_counter()
+    enc = tok(sources, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        gen = pair.verifier.generate(**enc, **kwargs)
+    seconds = time.perf_counter() - start
+    ids = []
+    for row in gen[:, 1:].tolist():  # drop the decoder start token
+        cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+        ids.append([t for t in row[:cut] if t != tok.pad_token_id])
+    return ids, seconds, None
+
+
+def bleu_scores(hyps: list[str], refs: list[str], refs2: list[str]) -> dict:
+    import sacrebleu
+
+    out = {
+        "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+        "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
+    }
+    if all(refs2):
+        out["bleu_two_refs"] = sacrebleu.corpus_bleu(hyps, [refs, refs2]).score
+    return out
+
+
+def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
+    from transformers import AutoModelForSeq2SeqLM
+
+    from specdecode.seq2seq.corpus import read_split
+
+    verses = read_split(cfg.split)
+    if cfg.limit:
+        verses = verses[: cfg.limit]
+    sources = [v.src for v in verses]
+    pair = TranslationPair.from_dir(cfg.pair)
+    methods = cfg.method_list()
+    if any(m.kind == "specdec" for m in methods) and pair.drafter is None:
+        raise ValueError(f"{cfg.pair} has no drafter; drop the specdec methods")
+    assistant = None
+    if any(m.kind == "hf-assisted" for m in methods):
+        assistant_dir = Path(cfg.pair) / "assistant"
+        if not (assistant_dir / "config.json").exists():
+            raise FileNotFoundError(
+                f"{assistant_dir} missing: run `specdecode seq2seq train-assistant` and export"
+            )
+        assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
+        assistant.eval()
+    for method in methods:  # warm-up
+        run_method(method, pair, assistant, sources[:2], cfg)
+    runs: list[dict] = []
+    for batch_size in cfg.batch_sizes:
+        runnable = [m for m in methods if batch_size == 1 or m.kind not in BATCH1_ONLY]
+        outputs = {m.label: [None] * len(sources) for m in runnable}
+        seconds = {m.label: [] for m in runnable}
+        stats = {m.label: None for m in runnable}
+        starts = list(range(0, len(sources), batch_size))
+        bar = tqdm(total=len(starts) * len(runnable), desc=f"bench b={batch_size}",
+                   disable=not progress)  # fmt: skip
+        for i, start in enumerate(starts):
+            part = sources[start : start + batch_size]
+            order = runnable[i % len(runnable) :] + runnable[: i % len(runnable)]
+            for method in order:
+                ids, secs, st = run_method(method, pair, assistant, part, cfg)
+                outputs[method.label][start : start + len(part)] = ids
+                seconds[method.label].append(secs)
+                if st is not None:
+                    stats[method.label] = (
+                        st.total
+                        if stats[method.label] is None
+                        else stats[method.label].merge(st.total)
+                    )
+                bar.update()
+        bar.close()
+        runs.append(summarise(cfg, runnable, batch_size, outputs, seconds, stats, verses, pair))
+    drafter_bytes = (
+        sum(p.numel() * p.element_size() for p in pair.drafter.parameters()) if pair.drafter else 0
+    )
+    verifier_bytes = sum(p.numel() * p.element_size() for p in pair.verifier.parameters())
+    return {
+        "config": asdict(cfg),
+        "machine": machine_info(),
+        "verifier_mib": verifier_bytes / 2**20,
+        "drafter_mib": drafter_bytes / 2**20,
+        "assistant_mib": (
+            sum(p.numel() * p.element_size() for p in assistant.parameters()) / 2**20
+            if assistant is not None
+            else None
+        ),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "runs": runs,
+        "ok": not any(r["mismatches"] for run in runs for r in run["methods"] if r["exact"]),
+    }
+
+
+def summarise(cfg, methods, batch_size, outputs, seconds, stats, verses, pair) -> dict:
+    refs, refs2 = [v.tgt for v in verses], [v.ref2 for v in verses]
+    base_ids, base_secs = outputs["ar"], seconds["ar"]
+    hf_secs = seconds.get("hf")
+    rows = []
+    for m in methods:
+        ids, secs = outputs[m.label], seconds[m.label]
+        texts = pair.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        same = [a == b for a, b in zip(ids, base_ids, strict=True)]
+        row = {
+            "method": m.label,
+            "exact": m.exact,
+            "approximate": not m.exact and m.kind == "specdec",
+            "batch_size": batch_size,
+            "sentences": len(ids),
+            "tokens": sum(map(len, ids)),
+            "seconds": sum(secs),
+            "sentences_per_s": len(ids) / sum(secs),
+            "speedup": summarize([b / s for b, s in zip(base_secs, secs, strict=True)]),
+            "speedup_vs_hf": (
+                summarize([b / s for b, s in zip(hf_secs, secs, strict=True)]) if hf_secs else None
+            ),
+            "identical_to_ar": sum(same) / len(same),
+            "mismatches": [i for i, s in enumerate(same) if not s] if m.exact else [],
+            **bleu_scores(texts, refs, refs2),
+        }
+        st = stats[m.label]
+        if st is not None and st.target_calls:
+            row.update(
+                tokens_per_verifier_call=st.tokens_per_target_call,
+                acceptance_rate=st.acceptance_rate if st.drafted else None,
+                verifier_calls=st.target_calls,
+            )
+        rows.append(row)
+    return {"batch_size": batch_size, "methods": rows, "examples": _examples(verses, outputs, pair)}
+
+
+def _examples(verses, outputs, pair, n: int = 3) -> list[dict]:
+    out = []
+    for i in range(min(n, len(verses))):
+        row = {"ref": verses[i].ref, "source": verses[i].src, "reference": verses[i].tgt}
+        for label, ids in outputs.items():
+            row[label] = pair.tokenizer.decode(ids[i], skip_special_tokens=True)
+        out.append(row)
+    return out
+
+
+def markdown_table(record: dict) -> str:
+    lines = []
+    for run in record["runs"]:
+        lines += [
+            f"\nbatch size {run['batch_size']}, {run['methods'][0]['sentences']} sentences "
+            f"({record['config']['split']} split)\n",
+            "| method | speedup vs ar (geomean, p10-p90) | vs hf | sent/s | tokens/verifier call "
+            "| BLEU | BLEU 2 refs | chrF | identical to ar |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in run["methods"]:
+            sp, hf = r["speedup"], r["speedup_vs_hf"]
+            mark = " (approx.)" if r["approximate"] else ""
+            tpc = r.get("tokens_per_verifier_call")
+            lines.append(
+                f"| {r['method']}{mark} | {sp['geomean']:.2f}x ({sp['p10']:.2f}-{sp['p90']:.2f}) "
+                f"| {hf['geomean']:.2f}x | {r['sentences_per_s']:.2f} | "
+                f"{f'{tpc:.2f}' if tpc else '-'} | {r['bleu']:.2f} | "
+                f"{r.get('bleu_two_refs', float('nan')):.2f} | {r['chrf']:.1f} | "
+                f"{100 * r['identical_to_ar']:.1f}% |"
+                if hf
+                else f"| {r['method']}{mark} | {sp['geomean']:.2f}x | - | {r['sentences_per_s']:.2f} "
+                f"| {f'{tpc:.2f}' if tpc else '-'} | {r['bleu']:.2f} | "
+                f"{r.get('bleu_two_refs', float('nan')):.2f} | {r['chrf']:.1f} | "
+                f"{100 * r['identical_to_ar']:.1f}% |"
+            )
+    lines.append(
+        f"\nverifier {record['verifier_mib']:.1f} MiB, block drafter {record['drafter_mib']:.1f} MiB"
+        + (f", assistant {record['assistant_mib']:.1f} MiB" if record["assistant_mib"] else "")
+        + " (fp32 parameters as loaded)"
+    )
+    return "\n".join(lines)
+
+
+def plot(record: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for run in record["runs"]:
+        rows = [r for r in run["methods"] if r["method"].startswith("specdec")]
+        if not rows:
+            continue
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        exact = sorted((int(r["method"].split("k=")[1].rstrip("]")), r) for r in rows if r["exact"])
+        if exact:
+            ax1.plot([k for k, _ in exact], [r["speedup"]["geomean"] for _, r in exact], "o-",
+                     label="beta = 1 (exact)")  # fmt: skip
+        ax1.set_xlabel("block size k")
+        ax1.set_ylabel("speedup vs ar (time ratio)")
+        ax1.set_title(f"SpecDec, batch {run['batch_size']}")
+        ax1.grid(alpha=0.3)
+        ax1.legend()
+        for r in run["methods"]:
+            marker = "s" if r["approximate"] else "o"
+            ax2.scatter(r["speedup"]["geomean"], r["bleu"], marker=marker)
+            ax2.annotate(r["method"], (r["speedup"]["geomean"], r["bleu"]), fontsize=7)
+        ax2.set_xlabel("speedup vs ar")
+        ax2.set_ylabel("BLEU (test split)")
+        ax2.set_title("quality against speed (squares: approximate)")
+        ax2.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"seq2seq_b{run['batch_size']}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
