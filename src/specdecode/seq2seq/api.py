@@ -88,6 +88,10 @@ class TranslationPair:
             if not relaxed.exact
             else make_rule(None, sampling)
         )
+        # the decoder's position table caps every output the same way, with or without drafts
+        positions = getattr(self.verifier.config, "max_position_embeddings", None)
+        if positions:
+            max_new_tokens = min(max_new_tokens, positions - 1)
         cfg = DecodeConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=block_size,

@@ -113,6 +113,7 @@ def translate(
 ) -> list[str]:
     """Greedy translations with `generate`, in length-sorted batches (validation, distillation)."""
     model.eval()
+    max_new = min(max_new, model.config.max_position_embeddings - 1)  # positions run out after
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list[str] = [""] * len(sources)
     for start in range(0, len(order), batch_size):

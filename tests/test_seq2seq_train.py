@@ -1,0 +1,140 @@
+"""Two-step smoke runs of every seq2seq trainer on a tiny corpus, end to end to `translate`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from specdecode.seq2seq.corpus import Verse, corpus_dir, write_splits
+from specdecode.seq2seq.training import LoopConfig, inverse_sqrt, token_batches
+
+SUBJECTS = [("el hombre", "the man"), ("la mujer", "the woman"), ("el rey", "the king")]
+VERBS = [("come", "eats"), ("ve", "sees"), ("tiene", "has")]
+OBJECTS = [("pan", "bread"), ("agua", "water"), ("la casa", "the house"), ("el campo", "the field")]
+
+
+def tiny_corpus() -> dict[str, list[Verse]]:
+    rows = [
+        Verse(f"Book {i}:1", f"{s} {v} {o}.", f"{se} {ve} {oe}.", f"{se} {ve} {oe}.")
+        for i, ((s, se), (v, ve), (o, oe)) in enumerate(itertools.product(SUBJECTS, VERBS, OBJECTS))
+    ]
+    return {"train": rows[:30], "valid": rows[30:33], "test": rows[33:]}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    write_splits(tiny_corpus(), corpus_dir(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def tiny_loop(steps: int) -> LoopConfig:
+    return LoopConfig(max_steps=steps, minutes=5, eval_minutes=100, max_tokens=256, threads=1)
+
+
+def test_inverse_sqrt_schedule():
+    f = inverse_sqrt(4)
+    assert f(1) == 0.25 and f(4) == 1.0 and f(16) == 0.5
+
+
+def test_token_batches_cover_everything_within_budget():
+    import random
+
+    lengths = [random.Random(i).randrange(1, 40) for i in range(300)]
+    batches = token_batches(lengths, 200, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    assert all(max(lengths[i] for i in b) * len(b) <= 200 for b in batches if len(b) > 1)
+
+
+def test_train_distill_draft_export_translate(cache, tmp_path):
+    from specdecode.cli import main
+    from specdecode.seq2seq.api import TranslationPair
+    from specdecode.seq2seq.block_drafter import BlockDrafter
+    from specdecode.seq2seq.distill import distill
+    from specdecode.seq2seq.drafter_train import TrainDrafterConfig, train_drafter
+    from specdecode.seq2seq.verifier_train import (
+        TrainVerifierConfig,
+        VerifierConfig,
+        train_verifier,
+    )
+
+    work = cache / "seq2seq" / "bible-es-en"
+    model = VerifierConfig(d_model=32, encoder_layers=1, decoder_layers=2, heads=2, ffn=64,
+                           vocab_size=120, max_positions=64)  # fmt: skip
+    cfg = TrainVerifierConfig(out=work / "verifier", model=model, loop=tiny_loop(2))
+    summary = train_verifier(cfg, progress=False)
+    assert summary["steps"] == 2 and len(summary["history"]) == 1
+    assert (work / "verifier" / "best" / "model.safetensors").exists()
+    # resuming continues from the saved step instead of starting again
+    summary = train_verifier(
+        TrainVerifierConfig(out=work / "verifier", model=model, loop=tiny_loop(3)), progress=False
+    )
+    assert summary["steps"] == 3 and len(summary["history"]) == 2
+
+    distilled = work / "distilled.jsonl"
+    distill(work / "verifier" / "best", distilled, limit=5, progress=False)
+    distill(work / "verifier" / "best", distilled, limit=8, progress=False)  # extends the file
+    rows = [json.loads(line) for line in distilled.read_text().splitlines()]
+    assert [r["src"] for r in rows] == [v.src for v in tiny_corpus()["train"][:8]]
+
+    drafter_cfg = TrainDrafterConfig(
+        verifier=work / "verifier" / "best",
+        train_file=distilled,
+        out=work / "drafter",
+        block_size=4,
+        layers=2,
+        glance=0.5,
+        valid_sentences=3,
+        loop=tiny_loop(2),
+    )
+    summary = train_drafter(drafter_cfg, progress=False)
+    assert summary["steps"] == 2 and len(summary["history"]) == 2  # before training, and at 2
+    assert BlockDrafter.load(work / "drafter" / "best").cfg.block_size == 4
+
+    args = ["seq2seq", "train-assistant", "--max-steps", "1", "--max-tokens", "256",
+            "--threads", "1", "--quiet", "--valid-limit", "2"]  # fmt: skip
+    assert main(args) == 0
+    assistant = json.loads((work / "assistant" / "best" / "config.json").read_text())
+    assert assistant["decoder_layers"] == 1 and assistant["encoder_layers"] == 1
+
+    pair_dir = tmp_path / "pair"
+    assert main(["seq2seq", "export", "--out", str(pair_dir)]) == 0
+    weights = json.loads((pair_dir / "verifier" / "config.json").read_text())
+    assert weights["dtype"] == "float16"
+    pair = TranslationPair.from_dir(pair_dir)
+    sources = [v.src for v in tiny_corpus()["test"]]
+    plain = pair.translate(sources, use_drafter=False, max_new_tokens=12)
+    spec = pair.translate(sources, block_size=4, max_new_tokens=12, batch_size=2)
+    assert spec.token_ids == plain.token_ids and spec.exact
+    relaxed = pair.translate(sources, block_size=4, beta=3, tau=2.0, max_new_tokens=12)
+    assert not relaxed.exact
+
+
+def test_translate_refuses_bad_input(cache, tmp_path):
+    from specdecode.cli import main
+
+    assert main(["translate", "--pair", str(tmp_path / "nowhere"), "hola"]) == 2
+    assert main(["translate", "--pair", str(tmp_path)]) == 2  # nothing to translate
+
+
+def test_glance_reveals_more_where_wrong():
+    from specdecode.seq2seq.drafter_train import glance_inputs, sample_blocks
+
+    labels = torch.tensor([[5, 6, 7, 8], [5, 6, -100, -100]])
+    logits = torch.zeros(2, 4, 10)
+    logits[0, :, 0] = 1.0  # row 0: every prediction wrong
+    logits[1, 0, 5] = logits[1, 1, 6] = 1.0  # row 1: every prediction right
+    reveal, loss_labels = glance_inputs(logits, labels, 0.5, torch.Generator().manual_seed(0))
+    assert reveal[0].sum() == 2 and reveal[1].sum() == 0
+    assert (loss_labels[reveal] == -100).all() and (loss_labels[~reveal] == labels[~reveal]).all()
+    import random
+
+    prefixes, block_labels, owner = sample_blocks([[9, 8, 7, 1]], 0, 3, 4, random.Random(0))
+    for prefix, block in zip(prefixes, block_labels, strict=True):
+        s = len(prefix) - 1
+        assert prefix == [0, *[9, 8, 7, 1][:s]]
+        assert [t for t in block if t != -100] == [9, 8, 7, 1][s : s + 3]
+    assert owner == [0, 0, 0, 0]
