@@ -166,6 +166,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         outputs = {m.label: [None] * len(sources) for m in runnable}
         seconds = {m.label: [] for m in runnable}
         stats = {m.label: None for m in runnable}
+        phases = {m.label: [0.0, 0.0, 0, 0] for m in runnable}  # draft s, verify s, calls
         starts = list(range(0, len(sources), batch_size))
         bar = tqdm(total=len(starts) * len(runnable), desc=f"bench b={batch_size}",
                    disable=not progress)  # fmt: skip
@@ -177,6 +178,11 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
                 outputs[method.label][start : start + len(part)] = ids
                 seconds[method.label].append(secs)
                 if st is not None:
+                    ph = phases[method.label]
+                    ph[0] += st.draft_seconds
+                    ph[1] += st.verify_seconds
+                    ph[2] += st.drafter_forwards
+                    ph[3] += st.target_forwards
                     stats[method.label] = (
                         st.total
                         if stats[method.label] is None
@@ -184,7 +190,14 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
                     )
                 bar.update()
         bar.close()
-        runs.append(summarise(cfg, runnable, batch_size, outputs, seconds, stats, verses, pair))
+        run = summarise(cfg, runnable, batch_size, outputs, seconds, stats, verses, pair)
+        for row in run["methods"]:
+            draft_s, verify_s, draft_calls, verify_calls = phases[row["method"]]
+            if verify_calls:
+                row["ms_per_verifier_call"] = 1000 * verify_s / verify_calls
+            if draft_calls:
+                row["ms_per_drafter_call"] = 1000 * draft_s / draft_calls
+        runs.append(run)
     drafter_bytes = (
         sum(p.numel() * p.element_size() for p in pair.drafter.parameters()) if pair.drafter else 0
     )
@@ -259,8 +272,8 @@ def markdown_table(record: dict) -> str:
             f"\nbatch size {run['batch_size']}, {run['methods'][0]['sentences']} sentences "
             f"({record['config']['split']} split)\n",
             "| method | speedup vs ar (geomean, p10-p90) | vs hf | sent/s | tokens/verifier call "
-            "| BLEU | BLEU 2 refs | chrF | identical to ar |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| ms per drafter / verifier call | BLEU | BLEU 2 refs | chrF | identical to ar |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in run["methods"]:
             sp, hf = r["speedup"], r["speedup_vs_hf"]
@@ -272,6 +285,10 @@ def markdown_table(record: dict) -> str:
                 f"{hf['geomean']:.2f}x" if hf else "-",
                 f"{r['sentences_per_s']:.2f}",
                 f"{tpc:.2f}" if tpc else "-",
+                " / ".join(
+                    f"{r[key]:.1f}" if key in r else "-"
+                    for key in ("ms_per_drafter_call", "ms_per_verifier_call")
+                ),
                 f"{r['bleu']:.2f}",
                 f"{r['bleu_two_refs']:.2f}" if "bleu_two_refs" in r else "-",
                 f"{r['chrf']:.1f}",
