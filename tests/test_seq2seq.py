@@ -346,11 +346,52 @@ def test_block_drafter_initialised_from_verifier_and_layers_distinct():
     drafter = tiny_drafter(model, 4)
     assert torch.equal(drafter.embed.weight, model.get_input_embeddings().weight)
     layer, theirs = drafter.layers[1], model.get_decoder().layers[1]
-    q = layer.self_attn.in_proj_weight[:32]
-    assert torch.equal(q, theirs.self_attn.q_proj.weight)
-    assert torch.equal(layer.linear2.weight, theirs.fc2.weight)
-    first, second = drafter.layers[0].linear1.weight, drafter.layers[1].linear1.weight
+    assert torch.equal(layer.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight)
+    assert torch.equal(layer.cross_attn.v_proj.bias, theirs.encoder_attn.v_proj.bias)
+    assert torch.equal(layer.fc2.weight, theirs.fc2.weight)
+    first, second = drafter.layers[0].fc1.weight, drafter.layers[1].fc1.weight
     assert first.data_ptr() != second.data_ptr() and not torch.equal(first, second)
+
+
+def test_cached_rounds_equal_full_passes():
+    """Feeding committed tokens round by round through the cache gives the full pass's logits,
+    for ragged rows, with holes and compaction."""
+    from specdecode.seq2seq.block_drafter import DrafterState
+
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 4)
+    src, mask = sources(batch=3)
+    with torch.no_grad():
+        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+    g = torch.Generator().manual_seed(4)
+    sequences = torch.randint(4, V, (3, 40), generator=g)
+    sequences[:, 0] = START
+    state = DrafterState(drafter, compact_min_holes=2)
+    state.reset(3)
+    lens = torch.tensor([1, 1, 1])
+    for _ in range(8):
+        k = int(torch.randint(1, 5, (1,), generator=g))
+        got = state.propose(sequences, lens, enc, mask, k)
+        with torch.no_grad():
+            want = drafter(sequences[:, : int(lens.max())], lens, enc, mask, k)
+        assert torch.allclose(got, want, atol=1e-4), (lens, k)
+        lens = lens + torch.randint(1, 5, (3,), generator=g)  # rows commit different amounts
+    assert state.physical_len >= int(state.lengths.max())
+
+
+def test_queries_read_the_whole_prefix():
+    """The queries see the last prefix token and the prefix length (causality of the prefix
+    itself is what `test_cached_rounds_equal_full_passes` relies on and checks)."""
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 3)
+    src, mask = sources(batch=1)
+    with torch.no_grad():
+        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+        a = drafter(torch.tensor([[0, 5, 6]]), torch.tensor([3]), enc, mask, 3)
+        b = drafter(torch.tensor([[0, 5, 9]]), torch.tensor([3]), enc, mask, 3)
+        c = drafter(torch.tensor([[0, 5]]), torch.tensor([2]), enc, mask, 3)
+    assert not torch.allclose(a, b)  # queries read the last prefix token
+    assert not torch.allclose(a, c)
 
 
 def test_block_drafter_save_load_round_trip(tmp_path):

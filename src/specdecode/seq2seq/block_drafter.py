@@ -1,17 +1,21 @@
 """SpecDec's Spec-Drafter: a non-autoregressive decoder that proposes a block of k tokens at once.
 
 Input of one pass, per row: the committed target prefix (decoder start token first) followed by
-k `<mask>` queries; every valid slot attends to every other (the prefix is known, the queries
-see each other), and cross-attends to the source. The k outputs at the mask slots are the draft.
-One pass per block, so drafting cost hardly grows with k.
+k `<mask>` queries, cross-attending to the source. The prefix attends causally, as in the
+verifier; the queries attend to the whole prefix and to each other. The k outputs at the query
+slots are the draft: one pass per block, so drafting cost hardly grows with k.
+
+Why a causal prefix: its states then depend on the committed tokens alone, so at inference they
+are cached per row (`DrafterState`) and each round feeds only the tokens committed since the
+last one plus the k queries, instead of the whole prefix again. On a CPU, where these passes are
+compute-bound, that is most of the drafter's cost.
 
 Source side: the drafter reads the verifier's encoder states instead of running an encoder of
 its own (SpecDec gives the drafter its own encoder, initialised from the verifier's). Reuse costs
 nothing at inference (the verifier encodes each input once anyway), halves the drafter's size,
-and on a 2-core CPU lets a session's training budget go to the decoder alone. Its decoder layers
-are initialised from the verifier's decoder (same post-norm layout), its embeddings and output
-projection are the verifier's shared embeddings, so training starts from a model that already
-attends to the source.
+and lets a CPU session's training budget go to the decoder alone. Decoder layers are initialised
+from the verifier's decoder (same post-norm layout), embeddings and output projection are the
+verifier's shared embeddings, so training starts from a model that already reads the source.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from specdecode.kv_cache import HOLE, CachedModel
 
 
 @dataclass(frozen=True)
@@ -46,26 +53,89 @@ class BlockDrafterConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
 
 
+class Attention(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.Linear(d_model, d_model) for _ in range(4)
+        )
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape  # -> [b, heads, n, d / heads]
+        return x.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+    def attend(self, h, k, v, allowed: torch.Tensor) -> torch.Tensor:
+        # h: [b, n, d] (queries are projected here); k, v: [b, heads, m, dh]; allowed: [b, n, m]
+        q = self.split(self.q_proj(h))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[:, None]
+        )  # [b, heads, n, dh]
+        b, _, n, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DrafterLayer(nn.Module):
+    """Post-norm decoder layer (Marian's layout): self-attention, cross-attention, FFN."""
+
+    def __init__(self, cfg: BlockDrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg.d_model, cfg.heads)
+        self.cross_attn = Attention(cfg.d_model, cfg.heads)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.d_model)
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.dropout = cfg.dropout
+
+    def forward(self, h, keys, values, allowed, cross_k, cross_v, cross_allowed):
+        """h [b, n, d]; keys/values [b, heads, m, dh] (m covers cache + these n slots)."""
+        p, train = self.dropout, self.training
+        h = self.norm1(h + F.dropout(self.self_attn.attend(h, keys, values, allowed), p, train))
+        cross = self.cross_attn.attend(h, cross_k, cross_v, cross_allowed)
+        h = self.norm2(h + F.dropout(cross, p, train))
+        return self.norm3(h + F.dropout(self.fc2(F.gelu(self.fc1(h))), p, train))
+
+
 class BlockDrafter(nn.Module):
     def __init__(self, cfg: BlockDrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.positions = nn.Embedding(cfg.max_positions, cfg.d_model)
-        self.layers = nn.ModuleList(
-            nn.TransformerDecoderLayer(
-                cfg.d_model,
-                cfg.heads,
-                cfg.ffn,
-                cfg.dropout,
-                activation=nn.functional.gelu,
-                batch_first=True,
-                norm_first=False,
-            )
-            for _ in range(cfg.layers)
-        )
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.layers))
         self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+
+    def cross_kv(self, encoder_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the source keys and values: computed once per batch at inference."""
+        return [
+            (layer.cross_attn.split(layer.cross_attn.k_proj(encoder_states)),
+             layer.cross_attn.split(layer.cross_attn.v_proj(encoder_states)))
+            for layer in self.layers
+        ]  # fmt: skip
+
+    def run(self, ids, positions, allowed, past, encoder_states, encoder_mask, cross=None):
+        """Layers over slots `ids` [b, n] given cached keys/values `past` (per layer, or None).
+
+        allowed: [b, n, past_len + n]; returns hidden [b, n, d] and per-layer new (keys, values)
+        """
+        cross = cross if cross is not None else self.cross_kv(encoder_states)
+        cross_allowed = (encoder_mask != 0)[:, None, :].expand(-1, ids.shape[1], -1)
+        h = self.embed(ids) * self.embed_scale + self.positions(positions)  # [b, n, d]
+        h = F.dropout(h, self.cfg.dropout, self.training)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k_new, v_new = attn.split(attn.k_proj(h)), attn.split(attn.v_proj(h))
+            new_kv.append((k_new, v_new))
+            if past is not None:
+                k_new = torch.cat([past[i][0], k_new], 2)
+                v_new = torch.cat([past[i][1], v_new], 2)
+            h = layer(h, k_new, v_new, allowed, *cross[i], cross_allowed)
+        return h, new_kv
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.embed.weight.T + self.final_logits_bias  # tied output projection
 
     def block_inputs(
         self, prefix: torch.Tensor, prefix_lens: torch.Tensor, k: int
@@ -94,30 +164,35 @@ class BlockDrafter(nn.Module):
         k: int,
         given: torch.Tensor | None = None,  # [batch, k] tokens placed in query slots (training)
     ) -> torch.Tensor:
-        """Logits of the k tokens after each row's prefix: [batch, k, vocab].
+        """Logits of the k tokens after each row's prefix, in one pass: [batch, k, vocab].
 
         `given` (GLAT's glancing) puts reference tokens into some query slots; slots holding
         `mask_id` stay queries.
         """
-        if int(prefix_lens.max()) + k > self.cfg.max_positions:
-            raise ValueError(
-                f"prefix of {int(prefix_lens.max())} tokens plus a block of {k} exceeds the "
-                f"drafter's {self.cfg.max_positions} positions"
-            )
+        self._check_positions(int(prefix_lens.max()), k)
         ids, valid, query = self.block_inputs(prefix, prefix_lens, k)
         if given is not None:
             ids = ids.scatter(1, query, given)
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        h = self.embed(ids) * self.embed_scale + self.positions(pos)[None]  # [batch, P + k, d]
-        for layer in self.layers:
-            h = layer(
-                h,
-                encoder_states,
-                tgt_key_padding_mask=~valid,
-                memory_key_padding_mask=encoder_mask == 0,
-            )
+        width = ids.shape[1]
+        slots = torch.arange(width, device=ids.device)
+        in_prefix = slots[None, :] < prefix_lens[:, None]  # [b, width]
+        causal = slots[None, :, None] >= slots[None, None, :]  # [1, q, kv]
+        # prefix slots: causal over the prefix; query slots: the whole prefix and every query
+        allowed = torch.where(in_prefix[:, :, None], causal & in_prefix[:, None, :], True)
+        allowed = allowed & valid[:, None, :] | torch.eye(
+            width, dtype=torch.bool, device=ids.device
+        )
+        positions = slots[None].expand(ids.shape[0], -1)
+        h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
         h = h.gather(1, query[..., None].expand(-1, -1, h.shape[-1]))  # [batch, k, d]
-        return h @ self.embed.weight.T + self.final_logits_bias  # tied output projection
+        return self.logits(h)
+
+    def _check_positions(self, prefix_len: int, k: int) -> None:
+        if prefix_len + k > self.cfg.max_positions:
+            raise ValueError(
+                f"prefix of {prefix_len} tokens plus a block of {k} exceeds the drafter's "
+                f"{self.cfg.max_positions} positions"
+            )
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -144,6 +219,86 @@ class BlockDrafter(nn.Module):
         return model.eval()
 
 
+class _Layer:
+    """One layer's cached prefix keys and values, shaped as `CachedModel`'s bookkeeping expects."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [b, heads, slots, dh]
+        self.values: torch.Tensor | None = None
+
+
+class DrafterState(CachedModel):
+    """The drafter's per-row cache of committed-prefix keys and values.
+
+    Only committed tokens are ever cached (queries are transient), so nothing is rolled back:
+    each round appends the tokens committed since the last one. Ragged rows, holes, compaction
+    and row selection are `CachedModel`'s bookkeeping, reused.
+    """
+
+    def __init__(self, drafter: BlockDrafter, compact_min_holes: int = 8) -> None:
+        self.drafter = drafter
+        self.device = drafter.embed.weight.device
+        self.compact_min_holes = compact_min_holes
+        self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.reset(0)
+
+    def reset(self, batch_size: int) -> None:
+        self.layers = [_Layer() for _ in self.drafter.layers]
+        self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.cross = []
+
+    def _rollback_layers(self) -> list:
+        return self.layers
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        self.cross = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cross]
+        super().select_rows(rows)
+
+    @torch.no_grad()
+    def propose(self, sequences, seq_lens, encoder_states, encoder_mask, k: int) -> torch.Tensor:
+        """Logits of the next k tokens of every row: [batch, k, vocab]."""
+        drafter = self.drafter
+        drafter._check_positions(int(seq_lens.max()), k)
+        if not self.cross:
+            self.cross = drafter.cross_kv(encoder_states)
+        new, valid = self.pending(sequences, seq_lens, drafter.cfg.pad_id)  # [b, n]
+        b, n = new.shape
+        queries = torch.full((b, k), drafter.cfg.mask_id, dtype=torch.long, device=new.device)
+        ids = torch.cat([new, queries], 1)  # [b, n + k]
+        new_pos = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [b, n]
+        query_pos = seq_lens[:, None] + torch.arange(k, device=new.device)  # [b, k]
+        positions = torch.cat([new_pos.clamp(min=0), query_pos], 1)  # [b, n + k]
+        cached = self.slot_pos >= 0  # [b, L]
+        # new slots: cached prefix + earlier new slots; queries: all of the prefix and each other
+        tri = torch.ones(n, n, dtype=torch.bool, device=new.device).tril()
+        new_rows = torch.cat(
+            [cached[:, None].expand(-1, n, -1), tri[None] & valid[:, None],
+             torch.zeros(b, n, k, dtype=torch.bool, device=new.device)], 2
+        )  # fmt: skip
+        query_rows = torch.cat(
+            [cached[:, None].expand(-1, k, -1), valid[:, None].expand(-1, k, -1),
+             torch.ones(b, k, k, dtype=torch.bool, device=new.device)], 2
+        )  # fmt: skip
+        allowed = torch.cat([new_rows, query_rows], 1)  # [b, n + k, L + n + k]
+        eye = torch.eye(n + k, dtype=torch.bool, device=new.device)
+        allowed[:, :, -(n + k) :] |= eye  # a hole attends to itself (no empty softmax)
+        past = [(layer.keys, layer.values) for layer in self.layers]
+        if past[0][0] is None:
+            past = None
+        h, new_kv = drafter.run(ids, positions, allowed, past, encoder_states, encoder_mask,
+                                self.cross)  # fmt: skip
+        for layer, (keys, values) in zip(self.layers, new_kv, strict=True):
+            keys, values = keys[:, :, :n], values[:, :, :n]  # queries are not cached
+            layer.keys = keys if layer.keys is None else torch.cat([layer.keys, keys], 2)
+            layer.values = values if layer.values is None else torch.cat([layer.values, values], 2)
+        self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, new_pos, HOLE)], 1)
+        self.lengths = self.lengths + valid.sum(1)
+        self._crop_and_compact()
+        return drafter.logits(h[:, n:])
+
+
 def init_from_verifier(drafter: BlockDrafter, verifier: nn.Module) -> None:
     """Embeddings, sinusoidal positions and decoder layers copied from a Marian verifier."""
     decoder = verifier.get_decoder()
@@ -156,18 +311,10 @@ def init_from_verifier(drafter: BlockDrafter, verifier: nn.Module) -> None:
         if hasattr(verifier, "final_logits_bias"):
             drafter.final_logits_bias.copy_(verifier.final_logits_bias.view(-1))
         for mine, theirs in zip(drafter.layers, decoder.layers, strict=False):
-            _copy_attention(mine.self_attn, theirs.self_attn)
-            _copy_attention(mine.multihead_attn, theirs.encoder_attn)
-            mine.linear1.load_state_dict(theirs.fc1.state_dict())
-            mine.linear2.load_state_dict(theirs.fc2.state_dict())
+            mine.self_attn.load_state_dict(theirs.self_attn.state_dict())
+            mine.cross_attn.load_state_dict(theirs.encoder_attn.state_dict())
+            mine.fc1.load_state_dict(theirs.fc1.state_dict())
+            mine.fc2.load_state_dict(theirs.fc2.state_dict())
             mine.norm1.load_state_dict(theirs.self_attn_layer_norm.state_dict())
             mine.norm2.load_state_dict(theirs.encoder_attn_layer_norm.state_dict())
             mine.norm3.load_state_dict(theirs.final_layer_norm.state_dict())
-
-
-def _copy_attention(mine: nn.MultiheadAttention, theirs: nn.Module) -> None:
-    mine.in_proj_weight.copy_(
-        torch.cat([theirs.q_proj.weight, theirs.k_proj.weight, theirs.v_proj.weight])
-    )
-    mine.in_proj_bias.copy_(torch.cat([theirs.q_proj.bias, theirs.k_proj.bias, theirs.v_proj.bias]))
-    mine.out_proj.load_state_dict(theirs.out_proj.state_dict())

@@ -1,9 +1,9 @@
 """The block drafter behind the engine's `Drafter` protocol: one pass proposes a whole block.
 
-It reads the verifier's encoder states from the `CachedSeq2Seq` it drafts for, so it keeps no
-state of its own: rows leave the batch in the verifier, and the drafter sees the same rows on its
-next call. Its draft is deterministic (argmax), which the lossless sampling rule treats as a
-point mass, so sampling stays exact too.
+It reads the verifier's encoder states from the `CachedSeq2Seq` it drafts for, and caches the
+keys and values of the committed prefix (`DrafterState`), so each round feeds only the tokens
+committed since the last one plus the k mask queries. Its draft is deterministic (argmax),
+which the lossless sampling rule treats as a point mass, so sampling stays exact too.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from specdecode.drafters import Draft
 from specdecode.sampling import bad_logits
-from specdecode.seq2seq.block_drafter import BlockDrafter
+from specdecode.seq2seq.block_drafter import BlockDrafter, DrafterState
 from specdecode.seq2seq.cached import CachedSeq2Seq
 
 
@@ -23,9 +23,10 @@ class NARDrafter:
         self.model = model.eval()
         self.verifier = verifier
         self.block_size = block_size
+        self.state = DrafterState(self.model)
 
     def start(self, batch_size: int) -> None:
-        del batch_size  # stateless: the verifier holds the encoder states of the batch
+        self.state.reset(batch_size)
 
     @torch.no_grad()
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
@@ -33,19 +34,14 @@ class NARDrafter:
         k = min(self.block_size, int(max_tokens.max()))
         if k <= 0:
             return Draft.empty(sequences.shape[0], sequences.device)
-        width = int(seq_lens.max())
-        logits = self.model(
-            sequences[:, :width],
-            seq_lens,
-            self.verifier.encoder_states,
-            self.verifier.encoder_mask,
-            k,
+        logits = self.state.propose(
+            sequences, seq_lens, self.verifier.encoder_states, self.verifier.encoder_mask, k
         )  # [batch, k, vocab]
         lengths = max_tokens.clamp(min=0, max=k)  # [batch]
         return Draft(logits.argmax(-1), None, lengths, 1, bad_logits(logits))
 
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
-        del lengths, num_drafted, num_accepted  # nothing cached between rounds
+        del lengths, num_drafted, num_accepted  # only committed tokens are ever cached
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        del rows  # the verifier's encoder states are already selected
+        self.state.select_rows(rows)
