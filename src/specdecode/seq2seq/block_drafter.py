@@ -135,7 +135,9 @@ class BlockDrafter(nn.Module):
         return h, new_kv
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.embed.weight.T + self.final_logits_bias  # tied output projection
+        # tied output projection; F.linear, since a matmul with the transposed table takes a
+        # slow path on CPU (3 ms against 0.3 ms for a block of 10 over 8k entries)
+        return F.linear(h, self.embed.weight, self.final_logits_bias)
 
     def block_inputs(
         self, prefix: torch.Tensor, prefix_lens: torch.Tensor, k: int
