@@ -145,6 +145,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         train_file=train_file,
         out=args.out or work_dir(args) / "drafter",
         block_size=args.block_size,
+        min_block=args.min_block,
         layers=args.layers,
         blocks_per_sentence=args.blocks_per_sentence,
         glance=args.glance,
@@ -247,8 +248,9 @@ def add_subcommands(subparsers) -> None:
     add_loop_arguments(p, minutes=30)
     p.add_argument("--verifier", type=Path, default=None)
     p.add_argument("--train-file", type=Path, default=None)
-    p.add_argument("--block-size", type=int, default=25)
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=25, help="k (the largest, with --min-block)")
+    p.add_argument("--min-block", type=int, default=0, help="draw k per step from [MIN, k]")
+    p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
     p.add_argument("--blocks-per-sentence", type=int, default=2)
     p.add_argument("--glance", type=float, default=0.0, help="GLAT glancing ratio (0: off)")
     p.add_argument("--valid-sentences", type=int, default=100)

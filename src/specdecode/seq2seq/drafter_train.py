@@ -46,7 +46,8 @@ class TrainDrafterConfig:
     train_file: Path  # distilled jsonl of {"src", "tgt"}
     out: Path
     block_size: int = 25
-    layers: int = 3
+    min_block: int = 0  # > 0: each step draws its k from [min_block, block_size]
+    layers: int = 2
     blocks_per_sentence: int = 2
     glance: float = 0.0  # GLAT glancing ratio; 0 disables
     label_smoothing: float = 0.1
@@ -54,6 +55,17 @@ class TrainDrafterConfig:
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(lr=5e-4, warmup=300, max_tokens=2048, weight_decay=0.01)
     )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_block <= self.block_size or self.block_size < 1:
+            raise ValueError(
+                f"need 0 <= min_block <= block_size and block_size >= 1, got min_block "
+                f"{self.min_block}, block_size {self.block_size}"
+            )
+        if not 0 <= self.glance <= 1:
+            raise ValueError(f"glance must be in [0, 1], got {self.glance}")
+        if self.layers < 1 or self.blocks_per_sentence < 1:
+            raise ValueError("layers and blocks_per_sentence must be >= 1")
 
 
 def sample_blocks(
@@ -182,8 +194,10 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         src_mask = (src != tokenizer.pad_token_id).long()
         with torch.no_grad():
             enc = verifier.get_encoder()(input_ids=src, attention_mask=src_mask).last_hidden_state
+        # a k drawn per step keeps the drafter usable for every block size of a sweep
+        k_step = rng.randint(cfg.min_block, k) if cfg.min_block else k
         prefixes, labels, owner = sample_blocks(
-            [tgt_ids[i] for i in rows], start_id, k, cfg.blocks_per_sentence, rng
+            [tgt_ids[i] for i in rows], start_id, k_step, cfg.blocks_per_sentence, rng
         )
         prefix = pad(prefixes, tokenizer.pad_token_id).to(accelerator.device)
         lens = torch.tensor([len(p) for p in prefixes], device=accelerator.device)
@@ -192,13 +206,13 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         enc_n, mask_n = enc.index_select(0, index), src_mask.index_select(0, index)
         if cfg.glance > 0:
             with torch.no_grad():
-                first = drafter(prefix, lens, enc_n, mask_n, k)
+                first = drafter(prefix, lens, enc_n, mask_n, k_step)
             reveal, loss_labels = glance_inputs(first, labels_t, cfg.glance, generator)
             given = labels_t.masked_fill(~reveal, mask_id)  # [n, k] reference where revealed
-            logits = drafter(prefix, lens, enc_n, mask_n, k, given)
+            logits = drafter(prefix, lens, enc_n, mask_n, k_step, given)
         else:
             loss_labels = labels_t
-            logits = drafter(prefix, lens, enc_n, mask_n, k)  # [n, k, vocab]
+            logits = drafter(prefix, lens, enc_n, mask_n, k_step)  # [n, k, vocab]
         loss = loss_fn(logits.flatten(0, 1), loss_labels.flatten())
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(drafter.parameters(), 5.0)
