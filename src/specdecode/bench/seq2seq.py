@@ -105,7 +105,7 @@ def run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources,
         )
         return out.token_ids, time.perf_counter() - start, out.stats
     tok = pair.tokenizer
-    kwargs: dict = dict(max_new_tokens=cfg.max_new_tokens, do_sample=False)
+    kwargs: dict = dict(max_new_tokens=pair.output_cap(cfg.max_new_tokens), do_sample=False)
     kwargs["num_beams"] = 5 if method.kind == "hf-beam5" else 1
     if method.kind == "hf-assisted":
         kwargs["assistant_model"] = assistant
@@ -159,7 +159,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
         assistant.eval()
     for method in methods:  # warm-up
-        run_method(method, pair, assistant, sources[:2], cfg)
+        run_method(method, pair, assistant, sources[:1], cfg)
     runs: list[dict] = []
     for batch_size in cfg.batch_sizes:
         runnable = [m for m in methods if batch_size == 1 or m.kind not in BATCH1_ONLY]

@@ -62,6 +62,11 @@ class TranslationPair:
         drafter = BlockDrafter.load(drafter_dir).to(dtype) if drafter_dir.exists() else None
         return cls(verifier, tokenizer, drafter)
 
+    def output_cap(self, max_new_tokens: int) -> int:
+        """The decoder's position table caps every output the same way, drafts or not."""
+        positions = getattr(self.verifier.config, "max_position_embeddings", None)
+        return min(max_new_tokens, positions - 1) if positions else max_new_tokens
+
     def translate(
         self,
         sources: list[str],
@@ -88,10 +93,7 @@ class TranslationPair:
             if not relaxed.exact
             else make_rule(None, sampling)
         )
-        # the decoder's position table caps every output the same way, with or without drafts
-        positions = getattr(self.verifier.config, "max_position_embeddings", None)
-        if positions:
-            max_new_tokens = min(max_new_tokens, positions - 1)
+        max_new_tokens = self.output_cap(max_new_tokens)
         cfg = DecodeConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=block_size,
