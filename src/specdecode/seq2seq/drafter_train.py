@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from specdecode.seq2seq.training import (
     epoch_batches,
     inverse_sqrt,
     pad,
+    start_run,
 )
 from specdecode.seq2seq.verifier_train import read_pairs
 
@@ -107,10 +108,7 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     from specdecode.seq2seq.api import TranslationPair
 
     loop = cfg.loop
-    if loop.threads:
-        torch.set_num_threads(loop.threads)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_run(loop, cfg.out, cfg)
     verifier = AutoModelForSeq2SeqLM.from_pretrained(str(cfg.verifier)).eval()
     for p in verifier.parameters():
         p.requires_grad_(False)
@@ -145,7 +143,6 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     else:
         drafter = BlockDrafter(model_cfg)
         init_from_verifier(drafter, verifier)
-    (out / "train_config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
     optimizer = torch.optim.AdamW(
         drafter.parameters(),
         lr=loop.lr,
@@ -243,11 +240,3 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
 
 def _save(model, directory: Path) -> None:
     model.save(directory)
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj

@@ -174,6 +174,24 @@ def epoch_batches(
         state.batch_in_epoch = 0
 
 
+def start_run(loop: LoopConfig, out: Path, config) -> Path:
+    """Threads, the output folder, and the run's configuration written beside its checkpoints."""
+    if loop.threads:
+        torch.set_num_threads(loop.threads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.json").write_text(json.dumps(jsonable(asdict(config)), indent=1))
+    return out
+
+
+def jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
 def corpus_bleu(hypotheses: list[str], references: list[list[str]]) -> float:
     import sacrebleu
 

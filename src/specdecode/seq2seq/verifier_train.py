@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from specdecode.seq2seq.training import (
     epoch_batches,
     inverse_sqrt,
     pad,
+    start_run,
 )
 
 
@@ -141,10 +142,7 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
     from transformers import MarianMTModel
 
     loop = cfg.loop
-    if loop.threads:
-        torch.set_num_threads(loop.threads)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_run(loop, cfg.out, cfg)
     src_texts, tgt_texts = read_pairs(cfg.train_file)
     tok_dir = out / "tokenizer"
     if cfg.tokenizer is not None:
@@ -172,7 +170,6 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         model = MarianMTModel(marian_config(cfg.model, tokenizer))
         if cfg.init_from is not None:
             init_from(model, Path(cfg.init_from))
-    (out / "train_config.json").write_text(json.dumps(_jsonable(asdict(cfg)), indent=1))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=loop.lr, betas=(0.9, 0.98), weight_decay=loop.weight_decay
     )
@@ -247,14 +244,6 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 def config_with(cfg: TrainVerifierConfig, **loop_changes) -> TrainVerifierConfig:
