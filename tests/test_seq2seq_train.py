@@ -112,6 +112,22 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     relaxed = pair.translate(sources, block_size=4, beta=3, tau=2.0, max_new_tokens=12)
     assert not relaxed.exact
 
+    # the benchmark on the exported pair: exact methods reproduce ar, relaxed ones are marked
+    out = tmp_path / "bench"
+    args = ["bench", "--pair", str(pair_dir), "--limit", "3", "--block-sizes", "2", "4",
+            "--relaxed", "3,2.0", "--threads", "1", "--max-new-tokens", "12", "--out", str(out),
+            "--quiet", "--no-plots"]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads((out / "record.json").read_text())
+    rows = {r["method"]: r for r in record["runs"][0]["methods"]}
+    assert {"ar", "hf", "hf-beam5", "hf-assisted", "specdec[k=2]", "specdec[k=4,b=3,t=2]"} <= set(
+        rows
+    )
+    assert rows["specdec[k=4]"]["identical_to_ar"] == 1.0 and rows["hf"]["identical_to_ar"] == 1.0
+    assert rows["specdec[k=4,b=3,t=2]"]["approximate"] and not rows["specdec[k=2]"]["approximate"]
+    assert record["ok"] and "(approx.)" in (out / "table.md").read_text()
+    assert main([*args, "--relaxed", "five"]) == 2  # not BETA,TAU
+
 
 def test_translate_refuses_bad_input(cache, tmp_path):
     from specdecode.cli import main
