@@ -379,6 +379,26 @@ def test_cached_rounds_equal_full_passes():
     assert state.physical_len >= int(state.lengths.max())
 
 
+def test_training_blocks_equal_separate_passes():
+    """`forward_blocks` (prefix computed once, several blocks) gives each block's own logits."""
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 3)
+    src, mask = sources(batch=2)
+    with torch.no_grad():
+        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+        targets = torch.tensor([[0, 5, 6, 7, 8, 1], [0, 9, 10, 1, 0, 0]])
+        lens = torch.tensor([6, 4])
+        starts = torch.tensor([[0, 2, 4], [1, 0, 2]])
+        together = drafter.forward_blocks(targets, lens, starts, enc, mask, 3)
+        assert together.shape == (2, 3, 3, V)
+        for row in range(2):
+            for b in range(3):
+                s = int(starts[row, b])
+                alone = drafter(targets[row : row + 1, : s + 1], torch.tensor([s + 1]),
+                                enc[row : row + 1], mask[row : row + 1], 3)  # fmt: skip
+                assert torch.allclose(together[row, b], alone[0], atol=1e-5), (row, b)
+
+
 def test_queries_read_the_whole_prefix():
     """The queries see the last prefix token and the prefix length (causality of the prefix
     itself is what `test_cached_rounds_equal_full_passes` relies on and checks)."""

@@ -148,9 +148,11 @@ def test_glance_reveals_more_where_wrong():
     assert (loss_labels[reveal] == -100).all() and (loss_labels[~reveal] == labels[~reveal]).all()
     import random
 
-    prefixes, block_labels, owner = sample_blocks([[9, 8, 7, 1]], 0, 3, 4, random.Random(0))
-    for prefix, block in zip(prefixes, block_labels, strict=True):
-        s = len(prefix) - 1
-        assert prefix == [0, *[9, 8, 7, 1][:s]]
-        assert [t for t in block if t != -100] == [9, 8, 7, 1][s : s + 3]
-    assert owner == [0, 0, 0, 0]
+    starts, block_labels = sample_blocks([[9, 8, 7, 1], [4, 1]], 3, 5, random.Random(0))
+    assert len(starts) == 2 and all(len(r) == 5 for r in starts)
+    for tgt, row_starts, row_labels in zip(
+        [[9, 8, 7, 1], [4, 1]], starts, block_labels, strict=True
+    ):
+        for s, block in zip(row_starts, row_labels, strict=True):
+            assert 0 <= s < len(tgt) and len(block) == 3
+            assert [t for t in block if t != -100] == tgt[s : s + 3]

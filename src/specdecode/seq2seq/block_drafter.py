@@ -165,12 +165,18 @@ class BlockDrafter(nn.Module):
         encoder_mask: torch.Tensor,  # [batch, S], 1 = real token
         k: int,
         given: torch.Tensor | None = None,  # [batch, k] tokens placed in query slots (training)
+        starts: torch.Tensor | None = None,  # [batch, B]: training blocks, see `forward_blocks`
     ) -> torch.Tensor:
         """Logits of the k tokens after each row's prefix, in one pass: [batch, k, vocab].
 
         `given` (GLAT's glancing) puts reference tokens into some query slots; slots holding
-        `mask_id` stay queries.
+        `mask_id` stay queries. With `starts`, the training form (through `forward`, so that
+        wrappers such as DDP see the call): B blocks per row -> [batch, B, k, vocab].
         """
+        if starts is not None:
+            return self.forward_blocks(
+                prefix, prefix_lens, starts, encoder_states, encoder_mask, k, given
+            )
         self._check_positions(int(prefix_lens.max()), k)
         ids, valid, query = self.block_inputs(prefix, prefix_lens, k)
         if given is not None:
@@ -188,6 +194,49 @@ class BlockDrafter(nn.Module):
         h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
         h = h.gather(1, query[..., None].expand(-1, -1, h.shape[-1]))  # [batch, k, d]
         return self.logits(h)
+
+    def forward_blocks(
+        self,
+        targets: torch.Tensor,  # [batch, T]: decoder start token, then the sentence, right-padded
+        lens: torch.Tensor,  # [batch] valid slots of targets
+        starts: torch.Tensor,  # [batch, B] block starts: block b follows targets[:, : starts + 1]
+        encoder_states: torch.Tensor,
+        encoder_mask: torch.Tensor,
+        k: int,
+        given: torch.Tensor | None = None,  # [batch, B, k] glancing tokens (mask_id elsewhere)
+    ) -> torch.Tensor:
+        """Training: B blocks per sentence in one pass, the causal prefix computed once.
+
+        Each block's queries see the prefix up to its start and their own block only, so the
+        logits equal B separate `forward` calls: [batch, B, k, vocab].
+        """
+        b, t = targets.shape
+        n_blocks = starts.shape[1]
+        self._check_positions(int(starts.max()) + 1, k)
+        queries = torch.full((b, n_blocks * k), self.cfg.mask_id, device=targets.device)
+        if given is not None:
+            queries = given.reshape(b, n_blocks * k)
+        ids = torch.cat([targets, queries], 1)  # [b, T + B k]
+        slot = torch.arange(t, device=targets.device)
+        j = torch.arange(k, device=targets.device)
+        query_pos = (starts[:, :, None] + 1 + j).reshape(b, -1)  # [b, B k]
+        positions = torch.cat([slot.expand(b, -1), query_pos], 1)
+        valid = slot[None] < lens[:, None]  # [b, T]
+        prefix_rows = torch.cat(
+            [(slot[:, None] >= slot[None]) & valid[:, None],
+             torch.zeros(b, t, n_blocks * k, dtype=torch.bool, device=ids.device)], 2
+        )  # fmt: skip
+        sees_prefix = slot[None, None] <= starts[:, :, None]  # [b, B, T]
+        same_block = torch.eye(n_blocks, dtype=torch.bool, device=ids.device)  # [B, B]
+        sees_queries = same_block[:, None, :, None].expand(n_blocks, k, n_blocks, k)
+        query_rows = torch.cat(
+            [sees_prefix[:, :, None].expand(-1, -1, k, -1).reshape(b, n_blocks * k, t),
+             sees_queries.reshape(1, n_blocks * k, n_blocks * k).expand(b, -1, -1)], 2
+        )  # fmt: skip
+        allowed = torch.cat([prefix_rows, query_rows], 1)
+        allowed = allowed | torch.eye(t + n_blocks * k, dtype=torch.bool, device=ids.device)
+        h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
+        return self.logits(h[:, t:]).view(b, n_blocks, k, -1)
 
     def _check_positions(self, prefix_len: int, k: int) -> None:
         if prefix_len + k > self.cfg.max_positions:

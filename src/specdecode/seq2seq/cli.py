@@ -251,7 +251,7 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=25, help="k (the largest, with --min-block)")
     p.add_argument("--min-block", type=int, default=0, help="draw k per step from [MIN, k]")
     p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
-    p.add_argument("--blocks-per-sentence", type=int, default=2)
+    p.add_argument("--blocks-per-sentence", type=int, default=4)
     p.add_argument("--glance", type=float, default=0.0, help="GLAT glancing ratio (0: off)")
     p.add_argument("--valid-sentences", type=int, default=100)
     p.set_defaults(func=cmd_train_drafter)

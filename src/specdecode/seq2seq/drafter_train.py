@@ -49,7 +49,7 @@ class TrainDrafterConfig:
     block_size: int = 25
     min_block: int = 0  # > 0: each step draws its k from [min_block, block_size]
     layers: int = 2
-    blocks_per_sentence: int = 2
+    blocks_per_sentence: int = 4
     glance: float = 0.0  # GLAT glancing ratio; 0 disables
     label_smoothing: float = 0.1
     valid_sentences: int = 100
@@ -70,18 +70,16 @@ class TrainDrafterConfig:
 
 
 def sample_blocks(
-    targets: list[list[int]], start_id: int, k: int, per_sentence: int, rng: random.Random
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Random block positions: prefixes (start token + tgt[:s]), labels tgt[s:s+k], source row."""
-    prefixes, labels, owner = [], [], []
-    for row, tgt in enumerate(targets):
-        for _ in range(per_sentence):
-            s = rng.randrange(len(tgt))
-            prefixes.append([start_id, *tgt[:s]])
-            block = tgt[s : s + k]
-            labels.append(block + [-100] * (k - len(block)))
-            owner.append(row)
-    return prefixes, labels, owner
+    targets: list[list[int]], k: int, per_sentence: int, rng: random.Random
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Random block starts s per sentence (the block follows start token + tgt[:s]) and their
+    labels tgt[s : s + k], positions past the sentence's end ignored (-100)."""
+    starts, labels = [], []
+    for tgt in targets:
+        row_starts = [rng.randrange(len(tgt)) for _ in range(per_sentence)]
+        starts.append(row_starts)
+        labels.append([tgt[s : s + k] + [-100] * (k - len(tgt[s : s + k])) for s in row_starts])
+    return starts, labels
 
 
 def glance_inputs(
@@ -193,24 +191,26 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
             enc = verifier.get_encoder()(input_ids=src, attention_mask=src_mask).last_hidden_state
         # a k drawn per step keeps the drafter usable for every block size of a sweep
         k_step = rng.randint(cfg.min_block, k) if cfg.min_block else k
-        prefixes, labels, owner = sample_blocks(
-            [tgt_ids[i] for i in rows], start_id, k_step, cfg.blocks_per_sentence, rng
-        )
-        prefix = pad(prefixes, tokenizer.pad_token_id).to(accelerator.device)
-        lens = torch.tensor([len(p) for p in prefixes], device=accelerator.device)
-        labels_t = torch.tensor(labels, device=accelerator.device)  # [n, k]
-        index = torch.tensor(owner, device=accelerator.device)
-        enc_n, mask_n = enc.index_select(0, index), src_mask.index_select(0, index)
+        batch_targets = [tgt_ids[i] for i in rows]
+        starts, labels = sample_blocks(batch_targets, k_step, cfg.blocks_per_sentence, rng)
+        targets = pad([[start_id, *t] for t in batch_targets], tokenizer.pad_token_id)
+        targets = targets.to(accelerator.device)  # [b, T]
+        lens = torch.tensor([len(t) + 1 for t in batch_targets], device=accelerator.device)
+        starts_t = torch.tensor(starts, device=accelerator.device)  # [b, B]
+        labels_t = torch.tensor(labels, device=accelerator.device)  # [b, B, k]
+        blocks = (targets, lens, enc, src_mask, k_step)
         if cfg.glance > 0:
             with torch.no_grad():
-                first = drafter(prefix, lens, enc_n, mask_n, k_step)
-            reveal, loss_labels = glance_inputs(first, labels_t, cfg.glance, generator)
-            given = labels_t.masked_fill(~reveal, mask_id)  # [n, k] reference where revealed
-            logits = drafter(prefix, lens, enc_n, mask_n, k_step, given)
+                first = drafter(*blocks, starts=starts_t)  # [b, B, k, vocab]
+            reveal, loss_labels = glance_inputs(
+                first.flatten(0, 1), labels_t.flatten(0, 1), cfg.glance, generator
+            )
+            given = labels_t.flatten(0, 1).masked_fill(~reveal, mask_id)  # reference if revealed
+            logits = drafter(*blocks, given.view_as(labels_t), starts=starts_t)
         else:
             loss_labels = labels_t
-            logits = drafter(prefix, lens, enc_n, mask_n, k_step)  # [n, k, vocab]
-        loss = loss_fn(logits.flatten(0, 1), loss_labels.flatten())
+            logits = drafter(*blocks, starts=starts_t)  # [b, B, k, vocab]
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), loss_labels.flatten())
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(drafter.parameters(), 5.0)
         optimizer.step()
