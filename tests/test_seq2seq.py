@@ -165,6 +165,18 @@ def test_relaxed_rule_accepts_more_and_is_marked_approximate():
             pass
         return stats.total.accepted
 
+    cached = CachedSeq2Seq(model)
+    cached.encode(src, mask)
+    stats = DecodeStats([RowStats() for _ in range(3)])
+    cfg = DecodeConfig(max_new_tokens=20, num_draft_tokens=6)
+    for _ in decode(
+        cached, NARDrafter(drafter, cached, 6), GreedyRule(), [[START]] * 3, cfg, stats
+    ):
+        pass
+    # a block drafter makes one pass per round, not one per drafted token
+    for row in stats.rows:
+        assert row.drafter_calls <= row.target_calls < row.drafted
+
     loose = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=V, tau=100.0))
     assert not loose.exact and TopBetaTauRule(SamplingConfig(), TopBetaTau(1)).exact
     assert accepted(loose) > accepted(GreedyRule())

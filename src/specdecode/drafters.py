@@ -33,6 +33,7 @@ class Draft:
     forwards: int = 0  # batched forward passes spent on this draft
     invalid_logits: torch.Tensor | None = None  # [] bool, set when a drafter logit was NaN/+inf
     policy_seconds: float = 0.0  # time the length policy spent deciding (e.g. the head)
+    row_passes: torch.Tensor | None = None  # [batch] drafter passes per row; None: one a token
 
     @classmethod
     def empty(cls, batch: int, device: torch.device) -> Draft:

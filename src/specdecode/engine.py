@@ -117,7 +117,8 @@ def speculative_step(
             "a model produced NaN or +inf logits (or a position where every logit is -inf); "
             "check its weights and dtype (fp16 overflow is a common cause)"
         )
-    return block, counts, done, verdict.num_accepted, draft.lengths
+    passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
+    return block, counts, done, verdict.num_accepted, draft.lengths, passes
 
 
 def decode(
@@ -145,14 +146,16 @@ def decode(
     start = time.perf_counter()
     try:
         while batch.rows:
-            block, counts, done, accepted, drafted = speculative_step(
+            block, counts, done, accepted, drafted, passes = speculative_step(
                 target, drafter, rule, batch, cfg, rng, stats
             )
             block_l = block.tolist()
-            counts_l, accepted_l, drafted_l = torch.stack([counts, accepted, drafted]).tolist()
+            counts_l, accepted_l, drafted_l, passes_l = torch.stack(
+                [counts, accepted, drafted, passes]
+            ).tolist()
             done_l = done.tolist()
             for i, row in enumerate(batch.rows):
-                stats.rows[row].record(drafted_l[i], accepted_l[i], counts_l[i])
+                stats.rows[row].record(drafted_l[i], accepted_l[i], counts_l[i], passes_l[i])
             yield StepEvent(
                 list(batch.rows), [b[:c] for b, c in zip(block_l, counts_l, strict=True)], done_l
             )

@@ -38,7 +38,8 @@ class NARDrafter:
             sequences, seq_lens, self.verifier.encoder_states, self.verifier.encoder_mask, k
         )  # [batch, k, vocab]
         lengths = max_tokens.clamp(min=0, max=k)  # [batch]
-        return Draft(logits.argmax(-1), None, lengths, 1, bad_logits(logits))
+        passes = (lengths > 0).long()  # one pass per row that drafted, whatever k
+        return Draft(logits.argmax(-1), None, lengths, 1, bad_logits(logits), row_passes=passes)
 
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
         del lengths, num_drafted, num_accepted  # only committed tokens are ever cached
