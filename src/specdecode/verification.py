@@ -175,7 +175,9 @@ class TopBetaTauRule:
         close = top.values[..., 0] - draft_logp <= self.params.tau  # [batch, k]
         accept = in_top & close & drafted_mask(num_drafted, k)
         num_accepted = leading_true(accept)  # [batch]
-        best = target_logits.argmax(-1)  # [batch, k + 1]
+        # the top-1 of the k drafted positions is already in `top`; only the bonus one is new
+        bonus = target_logits[:, k].argmax(-1, keepdim=True)  # [batch, 1]
+        best = torch.cat([top.indices[..., 0], bonus], 1)  # [batch, k + 1]
         next_tokens = best.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
         return Verdict(num_accepted, next_tokens)
 

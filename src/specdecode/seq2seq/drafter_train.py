@@ -33,6 +33,7 @@ from specdecode.seq2seq.training import (
     Clock,
     LoopConfig,
     LoopState,
+    end_step,
     epoch_batches,
     inverse_sqrt,
     pad,
@@ -174,8 +175,8 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
                 "valid_tokens_per_verifier_call": round(figure, 3),
             }
         )
-        if figure > state.best_bleu:  # best_bleu holds the figure the best model is chosen by
-            state.best_bleu = figure
+        if figure > state.best_score:
+            state.best_score = figure
             model.save(ckpt.best)
         minutes = state.seconds / 60
         bar.write(f"step {state.step} ({minutes:.1f} min): {figure:.3f} tokens/verifier call")
@@ -216,22 +217,19 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.seconds = seconds_before + clock.elapsed()
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch)
-        done = clock.out_of_time() or (loop.max_steps and state.step >= loop.max_steps)
-        if clock.every("eval", loop.eval_minutes) or done:
-            evaluate()
-        if clock.every("ckpt", loop.checkpoint_minutes) or done:
+
+        def checkpoint() -> None:
             ckpt.save(accelerator.unwrap_model(drafter), optimizer, scheduler, state, _save)
-        if done:
+
+        if end_step(state, loop, clock, seconds_before, evaluate, checkpoint):
             break
     bar.close()
     summary = {
         "steps": state.step,
         "minutes": round(state.seconds / 60, 2),
-        "best_valid_tokens_per_verifier_call": round(state.best_bleu, 3),
+        "best_valid_tokens_per_verifier_call": round(state.best_score, 3),
         "history": state.history,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

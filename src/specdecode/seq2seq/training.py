@@ -83,7 +83,7 @@ class LoopState:
     epoch: int = 0
     batch_in_epoch: int = 0
     seconds: float = 0.0
-    best_bleu: float = -1.0
+    best_score: float = -1.0  # the figure the best model is chosen by (BLEU, tokens per call)
     history: list | None = None
 
     def to_json(self) -> dict:
@@ -129,7 +129,10 @@ class Checkpointer:
         scheduler.load_state_dict(blob["scheduler"])
         torch.set_rng_state(blob["torch_rng"])
         random.setstate(blob["python_rng"])
-        return LoopState(**json.loads((self.last / "state.json").read_text()))
+        saved = json.loads((self.last / "state.json").read_text())
+        if "best_bleu" in saved:  # checkpoints written before the field was renamed
+            saved["best_score"] = saved.pop("best_bleu")
+        return LoopState(**saved)
 
 
 def _rmtree(path: Path) -> None:
@@ -158,6 +161,19 @@ class Clock:
             self.marks[name] = time.monotonic()
             return True
         return False
+
+
+def end_step(state: LoopState, loop: LoopConfig, clock: Clock, seconds_before: float,
+             evaluate: Callable[[], object], checkpoint: Callable[[], None]) -> bool:  # fmt: skip
+    """Count the step, evaluate and checkpoint when due (and at the end); True when done."""
+    state.step += 1
+    state.seconds = seconds_before + clock.elapsed()
+    done = clock.out_of_time() or bool(loop.max_steps and state.step >= loop.max_steps)
+    if clock.every("eval", loop.eval_minutes) or done:
+        evaluate()
+    if clock.every("ckpt", loop.checkpoint_minutes) or done:
+        checkpoint()
+    return done
 
 
 def epoch_batches(

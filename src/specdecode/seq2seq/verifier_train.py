@@ -25,6 +25,7 @@ from specdecode.seq2seq.training import (
     LoopConfig,
     LoopState,
     corpus_bleu,
+    end_step,
     epoch_batches,
     inverse_sqrt,
     pad,
@@ -196,8 +197,8 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
                 "valid_bleu": round(bleu, 2),
             }
         )
-        if bleu > state.best_bleu:
-            state.best_bleu = bleu
+        if bleu > state.best_score:
+            state.best_score = bleu
             save_model(accelerator.unwrap_model(model), ckpt.best)
             tokenizer.save_pretrained(str(ckpt.best))
         bar.write(f"step {state.step} ({state.seconds / 60:.1f} min): valid BLEU {bleu:.2f}")
@@ -220,25 +221,22 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        state.step += 1
         tokens_seen += int((labels != -100).sum())
-        state.seconds = seconds_before + clock.elapsed()
         bar.update(1)
         rate = tokens_seen / clock.elapsed()
         bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch, tok_s=f"{rate:.0f}")
-        done = clock.out_of_time() or (loop.max_steps and state.step >= loop.max_steps)
-        if clock.every("eval", loop.eval_minutes) or done:
-            evaluate()
-        if clock.every("ckpt", loop.checkpoint_minutes) or done:
+
+        def checkpoint() -> None:
             ckpt.save(accelerator.unwrap_model(model), optimizer, scheduler, state, save_model)
-        if done:
+
+        if end_step(state, loop, clock, seconds_before, evaluate, checkpoint):
             break
     bar.close()
     tokenizer.save_pretrained(str(ckpt.last))
     summary = {
         "steps": state.step,
         "minutes": round(state.seconds / 60, 2),
-        "best_valid_bleu": round(state.best_bleu, 2),
+        "best_valid_bleu": round(state.best_score, 2),
         "history": state.history,
         "target_tokens_per_second_this_call": round(tokens_seen / max(clock.elapsed(), 1e-9), 1),
     }
