@@ -13,9 +13,25 @@ from specdecode.bench.metrics import (
     expected_tokens_per_call,
     geometric_mean,
     leviathan_speedup,
+    modelled_speedup,
     summarize,
 )
 from specdecode.cli import main
+
+
+def test_modelled_speedup_from_counts_and_a_fitted_verify_line() -> None:
+    # verify costs on the line 1 + 0.1 k; 0.25 target calls and 0.75 drafter passes per token
+    # at 3 drafted per round: 0.25 * 1.3 + 0.75 * (0.2 + 0.05) = 0.5125 steps per token
+    costs = {1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    assert modelled_speedup(0.25, 0.75, 3.0, costs, 0.2, 0.05) == pytest.approx(1 / 0.5125)
+    # noisy calibrations are smoothed: one outlier moves the line, not the figure at k alone
+    noisy = {**costs, 2: 1.6}
+    assert modelled_speedup(0.25, 0.75, 2.0, noisy, 0.2) < modelled_speedup(
+        0.25, 0.75, 2.0, costs, 0.2
+    )
+    assert modelled_speedup(0.25, 0.75, 2.0, noisy, 0.2) > 1 / (0.25 * 1.6 + 0.75 * 0.2)
+    with pytest.raises(ValueError, match="at least two"):
+        modelled_speedup(0.25, 0.75, 3.0, {3: 1.3}, 0.2)
 
 
 @pytest.mark.parametrize("alpha,k,c", [(0.7, 4, 0.0), (0.8, 3, 0.1), (0.9, 5, 0.35), (0.5, 1, 0.2)])

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 from conftest import tiny_llama
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from specdecode.acceptance_head import law_features
 from specdecode.cli import main
 from specdecode.config import SamplingConfig
 from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
@@ -70,6 +71,9 @@ def test_greedy_labels_are_what_greedy_verification_accepts(tmp_path):
         )
         assert int(verdict.num_accepted[0]) == int(labels[i])
         torch.testing.assert_close(ex["hidden"][i].float(), hidden, atol=2e-2, rtol=1e-2)
+        law = law_features(q_logits.softmax(-1))
+        torch.testing.assert_close(ex["law_greedy"][i], law, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ex["law_sampling"][i], law, atol=1e-4, rtol=1e-4)
         expected = proposal if ex["mixed"][i] else p_logits.argmax()
         assert int(ex["token"][i]) == int(expected)
     assert 0 < ex["mixed"].float().mean() < 0.7
@@ -89,6 +93,9 @@ def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path):
         assert float(ex["label_sampling"][i]) == pytest.approx(
             float(torch.minimum(p, q).sum()), abs=1e-5
         )
+        torch.testing.assert_close(ex["law_sampling"][i], law_features(q), atol=1e-4, rtol=1e-4)
+        law = law_features(q_logits.softmax(-1))
+        torch.testing.assert_close(ex["law_greedy"][i], law, atol=1e-4, rtol=1e-4)
         # Monte Carlo through the rule itself: draw from q, verify, count acceptances
         n = 3000
         gen = torch.Generator().manual_seed(i)
@@ -112,6 +119,23 @@ def test_collection_resumes_and_refuses_other_settings(tmp_path):
         collect(
             target, drafter, PROMPTS, tmp_path, CollectConfig(max_new_tokens=5), (), progress=False
         )
+
+
+def test_resumed_collection_adds_law_features_to_old_shards(tmp_path):
+    """Shards from before the law features get them from their stored hidden states; they
+    match what collection records directly, up to the fp16 storage of the hidden state."""
+    target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
+    cfg = CollectConfig(max_new_tokens=6, batch_size=2, temperature=0.8)
+    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
+    direct = load_file(tmp_path / EXAMPLES_FILE)
+    for shard in (tmp_path / "shards").glob("*.safetensors"):
+        old = {k: v for k, v in load_file(shard).items() if not k.startswith("law_")}
+        save_file(old, shard)
+    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
+    again = load_file(tmp_path / EXAMPLES_FILE)
+    for key in ("law_greedy", "law_sampling"):
+        torch.testing.assert_close(again[key], direct[key], atol=2e-2, rtol=2e-2)
+    assert not torch.allclose(direct["law_greedy"], direct["law_sampling"])
 
 
 def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
@@ -216,6 +240,17 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     assert compared["sd[head t=0.3]"]["best_constant"] in ("sd[k=2]", "sd[k=3]")
     assert compared["sd[heuristic k0=3]"]["batches"] == 2
     assert "against the best constant k" in (bench / "table.md").read_text()
+    assert all(r["modelled_speedup"] > 0 for r in record["methods"] if r["method"] != "ar")
+    assert compared["sd[head t=0.3]"]["modelled_best_constant"] in ("sd[k=2]", "sd[k=3]")
+    # a saved run's derived figures are recomputed from its measurements alone
+    record["policy_comparison"] = []
+    for row in record["methods"]:
+        row.pop("modelled_speedup", None)
+    (bench / "record.json").write_text(json.dumps(record))
+    assert main(["bench", "--rederive", str(bench), "--no-plots"]) == 0
+    again = json.loads((bench / "record.json").read_text())
+    assert {c["method"] for c in again["policy_comparison"]} == set(compared)
+    assert all(r["modelled_speedup"] > 0 for r in again["methods"] if r["method"] != "ar")
     # the trained head drives generation from the command line too
     assert (
         main(

@@ -43,13 +43,20 @@ META = {
 FAST = dict(epochs=4, batch_size=32, lr=1e-2, val_fraction=0.25, num_layers=1)
 
 
-def write_data(directory: Path, shuffle_labels: bool = False, seed: int = 0) -> Path:
-    """PROMPTS x PER_PROMPT examples; label = [hidden @ w > 0], 10% flipped."""
+def write_data(
+    directory: Path, shuffle_labels: bool = False, seed: int = 0, signal_in_law: bool = False
+) -> Path:
+    """PROMPTS x PER_PROMPT examples; label = [hidden @ w > 0], 10% flipped.
+
+    With `signal_in_law` the label follows the first law feature instead, and the hidden state
+    is noise.
+    """
     g = torch.Generator().manual_seed(seed)
     n = PROMPTS * PER_PROMPT
     hidden = torch.randn(n, HIDDEN, generator=g)  # [N, H]
+    law = torch.randn(n, 3, generator=g)  # [N, 3]
     w = torch.randn(HIDDEN, generator=g)  # [H]
-    score = hidden @ w / w.norm()  # [N] ~ N(0, 1)
+    score = law[:, 0] if signal_in_law else hidden @ w / w.norm()  # [N] ~ N(0, 1)
     flip = torch.rand(n, generator=g) < 0.1
     greedy = ((score > 0) ^ flip).float()  # [N]
     sampling = torch.sigmoid(2 * score)  # [N]
@@ -63,6 +70,8 @@ def write_data(directory: Path, shuffle_labels: bool = False, seed: int = 0) -> 
         "label_sampling": sampling,
         "prompt_index": torch.arange(PROMPTS).repeat_interleave(PER_PROMPT),
         "position": torch.arange(PER_PROMPT).repeat(PROMPTS),
+        "law_greedy": law,
+        "law_sampling": law.clone(),
     }
     save_file(tensors, directory / "examples.safetensors")
     (directory / "meta.json").write_text(json.dumps(META))
@@ -89,7 +98,8 @@ def test_learnable_problem_beats_shuffled_control(trained, tmp_path: Path) -> No
         control_data, tmp_path / "control", TrainConfig(rule="greedy", **FAST), progress=False
     )
     assert control["best"]["val_auc"] < 0.65
-    assert len(result["epochs"]) == FAST["epochs"]
+    # epoch 0 is the law term alone, fitted before the MLP's epochs
+    assert [r["epoch"] for r in result["epochs"]] == list(range(FAST["epochs"] + 1))
     saved = json.loads((out / "training.json").read_text())
     assert saved["best_epoch"] == result["best_epoch"]
     assert (out / "reliability.png").stat().st_size > 0
@@ -167,6 +177,31 @@ def test_same_seed_same_weights(data_dir: Path, tmp_path: Path) -> None:
     assert first.keys() == second.keys()
     for key in first:
         assert torch.equal(first[key], second[key]), key
+
+
+def test_law_features_carry_what_the_hidden_state_lacks(tmp_path: Path) -> None:
+    data = write_data(tmp_path / "law", signal_in_law=True)
+    with_law = train_head(data, tmp_path / "with", TrainConfig(**FAST), progress=False)
+    config = TrainConfig(law_features=False, **FAST)
+    without = train_head(data, tmp_path / "without", config, progress=False)
+    assert with_law["best"]["val_auc"] > 0.85
+    assert without["best"]["val_auc"] < 0.65
+    assert load_head(tmp_path / "with").reads_law and not load_head(tmp_path / "without").reads_law
+
+
+def test_data_without_law_features_is_refused_or_trained_without(tmp_path: Path) -> None:
+    data = write_data(tmp_path / "old")
+    tensors = load_file(data / "examples.safetensors")
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("law_")},
+        data / "examples.safetensors",
+    )
+    with pytest.raises(ValueError, match=r"no law_greedy.*--no-law-features"):
+        train_head(data, tmp_path / "out", TrainConfig(**FAST), progress=False)
+    result = train_head(
+        data, tmp_path / "out", TrainConfig(law_features=False, **FAST), progress=False
+    )
+    assert result["best"]["val_auc"] > 0.8
 
 
 def test_clear_errors(tmp_path: Path, data_dir: Path) -> None:

@@ -11,6 +11,7 @@ so those tests are not vacuous).
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -28,10 +29,12 @@ from torch import nn
 
 from specdecode import SpeculativeDecoder, api
 from specdecode.acceptance_head import (
+    CONFIG_FILE,
     AcceptanceHead,
     HeadConfig,
     HeadMismatchError,
     ModelIdentity,
+    law_features,
     load_head,
 )
 from specdecode.config import DecodeConfig, SamplingConfig
@@ -60,18 +63,22 @@ def logit(a: float) -> float:
 class ColumnHead(nn.Module):
     """A fake acceptance head: the logit is hidden[:, 0], so a test sets a = sigmoid(x) per row."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    reads_law = False
+
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         return hidden[:, 0]
 
 
 class ConstantHead(nn.Module):
     """Every drafted token gets the same acceptance probability `a`."""
 
+    reads_law = False
+
     def __init__(self, a: float) -> None:
         super().__init__()
         self.value = logit(a)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         return torch.full(hidden.shape[:1], self.value)
 
 
@@ -81,10 +88,11 @@ class RecordingHead(nn.Module):
     def __init__(self, head: nn.Module) -> None:
         super().__init__()
         self.head = head
+        self.reads_law = head.reads_law
         self.seen: list[torch.Tensor] = []
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.head(hidden)
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.head(hidden, features)
         self.seen.append(torch.sigmoid(out.double()))
         return out
 
@@ -148,9 +156,12 @@ def noisy_copy(model: nn.Module, scale: float, seed: int = 7) -> nn.Module:
 
 
 def spread_head(hidden_size: int, seed: int = 3, rule: str = "greedy") -> AcceptanceHead:
-    """A random head whose predictions spread over (0.5, 1): lengths then vary from row to row."""
+    """A random head whose predictions spread over (0.5, 1): lengths then vary from row to row.
+
+    It reads the hidden state only: the tests that use it were tuned on its predictions."""
     torch.manual_seed(seed)
-    head = AcceptanceHead(HeadConfig(hidden_size=hidden_size, num_layers=2, rule=rule)).eval()
+    config = HeadConfig(hidden_size=hidden_size, num_layers=2, rule=rule, law_features=False)
+    head = AcceptanceHead(config).eval()
     with torch.no_grad():
         head.out.weight.mul_(6.0)
         head.out.bias.fill_(1.5)
@@ -460,7 +471,8 @@ def test_head_layers_have_their_own_weights() -> None:
     weights = [block.linear.weight for block in head.blocks]
     assert len({w.data_ptr() for w in weights}) == 3
     assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
-    assert sum(p.numel() for p in head.parameters()) == 3 * (16 * 16 + 16) + 16 + 1
+    mlp = 3 * (16 * 16 + 16) + 16 + 1
+    assert sum(p.numel() for p in head.parameters()) == mlp + 3 + 1  # + the law term
     before = weights[1].detach().clone()
     with torch.no_grad():
         weights[0].add_(1.0)
@@ -499,8 +511,8 @@ def test_head_save_load_round_trip(tmp_path: Path, pair: dict[str, nn.Module]) -
     head = saved_head(tmp_path / "head", pair)
     loaded = load_head(tmp_path / "head", drafter=pair["drafter"], target=pair["target"])
     assert loaded.config == head.config and not loaded.training
-    hidden = torch.randn(7, 32)
-    assert torch.equal(loaded(hidden), head(hidden))
+    hidden, law = torch.randn(7, 32), law_features(torch.randn(7, 11).softmax(-1))
+    assert torch.equal(loaded(hidden, law), head(hidden, law))
 
 
 @pytest.mark.parametrize("role", ["drafter", "target"])
@@ -798,3 +810,45 @@ def test_head_drafts_until_risk_exceeds_threshold(
     got = simulate_round(policy, a.float(), budget)
     expected = [min(first_stop(r, h, low, high), b) for r, b in zip(risks, budget, strict=True)]
     assert got == expected
+
+
+def test_law_features_on_a_hand_built_law() -> None:
+    law = torch.tensor([[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    got = law_features(law)  # [2, 3]: log top, entropy, log margin (capped for a zero runner-up)
+    expected_entropy = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))
+    torch.testing.assert_close(got[0], torch.tensor([math.log(0.5), expected_entropy, math.log(2)]))
+    assert got[1, 0] == 0 and got[1, 1] == 0 and got[1, 2] == 30.0
+
+
+def test_head_reads_the_law_it_was_drafted_from() -> None:
+    """A head with law features gets them from the sampling law when there is one, else from
+    softmax(logits); and the features move its prediction (they are not ignored)."""
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=4, num_layers=1)).eval()
+    hidden = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="law_features"):
+        head(hidden)
+    peaked, flat = torch.tensor([[9.0, 0.0, 0.0]]), torch.zeros(1, 3)
+    assert head(hidden, law_features(peaked.softmax(-1))) != head(
+        hidden, law_features(flat.softmax(-1))
+    )
+    recorder = RecordingHead(head)
+    policy = HeadLength(recorder, 0.99, 1, 4)
+    policy.round_limits(torch.tensor([4]))
+    policy.keep_drafting(at(0, 1, logits=peaked, hidden=hidden))
+    policy.keep_drafting(at(1, 1, logits=peaked, probs=flat.softmax(-1), hidden=hidden))
+    direct = [head.acceptance(hidden, law_features(law.softmax(-1))) for law in (peaked, flat)]
+    torch.testing.assert_close(torch.cat(recorder.seen).float(), torch.cat(direct))
+
+
+def test_heads_saved_before_law_features_load_without_them(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    old = AcceptanceHead(HeadConfig(hidden_size=8, num_layers=1, law_features=False)).eval()
+    old.save(tmp_path)
+    raw = json.loads((tmp_path / CONFIG_FILE).read_text())
+    del raw["law_features"]  # what a head from before the features looks like
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(raw))
+    loaded = load_head(tmp_path)
+    assert not loaded.reads_law
+    hidden = torch.randn(3, 8)
+    torch.testing.assert_close(loaded(hidden), old(hidden))

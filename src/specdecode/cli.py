@@ -37,7 +37,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="confidence: least drafter top probability (0.4); head: stop once "
-        "P(some drafted token rejected) exceeds it (0.3)",
+        "P(some drafted token rejected) exceeds it (0.7)",
     )
     parser.add_argument(
         "--bound",

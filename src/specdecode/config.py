@@ -101,6 +101,6 @@ class DecodeConfig:
 
 
 # `transformers`' assistant_confidence_threshold default, and the SpecDec++ scripts' threshold
-POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.3}
+POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.7}
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound

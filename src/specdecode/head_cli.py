@@ -36,6 +36,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=_DEFAULTS.num_layers, help="residual blocks")
     parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
     parser.add_argument(
+        "--no-law-features",
+        action="store_true",
+        help="read the hidden state only, not the drafting law's top probability, entropy, margin",
+    )
+    parser.add_argument(
         "--reject-weight",
         type=float,
         default=_DEFAULTS.reject_weight,
@@ -62,6 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         rule=args.rule,
         num_layers=args.layers,
         dropout=args.dropout,
+        law_features=not args.no_law_features,
         reject_weight=args.reject_weight,
         epochs=args.epochs,
         batch_size=args.batch_size,

@@ -20,7 +20,13 @@ Two labels are recorded per position, so one collection serves heads for both ru
   the same mean given the state, and this one has zero sampling variance, so the head learns the
   same function from fewer examples. (At T = 0 it equals the greedy label.)
 
-Collection is written in shards, one per batch of prompts, and resumes where it stopped.
+Beside the hidden state, each position records `law_features` (log top probability, entropy,
+log top-2 margin) of the drafter's law: `law_greedy` from softmax(q), what a greedy round drafts
+from, and `law_sampling` from the temperature-T law a sampled round draws from.
+
+Collection is written in shards, one per batch of prompts, and resumes where it stopped. Shards
+written before the law features existed get them on resume from their stored hidden states,
+through the drafter's output layer (the hidden state is the input of that layer, stored in fp16).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.acceptance_head import ModelIdentity
+from specdecode.acceptance_head import ModelIdentity, law_features
 from specdecode.config import SamplingConfig
 from specdecode.drafters import align_vocab
 from specdecode.kv_cache import CachedModel
@@ -92,7 +98,8 @@ def collect_batch(
     vocab = target.model.get_output_embeddings().weight.shape[0]
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)  # [batch]
-    keys = ("hidden", "greedy", "soft", "row", "position", "proposal", "token", "mixed")
+    keys = ("hidden", "greedy", "soft", "law_greedy", "law_sampling", "row", "position")
+    keys += ("proposal", "token", "mixed")
     records: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     for step in range(cfg.max_new_tokens):
         p_logits, _ = target.forward(tokens, valid, 1)
@@ -100,12 +107,16 @@ def collect_batch(
         p_logits = p_logits[:, -1].float()  # [batch, vocab]
         q_logits = align_vocab(q_logits[:, -1].float(), vocab)  # [batch, vocab]
         greedy = (q_logits.argmax(-1) == p_logits.argmax(-1)).float()  # [batch]
+        law_greedy = law_features(q_logits.softmax(-1))  # [batch, 3]
         if sampling.greedy:
-            soft = greedy
+            soft, law_sampling = greedy, law_greedy
         else:
             p_law, q_law = logits_to_probs(p_logits, sampling), logits_to_probs(q_logits, sampling)
             soft = torch.minimum(p_law, q_law).sum(-1)  # [batch]
+            law_sampling = law_features(q_law)  # [batch, 3]
         rows = alive.nonzero()[:, 0]
+        records["law_greedy"].append(law_greedy[rows].cpu())
+        records["law_sampling"].append(law_sampling[rows].cpu())
         records["hidden"].append(hidden[rows, -1].half().cpu())
         records["greedy"].append(greedy[rows].cpu())
         records["soft"].append(soft[rows].clamp(0, 1).cpu())
@@ -122,10 +133,27 @@ def collect_batch(
             break
         tokens, valid = nxt[:, None], alive[:, None]
     out = {key: torch.cat(parts) for key, parts in records.items()}
-    # hidden [n, hidden]; every other entry [n]: row of the batch, position in the response,
+    # hidden [n, hidden], law_* [n, 3]; every other entry [n]: row of the batch, position,
     # the drafter's proposal there, the token committed there, and whether it was the proposal
     out["label_greedy"], out["label_sampling"] = out.pop("greedy"), out.pop("soft")
     return out
+
+
+@torch.no_grad()
+def add_law_features(
+    part: dict[str, torch.Tensor], drafter: torch.nn.Module, vocab: int, temperature: float
+) -> dict[str, torch.Tensor]:
+    """The law features of a shard collected without them, from its stored hidden states."""
+    head = drafter.get_output_embeddings()
+    sampling = SamplingConfig(temperature)
+    dtype = next(p for p in drafter.parameters() if p.is_floating_point()).dtype
+    greedy, sampled = [], []
+    for hidden in part["hidden"].split(256):  # [chunk, hidden]
+        logits = align_vocab(head(hidden.to(dtype)).float(), vocab)  # [chunk, vocab]
+        greedy.append(law_features(logits.softmax(-1)))
+        law = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+        sampled.append(law_features(law))
+    return {**part, "law_greedy": torch.cat(greedy), "law_sampling": torch.cat(sampled)}
 
 
 def collect(
@@ -169,9 +197,13 @@ def collect(
     seconds = json.loads(old.read_text()).get("seconds", 0.0) if old.is_file() else 0.0
     target_lm, drafter_lm = CachedModel(target, "target"), CachedModel(drafter, "drafter")
     starts = range(0, len(prompts), cfg.batch_size)
+    vocab = target.get_output_embeddings().weight.shape[0]
     for n, start in enumerate(tqdm(starts, desc="collect", unit="batch", disable=not progress)):
         shard = shards / f"{n:05d}.safetensors"
         if shard.is_file():
+            part = load_file(shard)
+            if "law_greedy" not in part:  # written before the law features were recorded
+                save_file(add_law_features(part, drafter, vocab, cfg.temperature), shard)
             continue
         gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
         part = collect_batch(

@@ -9,8 +9,9 @@ One protocol, four policies, chosen by name (`POLICIES`):
   (the idea of `transformers`' `assistant_confidence_threshold`).
 * `head` (SpecDec++, Huang et al. 2024): stop once the predicted probability that at least one
   token of the round gets rejected, 1 - prod_i a_i, exceeds `stop_threshold`, where a_i is the
-  acceptance head's prediction for the i-th drafted token. The SpecDec++ MDP analysis shows this
-  threshold rule is the optimal stopping policy.
+  acceptance head's prediction for the i-th drafted token (from the drafter's hidden state and
+  the drafting law's features). The SpecDec++ MDP analysis shows this threshold rule is the
+  optimal stopping policy.
 
 Every row decides on its own; the token that triggers a stop is kept (it is already drafted and
 verifying it costs almost nothing), and the round ends when every row has stopped or reached the
@@ -26,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from specdecode.acceptance_head import law_features
 from specdecode.config import POLICIES, DecodeConfig
 
 
@@ -168,7 +170,11 @@ class HeadLength(_StopRule):
     def should_stop(self, position: DraftedPosition) -> torch.Tensor:
         if position.hidden is None:
             raise ValueError("the head policy needs the drafter's hidden states")
-        logit = self.head(position.hidden).float()  # [batch]
+        features = None
+        if self.head.reads_law:
+            law = position.probs if position.probs is not None else position.logits.softmax(-1)
+            features = law_features(law)  # [batch, 3]
+        logit = self.head(position.hidden, features).float()  # [batch]
         # log sigmoid is exact where the product of many probabilities would underflow
         self.log_all_accepted = self.log_all_accepted + torch.nn.functional.logsigmoid(logit)
         return -torch.expm1(self.log_all_accepted) > self.threshold  # 1 - prod a_i > h

@@ -73,9 +73,25 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rederive(out: Path, plots: bool) -> int:
+    """Rewrite a saved run's derived figures, table and plots; nothing is measured again."""
+    from specdecode.bench.report import write_report
+    from specdecode.bench.runner import rederive
+
+    path = out / "record.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no benchmark record at {path}")
+    record = rederive(json.loads(path.read_text()))
+    write_report(record, out, plots=plots)
+    print(f"{path}: derived figures, table.md{' and plots' if plots else ''} rewritten")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.pair is not None:
         return cmd_bench_seq2seq(args)
+    if args.rederive is not None:
+        return cmd_rederive(Path(args.rederive), plots=not args.no_plots)
     from specdecode.bench.methods import Models
     from specdecode.bench.report import markdown_table, write_report
     from specdecode.bench.runner import BenchConfig, run_bench
@@ -101,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prepack=not args.no_prepack,
         threads=args.threads,
         policies=tuple(args.length_policy),
-        stop_thresholds=tuple(args.stop_threshold or [0.3]),
+        stop_thresholds=tuple(args.stop_threshold or [0.7]),
         confidence_thresholds=tuple(args.confidence_threshold),
         bound=tuple(args.bound or (1, 8)),
         head=args.head,
@@ -165,6 +181,13 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels for all")
     p.add_argument("--out", default="runs/bench", help="folder for record.json, table.md, plots")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--rederive",
+        metavar="DIR",
+        default=None,
+        help="recompute the derived figures (modelled speedups, policy comparison), table and "
+        "plots of the run saved in DIR, measuring nothing",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument(
         "--confidence-threshold",
@@ -181,4 +204,4 @@ def add_subcommands(subparsers) -> None:
         if action.dest in sweeps:
             action.nargs, action.default = "+", sweeps[action.dest]
         if action.dest == "stop_threshold":
-            action.help = "thresholds of the head policy (a sweep; default 0.3)"
+            action.help = "thresholds of the head policy (a sweep; default 0.7)"

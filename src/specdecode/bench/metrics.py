@@ -38,6 +38,32 @@ def alpha_from_tokens_per_call(tokens: float, k: int) -> float:
     return (low + high) / 2
 
 
+def modelled_speedup(
+    target_calls_per_token: float,
+    drafter_passes_per_token: float,
+    drafted_per_round: float,
+    verify_cost_in_steps: dict[int, float],
+    c: float,
+    policy_steps_per_drafted_token: float = 0.0,
+) -> float:
+    """Speed against plain decoding predicted from the counted calls and calibrated costs.
+
+    Time per token, in target steps: target calls x verify cost + drafter passes x (c + policy).
+    The verify cost of a round is read off a line fitted through the calibrated costs of k + 1
+    tokens (k = 1..MAX), at the mean drafted length: single calibrations are noisy, the line is
+    not. Under greedy decoding the counts are the same on every run, so this figure does not move
+    with the machine's load the way wall-clock ratios on a shared VM do; it is a cross-check of
+    the measured speedups, not a replacement.
+    """
+    if len(verify_cost_in_steps) < 2:
+        raise ValueError("need calibrated verify costs for at least two draft lengths")
+    ks = [float(k) for k in verify_cost_in_steps]
+    slope, intercept = statistics.linear_regression(ks, list(verify_cost_in_steps.values()))
+    verify = intercept + slope * drafted_per_round
+    drafting = drafter_passes_per_token * (c + policy_steps_per_drafted_token)
+    return 1.0 / (target_calls_per_token * verify + drafting)
+
+
 def geometric_mean(values: Sequence[float]) -> float:
     if not values or any(v <= 0 for v in values):
         raise ValueError("geometric mean needs positive values")

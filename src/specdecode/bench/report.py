@@ -10,7 +10,9 @@ def policy_comparison(record: dict) -> list[dict]:
     """Each adaptive policy against the best constant k of the same drafter and batch size.
 
     The ratio is the geometric mean over prompt batches of (policy speed / best constant speed),
-    both measured on the same batch in the same interleaved round, so drift cancels.
+    both measured on the same batch in the same interleaved round, so drift cancels. Beside it,
+    the same comparison on modelled speedups (counted calls x calibrated costs; see
+    `metrics.modelled_speedup`), against the constant k that is best by that model.
     """
     from specdecode.bench.metrics import geometric_mean
 
@@ -33,12 +35,22 @@ def policy_comparison(record: dict) -> list[dict]:
         ratios = [
             a / b for a, b in zip(r["per_batch_speedup"], best["per_batch_speedup"], strict=True)
         ]
+        modelled = [c for c in constants if c.get("modelled_speedup")]
+        entry = {}
+        if r.get("modelled_speedup") and modelled:
+            best_modelled = max(modelled, key=lambda c: c["modelled_speedup"])
+            entry = {
+                "modelled_best_constant": best_modelled["method"],
+                "modelled_vs_best_constant": r["modelled_speedup"]
+                / best_modelled["modelled_speedup"],
+            }
         out.append(
             {
                 "method": r["method"],
                 "batch_size": r["batch_size"],
                 "best_constant": best["method"],
                 "vs_best_constant": geometric_mean(ratios),
+                **entry,
                 "wins": sum(x > 1 for x in ratios),
                 "batches": len(ratios),
                 "policy_ms_per_drafted_token": r.get("policy_ms_per_drafted_token"),
@@ -67,8 +79,8 @@ def markdown_table(record: dict) -> str:
         "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] | tokens/call "
         "| drafted/round | alpha | c (calibrated / in run) | bound "
         "| efficiency (calibrated / in run) | verify cost in steps (in run) "
-        "| policy ms/drafted token | weights GiB | output == ar |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| policy ms/drafted token | modelled speedup | weights GiB | output == ar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     greedy = cfg["temperature"] == 0
     for row in sorted(record["methods"], key=lambda r: (r["batch_size"], -r["tokens_per_s"])):
@@ -90,7 +102,7 @@ def markdown_table(record: dict) -> str:
             f"{fmt('c', 3)} / {fmt('c_in_run', 3)} | {fmt('leviathan_bound')} | "
             f"{fmt('efficiency')} / {fmt('efficiency_in_run')} | "
             f"{fmt('verify_cost_in_steps_in_run')} | {fmt('policy_ms_per_drafted_token', 3)} | "
-            f"{fmt('model_gib', 1)} | {same} |"
+            f"{fmt('modelled_speedup')} | {fmt('model_gib', 1)} | {same} |"
         )
     comparison = policy_comparison(record)
     if comparison:
@@ -99,17 +111,21 @@ def markdown_table(record: dict) -> str:
             "Adaptive length policies against the best constant k (geomean of per-batch ratios):",
             "",
             "| policy | batch | best constant | speed vs best constant | batches won "
-            "| policy ms/drafted token | policy share of time |",
-            "|---|---|---|---|---|---|---|",
+            "| policy ms/drafted token | policy share of time "
+            "| modelled: best constant | modelled: vs best constant |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for c in comparison:
             ms = c["policy_ms_per_drafted_token"]
             share = c["policy_share_of_time"]
+            modelled = c.get("modelled_vs_best_constant")
             lines.append(
                 f"| {c['method']} | {c['batch_size']} | {c['best_constant']} | "
                 f"{c['vs_best_constant']:.3f} | {c['wins']}/{c['batches']} | "
                 f"{'-' if ms is None else f'{ms:.3f}'} | "
-                f"{'-' if share is None else f'{100 * share:.2f}%'} |"
+                f"{'-' if share is None else f'{100 * share:.2f}%'} | "
+                f"{c.get('modelled_best_constant', '-')} | "
+                f"{'-' if modelled is None else f'{modelled:.3f}'} |"
             )
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]

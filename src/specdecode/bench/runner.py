@@ -20,7 +20,12 @@ import torch
 from tqdm.auto import tqdm
 
 from specdecode.bench.methods import BATCH1_ONLY, Method, Models, Result, Settings, run_method
-from specdecode.bench.metrics import alpha_from_tokens_per_call, leviathan_speedup, summarize
+from specdecode.bench.metrics import (
+    alpha_from_tokens_per_call,
+    leviathan_speedup,
+    modelled_speedup,
+    summarize,
+)
 from specdecode.kernels import model_bytes
 from specdecode.stats import RowStats
 
@@ -237,12 +242,41 @@ def draft_figures(method: Method, rec: MethodRecord, costs: dict) -> dict:
         policy_ms_per_drafted_token=1000 * rec.policy_seconds / stats.drafted,
         policy_share_of_time=rec.policy_seconds / sum(rec.seconds),
     )
+    add_modelled(row, costs)
     if method.adaptive:
         return row
     tau = stats.tokens_per_target_call
     alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
     row.update(alpha=alpha, verify_cost_in_steps=costs["verify_cost_in_steps"].get(method.k))
     return row
+
+
+def add_modelled(row: dict, costs: dict) -> None:
+    """The modelled speedup of a drafting method's row (see `metrics.modelled_speedup`)."""
+    verify_costs = {int(k): v for k, v in costs["verify_cost_in_steps"].items()}
+    if row.get("c") is None or len(verify_costs) < 2 or "target_forwards_per_token" not in row:
+        return
+    # a policy runs once per drafted position, that is once per drafter pass
+    policy_steps = (row.get("policy_ms_per_drafted_token") or 0.0) / 1000 / costs["target_step_s"]
+    row["modelled_speedup"] = modelled_speedup(
+        row["target_forwards_per_token"],
+        row["drafter_forwards_per_token"],
+        row["drafted_per_round"],
+        verify_costs,
+        row["c"],
+        policy_steps,
+    )
+
+
+def rederive(record: dict) -> dict:
+    """Recompute a saved record's derived figures (modelled speedups, policy comparison) from
+    its measurements, so a record written before a figure existed can be reported with it."""
+    from specdecode.bench.report import policy_comparison
+
+    for row in record["methods"]:
+        add_modelled(row, record["costs"])
+    record["policy_comparison"] = policy_comparison(record)
+    return record
 
 
 def add_bounds(row: dict, method: Method) -> None:
