@@ -100,7 +100,8 @@ class DecodeConfig:
         return self.draft_bound[1]
 
 
-# `transformers`' assistant_confidence_threshold default, and the SpecDec++ scripts' threshold
+# `transformers`' assistant_confidence_threshold default; for the head, the threshold that led
+# most of the recorded SpecDec++ runs of the default pair (benchmarks/README.md)
 POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.7}
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound

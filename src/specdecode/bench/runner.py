@@ -48,7 +48,7 @@ class BenchConfig:
     prepack: bool = True
     threads: int | None = None
     policies: tuple[str, ...] = ("constant",)
-    stop_thresholds: tuple[float, ...] = (0.3,)  # the head policy's sweep
+    stop_thresholds: tuple[float, ...] = (0.7,)  # the head policy's sweep
     confidence_thresholds: tuple[float, ...] = (0.4,)
     bound: tuple[int, int] = (1, 8)
     head: str | None = None
