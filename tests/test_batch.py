@@ -35,6 +35,10 @@ def test_eos_inside_draft_and_rows_finishing_at_different_steps():
         assert tokens == reference[:cut]
     lengths = {len(t) for t in stopped.new_tokens}
     assert len(lengths) > 1, "rows should finish at different steps"
+    # drafts accepted past the stop are never committed, so they do not count as accepted
+    for row, tokens in zip(stopped.stats.rows, stopped.new_tokens, strict=True):
+        assert row.new_tokens == len(tokens) and row.accepted <= len(tokens)
+    assert stopped.stats.rows[0].accepted == len(stopped.new_tokens[0]) - 1  # oracle: all but one
     events = list(
         decoder.stream(PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[stop])
     )
