@@ -69,6 +69,12 @@ def sources(batch: int = 3, length: int = 7, seed: int = 2) -> tuple[torch.Tenso
     return src.masked_fill(mask == 0, 0), mask
 
 
+@torch.no_grad()
+def encoded(model, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The verifier's encoder states [batch, S, d], as the drafter reads them."""
+    return model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+
+
 def run(model, src, mask, drafter_model=None, k=1, rule=None, new=20, **cfg_kwargs):
     cached = CachedSeq2Seq(model)
     cached.encode(src, mask)
@@ -338,7 +344,7 @@ def test_block_drafter_shapes_and_padding_independence():
     drafter = tiny_drafter(model, 4)
     src, mask = sources(batch=2)
     with torch.no_grad():
-        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+        enc = encoded(model, src, mask)
         prefix = torch.tensor([[0, 5, 0, 0], [0, 5, 6, 7]])
         lens = torch.tensor([2, 4])
         logits = drafter(prefix, lens, enc, mask, 4)
@@ -349,7 +355,7 @@ def test_block_drafter_shapes_and_padding_independence():
         # nor does the content of source padding
         src2 = src.clone()
         src2[1, int(mask[1].sum()) :] = 17
-        enc2 = model.get_encoder()(input_ids=src2, attention_mask=mask).last_hidden_state
+        enc2 = encoded(model, src2, mask)
         assert torch.allclose(drafter(prefix, lens, enc2, mask, 4), logits, atol=1e-5)
 
 
@@ -373,8 +379,7 @@ def test_cached_rounds_equal_full_passes():
     model = tiny_marian()
     drafter = tiny_drafter(model, 4)
     src, mask = sources(batch=3)
-    with torch.no_grad():
-        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+    enc = encoded(model, src, mask)
     g = torch.Generator().manual_seed(4)
     sequences = torch.randint(4, V, (3, 40), generator=g)
     sequences[:, 0] = START
@@ -397,7 +402,7 @@ def test_training_blocks_equal_separate_passes():
     drafter = tiny_drafter(model, 3)
     src, mask = sources(batch=2)
     with torch.no_grad():
-        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+        enc = encoded(model, src, mask)
         targets = torch.tensor([[0, 5, 6, 7, 8, 1], [0, 9, 10, 1, 0, 0]])
         lens = torch.tensor([6, 4])
         starts = torch.tensor([[0, 2, 4], [1, 0, 2]])
@@ -418,7 +423,7 @@ def test_queries_read_the_whole_prefix():
     drafter = tiny_drafter(model, 3)
     src, mask = sources(batch=1)
     with torch.no_grad():
-        enc = model.get_encoder()(input_ids=src, attention_mask=mask).last_hidden_state
+        enc = encoded(model, src, mask)
         a = drafter(torch.tensor([[0, 5, 6]]), torch.tensor([3]), enc, mask, 3)
         b = drafter(torch.tensor([[0, 5, 9]]), torch.tensor([3]), enc, mask, 3)
         c = drafter(torch.tensor([[0, 5]]), torch.tensor([2]), enc, mask, 3)

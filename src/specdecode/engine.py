@@ -150,9 +150,6 @@ def decode(
                 target, drafter, rule, batch, cfg, rng, stats
             )
             block_l = block.tolist()
-            # a stop token among the accepted drafts ends the row: what follows it was accepted
-            # but never committed, and is not counted as accepted
-            accepted = torch.minimum(accepted, counts)
             counts_l, accepted_l, drafted_l, passes_l = torch.stack(
                 [counts, accepted, drafted, passes]
             ).tolist()

@@ -22,13 +22,13 @@ class RowStats:
     new_tokens: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n] = target calls accepting n
 
-    def record(
-        self, drafted: int, accepted: int, emitted: int, drafter_passes: int | None = None
-    ) -> None:
-        """`drafter_passes`: this row's drafter passes (default: one per drafted token, as an
-        autoregressive drafter takes; a block drafter takes one per round)."""
+    def record(self, drafted: int, accepted: int, emitted: int, drafter_passes: int) -> None:
+        """One round of this row. `drafter_passes`: one per drafted token for an autoregressive
+        drafter, one per round for a block drafter. A stop token among the accepted drafts ends
+        the row: the drafts after it were accepted but never emitted, so they do not count."""
+        accepted = min(accepted, emitted)
         self.target_calls += 1
-        self.drafter_calls += drafted if drafter_passes is None else drafter_passes
+        self.drafter_calls += drafter_passes
         self.drafted += drafted
         self.accepted += accepted
         if accepted < drafted:

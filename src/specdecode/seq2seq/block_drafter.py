@@ -213,9 +213,11 @@ class BlockDrafter(nn.Module):
         b, t = targets.shape
         n_blocks = starts.shape[1]
         self._check_positions(int(starts.max()) + 1, k)
-        queries = torch.full((b, n_blocks * k), self.cfg.mask_id, device=targets.device)
-        if given is not None:
-            queries = given.reshape(b, n_blocks * k)
+        queries = (
+            given.reshape(b, n_blocks * k)
+            if given is not None
+            else torch.full((b, n_blocks * k), self.cfg.mask_id, device=targets.device)
+        )
         ids = torch.cat([targets, queries], 1)  # [b, T + B k]
         slot = torch.arange(t, device=targets.device)
         j = torch.arange(k, device=targets.device)

@@ -185,6 +185,10 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     drafter.train()
     if not resuming:
         evaluate()  # the initialised drafter, before any training
+
+    def checkpoint() -> None:
+        ckpt.save(accelerator.unwrap_model(drafter), optimizer, scheduler, state, _save)
+
     for _, rows in epoch_batches([len(t) for t in tgt_ids], loop, state):
         src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(accelerator.device)
         src_mask = (src != tokenizer.pad_token_id).long()
@@ -219,9 +223,6 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch)
-
-        def checkpoint() -> None:
-            ckpt.save(accelerator.unwrap_model(drafter), optimizer, scheduler, state, _save)
 
         if end_step(state, loop, clock, seconds_before, evaluate, checkpoint):
             break

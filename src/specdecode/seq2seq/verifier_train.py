@@ -204,6 +204,9 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         bar.write(f"step {state.step} ({state.seconds / 60:.1f} min): valid BLEU {bleu:.2f}")
         return bleu
 
+    def checkpoint() -> None:
+        ckpt.save(accelerator.unwrap_model(model), optimizer, scheduler, state, save_model)
+
     for _, rows in epoch_batches([len(t) for t in tgt_ids], loop, state):
         src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(accelerator.device)
         labels = pad([tgt_ids[i] for i in rows], -100).to(accelerator.device)  # [b, T]
@@ -225,9 +228,6 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         bar.update(1)
         rate = tokens_seen / clock.elapsed()
         bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch, tok_s=f"{rate:.0f}")
-
-        def checkpoint() -> None:
-            ckpt.save(accelerator.unwrap_model(model), optimizer, scheduler, state, save_model)
 
         if end_step(state, loop, clock, seconds_before, evaluate, checkpoint):
             break
