@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -77,6 +78,9 @@ def test_greedy_labels_are_what_greedy_verification_accepts(tmp_path):
         expected = proposal if ex["mixed"][i] else p_logits.argmax()
         assert int(ex["token"][i]) == int(expected)
     assert 0 < ex["mixed"].float().mean() < 0.7
+    # the drawn token is the argmax: its label is the greedy label, its log prob the top one
+    torch.testing.assert_close(ex["label_drawn"], labels)
+    torch.testing.assert_close(ex["drawn_log_prob"], ex["law_greedy"][:, 0], atol=1e-5, rtol=0)
 
 
 def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path):
@@ -94,6 +98,9 @@ def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path):
             float(torch.minimum(p, q).sum()), abs=1e-5
         )
         torch.testing.assert_close(ex["law_sampling"][i], law_features(q), atol=1e-4, rtol=1e-4)
+        z = int(ex["proposal"][i])
+        assert float(ex["label_drawn"][i]) == pytest.approx(min(1.0, float(p[z] / q[z])), abs=1e-5)
+        assert float(ex["drawn_log_prob"][i]) == pytest.approx(math.log(q[z]), abs=1e-5)
         law = law_features(q_logits.softmax(-1))
         torch.testing.assert_close(ex["law_greedy"][i], law, atol=1e-4, rtol=1e-4)
         # Monte Carlo through the rule itself: draw from q, verify, count acceptances
@@ -136,6 +143,29 @@ def test_resumed_collection_adds_law_features_to_old_shards(tmp_path):
     for key in ("law_greedy", "law_sampling"):
         torch.testing.assert_close(again[key], direct[key], atol=2e-2, rtol=2e-2)
     assert not torch.allclose(direct["law_greedy"], direct["law_sampling"])
+
+
+def test_resumed_collection_adds_drawn_labels_by_teacher_forcing(tmp_path):
+    """Shards from before the drawn-token label get it from one target pass per response; it
+    matches what collection records directly (same prefixes, up to fp16 hidden states)."""
+    target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
+    cfg = CollectConfig(max_new_tokens=6, batch_size=2, temperature=0.8)
+    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
+    direct = load_file(tmp_path / EXAMPLES_FILE)
+    assert 0.05 < direct["label_drawn"].mean() < 0.95 and direct["label_drawn"].max() == 1
+    shards = sorted((tmp_path / "shards").glob("*.safetensors"))
+    for shard in shards:
+        old = {k: v for k, v in load_file(shard).items() if "drawn" not in k}
+        save_file(old, shard)
+    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
+    again = load_file(tmp_path / EXAMPLES_FILE)
+    torch.testing.assert_close(again["label_drawn"], direct["label_drawn"], atol=2e-2, rtol=0)
+    torch.testing.assert_close(again["drawn_log_prob"], direct["drawn_log_prob"], atol=2e-2, rtol=0)
+    # a shard without its committed tokens cannot be labelled: a clear error, not a guess
+    old = {k: v for k, v in load_file(shards[0]).items() if "drawn" not in k and k != "token"}
+    save_file(old, shards[0])
+    with pytest.raises(ValueError, match="before the committed tokens were recorded"):
+        collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
 
 
 def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):

@@ -55,6 +55,7 @@ def write_data(
     n = PROMPTS * PER_PROMPT
     hidden = torch.randn(n, HIDDEN, generator=g)  # [N, H]
     law = torch.randn(n, 3, generator=g)  # [N, 3]
+    drawn = torch.randn(n, generator=g)  # [N] how likely the drawn token was, in some units
     w = torch.randn(HIDDEN, generator=g)  # [H]
     score = law[:, 0] if signal_in_law else hidden @ w / w.norm()  # [N] ~ N(0, 1)
     flip = torch.rand(n, generator=g) < 0.1
@@ -72,6 +73,9 @@ def write_data(
         "position": torch.arange(PER_PROMPT).repeat(PROMPTS),
         "law_greedy": law,
         "law_sampling": law.clone(),
+        # the drawn token's acceptance follows its log probability (a monotone function of it)
+        "label_drawn": torch.sigmoid(2 * drawn),
+        "drawn_log_prob": -torch.exp(-drawn),
     }
     save_file(tensors, directory / "examples.safetensors")
     (directory / "meta.json").write_text(json.dumps(META))
@@ -202,6 +206,28 @@ def test_data_without_law_features_is_refused_or_trained_without(tmp_path: Path)
         data, tmp_path / "out", TrainConfig(law_features=False, **FAST), progress=False
     )
     assert result["best"]["val_auc"] > 0.8
+
+
+def test_sampling_heads_learn_the_drawn_tokens_acceptance(data_dir: Path, tmp_path: Path) -> None:
+    """By default a sampling head reads the drawn token's log probability and learns its
+    acceptance; --expected-label learns the expectation over the law; greedy heads never read
+    it (the drawn token is the argmax there)."""
+    drawn = train_head(data_dir, tmp_path / "drawn", TrainConfig(rule="sampling", **FAST), False)
+    assert drawn["label_base_rate"]["label"] == "label_drawn"
+    assert drawn["best"]["val_loss"] < 0.8 * drawn["constant_baseline"]["val_loss"]
+    head = load_head(tmp_path / "drawn", rule="sampling")
+    assert head.reads_drawn and head.config.num_features == 4
+    config = TrainConfig(rule="sampling", drawn_token=False, **FAST)
+    expected = train_head(data_dir, tmp_path / "expected", config, progress=False)
+    assert expected["label_base_rate"]["label"] == "label_sampling"
+    assert not load_head(tmp_path / "expected").reads_drawn
+    train_head(data_dir, tmp_path / "greedy", TrainConfig(rule="greedy", **FAST), False)
+    assert not load_head(tmp_path / "greedy").reads_drawn
+    tensors = load_file(data_dir / "examples.safetensors")
+    old = write_data(tmp_path / "old")
+    save_file({k: v for k, v in tensors.items() if "drawn" not in k}, old / "examples.safetensors")
+    with pytest.raises(ValueError, match=r"no label_drawn.*--expected-label"):
+        train_head(old, tmp_path / "out", TrainConfig(rule="sampling", **FAST), progress=False)
 
 
 def test_clear_errors(tmp_path: Path, data_dir: Path) -> None:

@@ -113,7 +113,9 @@ def at(index: int, batch: int = 2, **fields: torch.Tensor | None) -> DraftedPosi
     """A drafted position; logits default to uniform (they matter to the confidence policy)."""
     logits = fields.get("logits")
     logits = torch.zeros(batch, 5) if logits is None else logits
-    return DraftedPosition(index, logits, fields.get("probs"), fields.get("hidden"))
+    return DraftedPosition(
+        index, logits, fields.get("probs"), fields.get("hidden"), fields.get("token")
+    )
 
 
 def acceptance_hidden(a: torch.Tensor) -> torch.Tensor:
@@ -165,6 +167,17 @@ def spread_head(hidden_size: int, seed: int = 3, rule: str = "greedy") -> Accept
     with torch.no_grad():
         head.out.weight.mul_(6.0)
         head.out.bias.fill_(1.5)
+    return head
+
+
+def drawn_head(hidden_size: int) -> AcceptanceHead:
+    """A sampling head that reads the drawn token's log probability only: a token drawn from
+    the law's tail predicts a rejection and ends the round sooner."""
+    config = HeadConfig(hidden_size=hidden_size, num_layers=1, rule="sampling", drawn_token=True)
+    head = AcceptanceHead(config).eval()
+    with torch.no_grad():
+        head.law.weight.copy_(torch.tensor([[0.0, 0.0, 0.0, 1.5]]))
+        head.law.bias.fill_(3.0)
     return head
 
 
@@ -647,7 +660,7 @@ SAMPLE_ROWS = 2000
 
 
 @pytest.mark.parametrize(
-    ("drafter", "max_new_tokens", "policy"),
+    ("drafter", "max_new_tokens", "policy", "head_kind"),
     [
         # every draft accepted: a row that stops short of the round's longest row takes its
         # bonus token inside the first three positions
@@ -655,10 +668,15 @@ SAMPLE_ROWS = 2000
             "same",
             4,
             dict(length_policy="confidence", stop_threshold=0.5, bound=(1, 3)),
+            "spread",
             id="same-confidence",
         ),
         pytest.param(
-            "same", 4, dict(length_policy="head", stop_threshold=0.5, bound=(1, 3)), id="same-head"
+            "same",
+            4,
+            dict(length_policy="head", stop_threshold=0.5, bound=(1, 3)),
+            "spread",
+            id="same-head",
         ),
         # mostly rejected; this drafter's first two tokens are near certain, so rows part from
         # the third drafted position on: MIN 3, MAX 4
@@ -666,13 +684,30 @@ SAMPLE_ROWS = 2000
             "other",
             5,
             dict(length_policy="confidence", stop_threshold=0.7, bound=(3, 4)),
+            "spread",
             id="other-confidence",
         ),
         pytest.param(
             "other",
             5,
             dict(length_policy="head", stop_threshold=0.7, bound=(3, 4)),
+            "spread",
             id="other-head",
+        ),
+        # a head that reads the drawn token: the stop depends on the very token drawn
+        pytest.param(
+            "same",
+            4,
+            dict(length_policy="head", stop_threshold=0.5, bound=(1, 3)),
+            "drawn",
+            id="same-drawn-head",
+        ),
+        pytest.param(
+            "other",
+            5,
+            dict(length_policy="head", stop_threshold=0.5, bound=(1, 4)),
+            "drawn",
+            id="other-drawn-head",
         ),
     ],
 )
@@ -682,10 +717,11 @@ def test_sampled_law_equals_target_under_adaptive_policy(
     drafter: str,
     max_new_tokens: int,
     policy: dict,
+    head_kind: str,
 ) -> None:
     """The first three tokens of thousands of seeded rows (one prompt) follow the target's
     exact law, while the rows' first rounds draft different numbers of tokens."""
-    head = spread_head(32, rule="sampling")
+    head = drawn_head(32) if head_kind == "drawn" else spread_head(32, rule="sampling")
     decoder = SpeculativeDecoder(
         small_models["target"], drafter=small_models[drafter], acceptance_head=head
     )
@@ -839,6 +875,35 @@ def test_head_reads_the_law_it_was_drafted_from() -> None:
     policy.keep_drafting(at(1, 1, logits=peaked, probs=flat.softmax(-1), hidden=hidden))
     direct = [head.acceptance(hidden, law_features(law.softmax(-1))) for law in (peaked, flat)]
     torch.testing.assert_close(torch.cat(recorder.seen).float(), torch.cat(direct))
+
+
+def test_law_features_of_the_drawn_token() -> None:
+    law = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.1, 0.9, 0.0, 0.0]])
+    got = law_features(law, torch.tensor([2, 0]))  # [2, 4]
+    torch.testing.assert_close(got[:, :3], law_features(law))
+    torch.testing.assert_close(got[:, 3], torch.tensor([math.log(0.25), math.log(0.1)]))
+
+
+def test_head_reads_the_drawn_token() -> None:
+    """A drawn-token head gets log q of the token the drafter drew (its prediction differs for a
+    likely and an unlikely draw from one law); it refuses three features or a missing token."""
+    head = drawn_head(4)
+    hidden, law = torch.zeros(1, 4), torch.tensor([[0.7, 0.2, 0.1]])
+    with pytest.raises(ValueError, match="reads 4 features"):
+        head(hidden, law_features(law))
+    recorder = RecordingHead(head)
+    recorder.reads_drawn = True
+    policy = HeadLength(recorder, 0.99, 1, 4)
+    policy.round_limits(torch.tensor([4]))
+    for i, token in enumerate((0, 2)):
+        policy.keep_drafting(at(i, 1, probs=law, hidden=hidden, token=torch.tensor([token])))
+    direct = [head.acceptance(hidden, law_features(law, torch.tensor([t]))) for t in (0, 2)]
+    torch.testing.assert_close(torch.cat(recorder.seen).float(), torch.cat(direct))
+    assert recorder.seen[0] > recorder.seen[1] + 0.2
+    with pytest.raises(ValueError, match="drawn token"):
+        policy.keep_drafting(at(2, 1, probs=law, hidden=hidden))
+    with pytest.raises(ValueError, match="drawn_token needs law_features"):
+        HeadConfig(hidden_size=4, law_features=False, drawn_token=True)
 
 
 def test_heads_saved_before_law_features_load_without_them(tmp_path: Path) -> None:

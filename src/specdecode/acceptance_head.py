@@ -12,6 +12,13 @@ collection, the drafter's top probability alone ranks greedy acceptance with AUC
 0.809 for a head on the hidden state alone. The law is at hand anyway when a token is drafted,
 so the features cost a top-2 and an entropy per drafted token.
 
+A sampling head may also read the log probability of the token actually drawn
+(`HeadConfig.drawn_token`). Lossless sampling accepts a drawn token z with probability
+min(1, p(z)/q(z)), and z is known when the policy decides whether to draft on, so such a head
+learns the acceptance of z itself rather than its average over the law: a round that drew a
+token from the law's tail is told apart from one that drew its mode. (Under greedy the drawn
+token is the argmax and the feature repeats the top probability, so greedy heads leave it out.)
+
 A head is only meaningful for the drafter whose states it reads and the target whose verdicts it
 learnt, so the saved config names both (a readable name and a weight fingerprint) and `load_head`
 refuses a head trained for another pair. It also records the verification rule of its labels:
@@ -33,17 +40,25 @@ CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
 RULES = ("greedy", "sampling")
 LAW_FEATURES = ("log top probability", "entropy", "log margin top-1 / top-2")
+DRAWN_FEATURE = "log probability of the drawn token"
 _MAX_MARGIN = 30.0  # a filtered law (top-k = 1) has a zero runner-up: cap its log margin
 SHIPPED_DIR = Path(__file__).parent / "heads"  # heads trained by the project for default pairs
 
 
-def law_features(law: torch.Tensor) -> torch.Tensor:
-    """law [..., vocab] probabilities (the law the token is drafted from) -> [..., 3] float32."""
+def law_features(law: torch.Tensor, drawn: torch.Tensor | None = None) -> torch.Tensor:
+    """law [..., vocab] probabilities (the law the token is drafted from) -> [..., 3] float32.
+
+    With `drawn` [...] (the token drawn from it), a fourth column: its log probability.
+    """
     law = law.float()
     top2 = law.topk(2, dim=-1).values.clamp_min(1e-30).log()  # [..., 2]
     entropy = -torch.special.xlogy(law, law).sum(-1)  # [...]
     margin = (top2[..., 0] - top2[..., 1]).clamp(max=_MAX_MARGIN)  # [...]
-    return torch.stack([top2[..., 0], entropy, margin], dim=-1)
+    columns = [top2[..., 0], entropy, margin]
+    if drawn is not None:
+        picked = law.gather(-1, drawn[..., None].to(law.device))[..., 0]  # [...]
+        columns.append(picked.clamp_min(1e-30).log())
+    return torch.stack(columns, dim=-1)
 
 
 class HeadMismatchError(ValueError):
@@ -92,6 +107,8 @@ class HeadConfig:
     dropout: float = 0.1
     law_features: bool = True  # also read `law_features` of the drafting law (heads saved
     # before they existed have no such key and load with False)
+    drawn_token: bool = False  # also read log q(z) of the drawn token z, and predict the
+    # acceptance of z itself, min(1, p(z)/q(z)) (sampling heads)
     rule: str = "greedy"  # the verification rule whose acceptance the labels record
     temperature: float = 0.0  # the sampling temperature of the labels (rule "sampling")
     drafter: ModelIdentity | None = None
@@ -106,6 +123,13 @@ class HeadConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.drawn_token and not self.law_features:
+            raise ValueError("drawn_token needs law_features: it is a fourth law feature")
+
+    @property
+    def num_features(self) -> int:
+        """How many law features the head reads: 0, 3, or 4 with the drawn token's."""
+        return (len(LAW_FEATURES) + self.drawn_token) if self.law_features else 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -117,6 +141,7 @@ class HeadConfig:
             if raw.get(role) is not None:
                 raw[role] = ModelIdentity(**raw[role])
         raw.setdefault("law_features", False)
+        raw.setdefault("drawn_token", False)
         return cls(**raw)
 
 
@@ -131,7 +156,7 @@ class ResidualBlock(nn.Module):
 
 
 class AcceptanceHead(nn.Module):
-    """hidden [..., hidden_size] (+ law features [..., 3]) -> acceptance logit [...].
+    """hidden [..., hidden_size] (+ law features [..., F]) -> acceptance logit [...].
 
     With law features the logit is a logistic term on the standardised features plus the
     residual MLP's term on the hidden state. The MLP's output layer starts at zero, so a head
@@ -148,7 +173,7 @@ class AcceptanceHead(nn.Module):
         )
         self.out = nn.Linear(width, 1)
         if config.law_features:
-            n = len(LAW_FEATURES)
+            n = config.num_features
             self.law = nn.Linear(n, 1)
             # the features' scale on the training data, saved with the weights
             self.register_buffer("law_mean", torch.zeros(n))
@@ -161,8 +186,13 @@ class AcceptanceHead(nn.Module):
         """Whether `forward` needs `law_features` of the drafting law beside the hidden state."""
         return self.config.law_features
 
+    @property
+    def reads_drawn(self) -> bool:
+        """Whether those features include the drawn token's (`law_features(law, drawn)`)."""
+        return self.config.drawn_token
+
     def law_term(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., 3] -> the logistic term on the standardised features [...]."""
+        """features [..., F] -> the logistic term on the standardised features [...]."""
         scaled = (features.to(self.law_mean.dtype) - self.law_mean) / self.law_std
         return self.law(scaled.to(self.law.weight.dtype)).squeeze(-1)
 
@@ -173,10 +203,13 @@ class AcceptanceHead(nn.Module):
         logit = self.out(x).squeeze(-1)
         if not self.reads_law:
             return logit
-        if features is None:
+        want = self.config.num_features
+        if features is None or features.shape[-1] != want:
+            got = "none" if features is None else f"{features.shape[-1]}"
             raise ValueError(
-                "this acceptance head reads the drafting law's features "
-                "(`law_features`); pass them beside the hidden state"
+                f"this acceptance head reads {want} features of the drafting law "
+                f"(`law_features`{', with the drawn token' if self.reads_drawn else ''}) "
+                f"beside the hidden state; got {got}"
             )
         return logit + self.law_term(features).to(logit.dtype)
 
@@ -184,7 +217,7 @@ class AcceptanceHead(nn.Module):
     def acceptance(
         self, hidden: torch.Tensor, features: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """hidden [batch, hidden_size], features [batch, 3] -> P(accepted) [batch]."""
+        """hidden [batch, hidden_size], features [batch, F] -> P(accepted) [batch]."""
         return torch.sigmoid(self(hidden, features))
 
     def save(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:

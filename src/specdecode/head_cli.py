@@ -41,6 +41,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="read the hidden state only, not the drafting law's top probability, entropy, margin",
     )
     parser.add_argument(
+        "--expected-label",
+        action="store_true",
+        help="sampling heads: learn the acceptance expected over the drafting law, not that of "
+        "the token drawn (which the default head reads as a fourth feature)",
+    )
+    parser.add_argument(
         "--reject-weight",
         type=float,
         default=_DEFAULTS.reject_weight,
@@ -68,6 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         num_layers=args.layers,
         dropout=args.dropout,
         law_features=not args.no_law_features,
+        drawn_token=not args.expected_label,
         reject_weight=args.reject_weight,
         epochs=args.epochs,
         batch_size=args.batch_size,

@@ -20,6 +20,13 @@ Two labels are recorded per position, so one collection serves heads for both ru
   the same mean given the state, and this one has zero sampling variance, so the head learns the
   same function from fewer examples. (At T = 0 it equals the greedy label.)
 
+A third label is about the one token z the drafter drew there from q_T (the `proposal`):
+* `label_drawn`: min(1, p_T(z) / q_T(z)), the probability that lossless speculative sampling
+  accepts *that* token, with `drawn_log_prob` = log q_T(z) beside it. A policy deciding after z
+  is drawn knows z, so a head may condition on it: its mean over z is `label_sampling`, but it
+  tells a round that drew a likely token from one that drew from the tail. (Under greedy, z is
+  the argmax and this is the greedy label.)
+
 Beside the hidden state, each position records `law_features` (log top probability, entropy,
 log top-2 margin) of the drafter's law: `law_greedy` from softmax(q), what a greedy round drafts
 from, and `law_sampling` from the temperature-T law a sampled round draws from.
@@ -27,6 +34,9 @@ from, and `law_sampling` from the temperature-T law a sampled round draws from.
 Collection is written in shards, one per batch of prompts, and resumes where it stopped. Shards
 written before the law features existed get them on resume from their stored hidden states,
 through the drafter's output layer (the hidden state is the input of that layer, stored in fp16).
+Shards written before the drawn-token label get it on resume too: q from the stored hidden
+states, p from one teacher-forced target pass over each recorded response (prompt + committed
+tokens), which sees the same prefixes the collection did, in one pass instead of one per token.
 """
 
 from __future__ import annotations
@@ -67,6 +77,20 @@ class CollectConfig:
         SamplingConfig(self.temperature)  # validates the temperature
 
 
+def drawn_acceptance(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, drawn: torch.Tensor, sampling: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """p_logits, q_logits [n, vocab], drawn [n] -> (min(1, p_T/q_T) of the drawn token [n],
+    log q_T of it [n]). Under greedy: (argmax agreement, log softmax(q) of the drawn token)."""
+    pick = drawn[:, None]
+    if sampling.greedy:
+        label = (p_logits.argmax(-1) == drawn).float()
+        return label, q_logits.float().log_softmax(-1).gather(-1, pick)[:, 0]
+    p_drawn = logits_to_probs(p_logits, sampling).gather(-1, pick)[:, 0]  # [n]
+    q_drawn = logits_to_probs(q_logits, sampling).gather(-1, pick)[:, 0]  # [n], > 0: drawn
+    return (p_drawn / q_drawn).clamp(max=1.0), q_drawn.clamp_min(1e-30).log()
+
+
 def _draw(logits: torch.Tensor, sampling: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
     """logits [batch, vocab] -> one token per row (argmax under greedy)."""
     if sampling.greedy:
@@ -99,7 +123,7 @@ def collect_batch(
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)  # [batch]
     keys = ("hidden", "greedy", "soft", "law_greedy", "law_sampling", "row", "position")
-    keys += ("proposal", "token", "mixed")
+    keys += ("proposal", "token", "mixed", "label_drawn", "drawn_log_prob")
     records: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     for step in range(cfg.max_new_tokens):
         p_logits, _ = target.forward(tokens, valid, 1)
@@ -123,6 +147,9 @@ def collect_batch(
         records["row"].append(rows.cpu())
         records["position"].append(torch.full((len(rows),), step))
         own, proposal = _draw(p_logits, sampling, gen), _draw(q_logits, sampling, gen)
+        drawn_label, drawn_log_prob = drawn_acceptance(p_logits, q_logits, proposal, sampling)
+        records["label_drawn"].append(drawn_label[rows].cpu())
+        records["drawn_log_prob"].append(drawn_log_prob[rows].cpu())
         mix = torch.rand(batch, generator=gen, device=device) < cfg.mixing_ratio
         nxt = torch.where(mix, proposal, own)  # [batch]
         records["proposal"].append(proposal[rows].cpu())
@@ -134,7 +161,8 @@ def collect_batch(
         tokens, valid = nxt[:, None], alive[:, None]
     out = {key: torch.cat(parts) for key, parts in records.items()}
     # hidden [n, hidden], law_* [n, 3]; every other entry [n]: row of the batch, position,
-    # the drafter's proposal there, the token committed there, and whether it was the proposal
+    # the drafter's proposal there, the token committed there, whether it was the proposal,
+    # the proposal's acceptance probability and its log probability under the drafting law
     out["label_greedy"], out["label_sampling"] = out.pop("greedy"), out.pop("soft")
     return out
 
@@ -154,6 +182,44 @@ def add_law_features(
         law = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
         sampled.append(law_features(law))
     return {**part, "law_greedy": torch.cat(greedy), "law_sampling": torch.cat(sampled)}
+
+
+@torch.no_grad()
+def add_drawn_labels(
+    part: dict[str, torch.Tensor],
+    target: torch.nn.Module,
+    drafter: torch.nn.Module,
+    prompts: list[list[int]],
+    vocab: int,
+    temperature: float,
+) -> dict[str, torch.Tensor]:
+    """`label_drawn` and `drawn_log_prob` for a shard collected without them.
+
+    prompts: the token ids indexed by the shard's `prompt_index`. Each response is rebuilt as
+    prompt + committed tokens and passed through the target once (teacher forcing); the
+    drafter's law comes from the stored hidden states through its output layer.
+    """
+    sampling = SamplingConfig(temperature)
+    head = drafter.get_output_embeddings()
+    dtype = next(p for p in drafter.parameters() if p.is_floating_point()).dtype
+    device = next(target.parameters()).device
+    label = torch.zeros(len(part["position"]))
+    log_prob = torch.zeros(len(part["position"]))
+    for index in part["prompt_index"].unique().tolist():
+        rows = (part["prompt_index"] == index).nonzero()[:, 0]
+        rows = rows[part["position"][rows].argsort()]  # [n] this response's positions, in order
+        if not torch.equal(part["position"][rows], torch.arange(len(rows))):
+            raise ValueError(f"the shard's response to prompt {index} has missing positions")
+        prompt = torch.tensor(prompts[index])
+        ids = torch.cat([prompt, part["token"][rows][:-1]])[None].to(device)  # [1, len]
+        p_logits = target(input_ids=ids, logits_to_keep=len(rows)).logits[0].float()  # [n, V]
+        q_logits = head(part["hidden"][rows].to(device, dtype)).float()  # [n, V]
+        drawn = part["proposal"][rows].to(device)
+        got = drawn_acceptance(
+            align_vocab(p_logits, vocab), align_vocab(q_logits, vocab), drawn, sampling
+        )
+        label[rows], log_prob[rows] = got[0].cpu(), got[1].cpu()
+    return {**part, "label_drawn": label, "drawn_log_prob": log_prob}
 
 
 def collect(
@@ -203,7 +269,16 @@ def collect(
         if shard.is_file():
             part = load_file(shard)
             if "law_greedy" not in part:  # written before the law features were recorded
-                save_file(add_law_features(part, drafter, vocab, cfg.temperature), shard)
+                part = add_law_features(part, drafter, vocab, cfg.temperature)
+                save_file(part, shard)
+            if "label_drawn" not in part:  # written before the drawn-token label was recorded
+                if "token" not in part:
+                    raise ValueError(
+                        f"{shard} was collected before the committed tokens were recorded, so "
+                        "its drawn-token labels cannot be added: collect again into a new --out"
+                    )
+                part = add_drawn_labels(part, target, drafter, prompts, vocab, cfg.temperature)
+                save_file(part, shard)
             continue
         gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
         part = collect_batch(
@@ -219,6 +294,7 @@ def collect(
     meta["num_examples"] = len(merged["label_greedy"])
     meta["mean_label_greedy"] = float(merged["label_greedy"].mean())
     meta["mean_label_sampling"] = float(merged["label_sampling"].mean())
+    meta["mean_label_drawn"] = float(merged["label_drawn"].mean())
     meta["seconds"] = seconds + time.perf_counter() - started
     old.write_text(json.dumps(meta, indent=1) + "\n")
     return meta

@@ -19,6 +19,10 @@ Choices that are not obvious from the code:
   jointly with the features overfits the prompts within two epochs (validation weighted loss
   0.53-0.61), while the logistic term alone reaches 0.32 and the MLP on top of it 0.316 at a
   low learning rate (1e-4, the default) before overfitting in its turn.
+* A sampling head learns, by default, the acceptance of the token actually drawn,
+  min(1, p(z)/q(z)) (`label_drawn`), reading log q(z) as a fourth law feature: the policy knows
+  z when it decides. `--expected-label` learns the expectation over the law instead
+  (`label_sampling`), as SpecDec++'s head does. Greedy heads are unaffected (z is the argmax).
 * The epoch kept is the one with the lowest validation weighted loss (the quantity trained), so
   more epochs never make the saved head worse on held-out prompts.
 * `accelerate` runs the same loop on a CPU, a GPU or several processes; the DataLoader shuffle
@@ -66,6 +70,8 @@ class TrainConfig:
     num_layers: int = 3
     dropout: float = 0.1
     law_features: bool = True  # the head also reads the drafting law's features
+    drawn_token: bool = True  # rule sampling: learn the drawn token's acceptance, reading its
+    # log probability too (no effect under greedy, where the drawn token is the argmax)
     reject_weight: float = 6.0  # loss weight of the 'rejected' part of each label
     epochs: int = 10
     batch_size: int = 256
@@ -97,6 +103,11 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+
+    @property
+    def learns_drawn(self) -> bool:
+        """Whether this run learns the drawn token's acceptance (sampling, law features on)."""
+        return self.drawn_token and self.law_features and self.rule == "sampling"
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -208,13 +219,17 @@ class HeadData:
     prompt_index: torch.Tensor  # [N] int64
     meta: dict[str, Any]
     position: torch.Tensor | None = None  # [N] int64 index in the response
-    features: torch.Tensor | None = None  # [N, 3] float32 law features of the chosen rule
+    features: torch.Tensor | None = None  # [N, F] float32 law features of the chosen rule
 
 
-def load_examples(data_dir: str | Path, rule: str, law: bool = False) -> HeadData:
+def load_examples(
+    data_dir: str | Path, rule: str, law: bool = False, drawn: bool = False
+) -> HeadData:
     """Read and check a collected data directory; errors name the file and what is wrong.
 
-    With `law`, the law features of `rule` are loaded too (and required).
+    With `law`, the law features of `rule` are loaded too (and required). With `drawn` (rule
+    sampling), the label is the drawn token's acceptance and its log probability is a fourth
+    feature.
     """
     if rule not in LABEL_KEYS:
         raise ValueError(f"rule must be one of {tuple(LABEL_KEYS)}, got {rule!r}")
@@ -267,9 +282,20 @@ def load_examples(data_dir: str | Path, rule: str, law: bool = False) -> HeadDat
             f"hidden size mismatch in {data_dir}: meta.json says {declared}, "
             f"but hidden has {hidden_size} columns"
         )
-    label = tensors[LABEL_KEYS[rule]].float()
+    if drawn and (rule != "sampling" or not law):
+        raise ValueError("the drawn token's label is for sampling heads with law features")
+    label_key = "label_drawn" if drawn else LABEL_KEYS[rule]
+    if label_key not in tensors:
+        raise ValueError(
+            f"{data_dir / EXAMPLES_FILE} has no {label_key} (collected before it was "
+            "recorded): rerun the same `specdecode head collect` command, which adds it, or "
+            "train with --expected-label"
+        )
+    label = tensors[label_key].float()
+    if tuple(label.shape) != (n,):
+        raise ValueError(f"{data_dir / EXAMPLES_FILE}: {label_key} must have shape ({n},)")
     if not torch.isfinite(label).all() or label.min() < 0 or label.max() > 1:
-        raise ValueError(f"{LABEL_KEYS[rule]} must hold finite values in [0, 1]")
+        raise ValueError(f"{label_key} must hold finite values in [0, 1]")
     if not torch.isfinite(hidden).all():
         raise ValueError(f"{data_dir / EXAMPLES_FILE}: hidden holds inf or NaN")
     features = None
@@ -282,10 +308,13 @@ def load_examples(data_dir: str | Path, rule: str, law: bool = False) -> HeadDat
                 "them, or train with --no-law-features"
             )
         features = tensors[key].float()
-        if tuple(features.shape) != (n, len(LAW_FEATURES)) or not torch.isfinite(features).all():
+        if drawn:  # [N, 4]: the law's features and the drawn token's log probability
+            features = torch.cat([features, tensors["drawn_log_prob"].float()[:, None]], 1)
+        want = (n, len(LAW_FEATURES) + drawn)
+        if tuple(features.shape) != want or not torch.isfinite(features).all():
             raise ValueError(
-                f"{data_dir / EXAMPLES_FILE}: {key} must be finite with shape "
-                f"({n}, {len(LAW_FEATURES)}), got {tuple(features.shape)}"
+                f"{data_dir / EXAMPLES_FILE}: the law features of {key} must be finite with "
+                f"shape {want}, got {tuple(features.shape)}"
             )
     return HeadData(
         hidden=hidden.to(torch.float16),
@@ -352,7 +381,8 @@ def train_head(
 
     config = config or TrainConfig()
     started = time.perf_counter()
-    data = load_examples(data_dir, config.rule, law=config.law_features)
+    drawn = config.learns_drawn
+    data = load_examples(data_dir, config.rule, law=config.law_features, drawn=drawn)
     train_rows, val_rows = split_by_prompt(data.prompt_index, config.val_fraction, config.seed)
     hidden_size = data.hidden.shape[1]
     temperature = float(data.meta["temperature"]) if config.rule == "sampling" else 0.0
@@ -365,13 +395,14 @@ def train_head(
             num_layers=config.num_layers,
             dropout=config.dropout,
             law_features=config.law_features,
+            drawn_token=drawn,
             rule=config.rule,
             temperature=temperature,
             drafter=ModelIdentity(**data.meta["drafter"]),
             target=ModelIdentity(**data.meta["target"]),
         )
     )
-    # features [N, 3], or [N, 0] for a head without them (an empty input changes nothing)
+    # features [N, 3 or 4], or [N, 0] for a head without them (an empty input changes nothing)
     features = (
         data.features if data.features is not None else data.hidden.new_zeros(len(data.hidden), 0)
     )
@@ -442,7 +473,7 @@ def train_head(
         model.train()
         loss_sum = torch.zeros((), device=accelerator.device)
         batches = 0
-        for hidden, law, label in train_loader:  # [B, H], [B, 3 or 0], [B]
+        for hidden, law, label in train_loader:  # [B, H], [B, F or 0], [B]
             loss = weighted_bce(model(hidden, law), label, config.reject_weight)
             optimizer.zero_grad()
             accelerator.backward(loss)
@@ -480,7 +511,7 @@ def train_head(
             "val_prompts": torch.unique(data.prompt_index[val_rows]).tolist(),
         },
         "label_base_rate": {
-            "label": LABEL_KEYS[config.rule],
+            "label": "label_drawn" if drawn else LABEL_KEYS[config.rule],
             "train": float(data.label[train_rows].mean()),
             "val": float(data.label[val_rows].mean()),
             "greedy_all": float(data.label_greedy.mean()),
@@ -530,8 +561,8 @@ def fit_law_term(
 ) -> None:
     """Stage one: the head's logistic term on the law features, alone, then frozen.
 
-    features [N, 3], label [N]. Full-batch L-BFGS on the weighted BCE: deterministic, and exact
-    enough in a few dozen iterations for four parameters.
+    features [N, F], label [N]. Full-batch L-BFGS on the weighted BCE: deterministic, and exact
+    enough in a few dozen iterations for a handful of parameters.
     """
     with torch.no_grad():
         head.law_mean.copy_(features.mean(0))

@@ -39,6 +39,7 @@ class DraftedPosition:
     logits: torch.Tensor  # [batch, vocab] the drafter's logits that produced the token
     probs: torch.Tensor | None  # [batch, vocab] the law it was sampled from (None under greedy)
     hidden: torch.Tensor | None  # [batch, hidden] drafter's last hidden state, if asked for
+    token: torch.Tensor | None = None  # [batch] the token drafted (drawn from `probs`)
 
 
 class LengthPolicy(Protocol):
@@ -173,7 +174,12 @@ class HeadLength(_StopRule):
         features = None
         if self.head.reads_law:
             law = position.probs if position.probs is not None else position.logits.softmax(-1)
-            features = law_features(law)  # [batch, 3]
+            drawn = None
+            if getattr(self.head, "reads_drawn", False):
+                if position.token is None:
+                    raise ValueError("this head reads the drawn token; the drafter must pass it")
+                drawn = position.token
+            features = law_features(law, drawn)  # [batch, 3 or 4]
         logit = self.head(position.hidden, features).float()  # [batch]
         # log sigmoid is exact where the product of many probabilities would underflow
         self.log_all_accepted = self.log_all_accepted + torch.nn.functional.logsigmoid(logit)
