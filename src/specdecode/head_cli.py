@@ -196,7 +196,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     print(
         f"{meta['num_examples']} examples from {len(ids)} prompts ({span}) in "
         f"{meta['seconds']:.0f} s; mean greedy acceptance {meta['mean_label_greedy']:.3f}, "
-        f"mean sampling acceptance {meta['mean_label_sampling']:.3f}; written to {args.out}"
+        f"mean sampling acceptance {meta['mean_label_sampling']:.3f} (of the drawn tokens "
+        f"{meta['mean_label_drawn']:.3f}); written to {args.out}"
     )
     return 0
 

@@ -10,8 +10,8 @@ One protocol, four policies, chosen by name (`POLICIES`):
 * `head` (SpecDec++, Huang et al. 2024): stop once the predicted probability that at least one
   token of the round gets rejected, 1 - prod_i a_i, exceeds `stop_threshold`, where a_i is the
   acceptance head's prediction for the i-th drafted token (from the drafter's hidden state and
-  the drafting law's features). The SpecDec++ MDP analysis shows this threshold rule is the
-  optimal stopping policy.
+  the drafting law's features; a sampling head also reads how likely the drawn token was).
+  The SpecDec++ MDP analysis shows this threshold rule is the optimal stopping policy.
 
 Every row decides on its own; the token that triggers a stop is kept (it is already drafted and
 verifying it costs almost nothing), and the round ends when every row has stopped or reached the
