@@ -36,3 +36,8 @@ run humaneval 6 0.7 4 5 6 7
 run mtbench 4 0.7 2 3 4 5
 run humaneval 6 0 4 5 6 7
 run mtbench 4 0 2 3 4 5
+# A larger sample for the closest miss: HumanEval at T = 0.7 on 12 prompts, with the two leading
+# constants (k = 5 measured, k = 6 modelled) and the head's two best thresholds only
+specdecode bench --prompts humaneval --limit 12 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
+  --stop-threshold 0.6 0.7 --bound 1 12 --out benchmarks/specdecpp-humaneval-t07-12 --quiet
