@@ -63,7 +63,7 @@ def logit(a: float) -> float:
 class ColumnHead(nn.Module):
     """A fake acceptance head: the logit is hidden[:, 0], so a test sets a = sigmoid(x) per row."""
 
-    reads_law = False
+    reads_law = reads_drawn = False
 
     def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         return hidden[:, 0]
@@ -72,7 +72,7 @@ class ColumnHead(nn.Module):
 class ConstantHead(nn.Module):
     """Every drafted token gets the same acceptance probability `a`."""
 
-    reads_law = False
+    reads_law = reads_drawn = False
 
     def __init__(self, a: float) -> None:
         super().__init__()
@@ -88,7 +88,7 @@ class RecordingHead(nn.Module):
     def __init__(self, head: nn.Module) -> None:
         super().__init__()
         self.head = head
-        self.reads_law = head.reads_law
+        self.reads_law, self.reads_drawn = head.reads_law, head.reads_drawn
         self.seen: list[torch.Tensor] = []
 
     def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
@@ -892,7 +892,6 @@ def test_head_reads_the_drawn_token() -> None:
     with pytest.raises(ValueError, match="reads 4 features"):
         head(hidden, law_features(law))
     recorder = RecordingHead(head)
-    recorder.reads_drawn = True
     policy = HeadLength(recorder, 0.99, 1, 4)
     policy.round_limits(torch.tensor([4]))
     for i, token in enumerate((0, 2)):

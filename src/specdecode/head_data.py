@@ -78,25 +78,21 @@ class CollectConfig:
 
 
 def drawn_acceptance(
-    p_logits: torch.Tensor, q_logits: torch.Tensor, drawn: torch.Tensor, sampling: SamplingConfig
+    p_law: torch.Tensor, q_law: torch.Tensor, drawn: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """p_logits, q_logits [n, vocab], drawn [n] -> (min(1, p_T/q_T) of the drawn token [n],
-    log q_T of it [n]). Under greedy: (argmax agreement, log softmax(q) of the drawn token)."""
+    """Sampling laws p_law, q_law [n, vocab], drawn [n] (drawn from q_law) ->
+    (min(1, p/q) of the drawn token [n], log q of it [n])."""
     pick = drawn[:, None]
-    if sampling.greedy:
-        label = (p_logits.argmax(-1) == drawn).float()
-        return label, q_logits.float().log_softmax(-1).gather(-1, pick)[:, 0]
-    p_drawn = logits_to_probs(p_logits, sampling).gather(-1, pick)[:, 0]  # [n]
-    q_drawn = logits_to_probs(q_logits, sampling).gather(-1, pick)[:, 0]  # [n], > 0: drawn
+    p_drawn = p_law.gather(-1, pick)[:, 0]  # [n]
+    q_drawn = q_law.gather(-1, pick)[:, 0]  # [n], > 0: it was drawn
     return (p_drawn / q_drawn).clamp(max=1.0), q_drawn.clamp_min(1e-30).log()
 
 
-def _draw(logits: torch.Tensor, sampling: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
-    """logits [batch, vocab] -> one token per row (argmax under greedy)."""
-    if sampling.greedy:
+def _draw(logits: torch.Tensor, law: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
+    """logits [batch, vocab], the sampling law [batch, vocab] (None under greedy) -> [batch]."""
+    if law is None:
         return logits.argmax(-1)
-    probs = logits_to_probs(logits, sampling)  # [batch, vocab]
-    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return torch.multinomial(law, 1, generator=gen)[:, 0]
 
 
 @torch.no_grad()
@@ -132,6 +128,7 @@ def collect_batch(
         q_logits = align_vocab(q_logits[:, -1].float(), vocab)  # [batch, vocab]
         greedy = (q_logits.argmax(-1) == p_logits.argmax(-1)).float()  # [batch]
         law_greedy = law_features(q_logits.softmax(-1))  # [batch, 3]
+        p_law = q_law = None  # the sampling laws [batch, vocab], computed once per step
         if sampling.greedy:
             soft, law_sampling = greedy, law_greedy
         else:
@@ -146,8 +143,11 @@ def collect_batch(
         records["soft"].append(soft[rows].clamp(0, 1).cpu())
         records["row"].append(rows.cpu())
         records["position"].append(torch.full((len(rows),), step))
-        own, proposal = _draw(p_logits, sampling, gen), _draw(q_logits, sampling, gen)
-        drawn_label, drawn_log_prob = drawn_acceptance(p_logits, q_logits, proposal, sampling)
+        own, proposal = _draw(p_logits, p_law, gen), _draw(q_logits, q_law, gen)
+        if p_law is None or q_law is None:  # greedy: the proposal is the argmax
+            drawn_label, drawn_log_prob = greedy, law_greedy[:, 0]
+        else:
+            drawn_label, drawn_log_prob = drawn_acceptance(p_law, q_law, proposal)
         records["label_drawn"].append(drawn_label[rows].cpu())
         records["drawn_log_prob"].append(drawn_log_prob[rows].cpu())
         mix = torch.rand(batch, generator=gen, device=device) < cfg.mixing_ratio
@@ -167,19 +167,25 @@ def collect_batch(
     return out
 
 
+def _drafter_logits(drafter: torch.nn.Module, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Stored hidden states [n, hidden] through the drafter's output layer -> logits [n, vocab]."""
+    out = drafter.get_output_embeddings()
+    logits = out(hidden.to(out.weight.device, out.weight.dtype))
+    return align_vocab(logits.float(), vocab)
+
+
 @torch.no_grad()
 def add_law_features(
     part: dict[str, torch.Tensor], drafter: torch.nn.Module, vocab: int, temperature: float
 ) -> dict[str, torch.Tensor]:
     """The law features of a shard collected without them, from its stored hidden states."""
-    head = drafter.get_output_embeddings()
     sampling = SamplingConfig(temperature)
-    dtype = next(p for p in drafter.parameters() if p.is_floating_point()).dtype
     greedy, sampled = [], []
     for hidden in part["hidden"].split(256):  # [chunk, hidden]
-        logits = align_vocab(head(hidden.to(dtype)).float(), vocab)  # [chunk, vocab]
-        greedy.append(law_features(logits.softmax(-1)))
-        law = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+        logits = _drafter_logits(drafter, hidden, vocab)  # [chunk, vocab]
+        probs = logits.softmax(-1)
+        law = probs if sampling.greedy else logits_to_probs(logits, sampling)
+        greedy.append(law_features(probs))
         sampled.append(law_features(law))
     return {**part, "law_greedy": torch.cat(greedy), "law_sampling": torch.cat(sampled)}
 
@@ -195,13 +201,15 @@ def add_drawn_labels(
 ) -> dict[str, torch.Tensor]:
     """`label_drawn` and `drawn_log_prob` for a shard collected without them.
 
-    prompts: the token ids indexed by the shard's `prompt_index`. Each response is rebuilt as
-    prompt + committed tokens and passed through the target once (teacher forcing); the
-    drafter's law comes from the stored hidden states through its output layer.
+    Under greedy they are the greedy label and the log top probability, already stored. Under
+    sampling each response is rebuilt as prompt + committed tokens (`prompts`: the token ids
+    indexed by the shard's `prompt_index`) and passed through the target once (teacher
+    forcing); the drafter's law comes from the stored hidden states through its output layer.
     """
     sampling = SamplingConfig(temperature)
-    head = drafter.get_output_embeddings()
-    dtype = next(p for p in drafter.parameters() if p.is_floating_point()).dtype
+    if sampling.greedy:
+        drawn_log_prob = part["law_greedy"][:, 0]
+        return {**part, "label_drawn": part["label_greedy"], "drawn_log_prob": drawn_log_prob}
     device = next(target.parameters()).device
     label = torch.zeros(len(part["position"]))
     log_prob = torch.zeros(len(part["position"]))
@@ -212,12 +220,11 @@ def add_drawn_labels(
             raise ValueError(f"the shard's response to prompt {index} has missing positions")
         prompt = torch.tensor(prompts[index])
         ids = torch.cat([prompt, part["token"][rows][:-1]])[None].to(device)  # [1, len]
-        p_logits = target(input_ids=ids, logits_to_keep=len(rows)).logits[0].float()  # [n, V]
-        q_logits = head(part["hidden"][rows].to(device, dtype)).float()  # [n, V]
-        drawn = part["proposal"][rows].to(device)
-        got = drawn_acceptance(
-            align_vocab(p_logits, vocab), align_vocab(q_logits, vocab), drawn, sampling
-        )
+        p_logits = target(input_ids=ids, logits_to_keep=len(rows)).logits[0]  # [n, V]
+        p_law = logits_to_probs(align_vocab(p_logits.float(), vocab), sampling)  # [n, V]
+        q_logits = _drafter_logits(drafter, part["hidden"][rows], vocab)  # [n, V]
+        q_law = logits_to_probs(q_logits, sampling).to(device)
+        got = drawn_acceptance(p_law, q_law, part["proposal"][rows].to(device))
         label[rows], log_prob[rows] = got[0].cpu(), got[1].cpu()
     return {**part, "label_drawn": label, "drawn_log_prob": log_prob}
 

@@ -174,11 +174,9 @@ class HeadLength(_StopRule):
         features = None
         if self.head.reads_law:
             law = position.probs if position.probs is not None else position.logits.softmax(-1)
-            drawn = None
-            if getattr(self.head, "reads_drawn", False):
-                if position.token is None:
-                    raise ValueError("this head reads the drawn token; the drafter must pass it")
-                drawn = position.token
+            drawn = position.token if self.head.reads_drawn else None
+            if self.head.reads_drawn and drawn is None:
+                raise ValueError("this head reads the drawn token; the drafter must pass it")
             features = law_features(law, drawn)  # [batch, 3 or 4]
         logit = self.head(position.hidden, features).float()  # [batch]
         # log sigmoid is exact where the product of many probabilities would underflow
