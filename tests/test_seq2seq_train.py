@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,8 +32,10 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def tiny_loop(steps: int) -> LoopConfig:
-    return LoopConfig(max_steps=steps, minutes=5, eval_minutes=100, max_tokens=256, threads=1)
+def tiny_loop(steps: int, **changes) -> LoopConfig:
+    return LoopConfig(
+        max_steps=steps, minutes=5, eval_minutes=100, max_tokens=256, threads=1, **changes
+    )
 
 
 def test_inverse_sqrt_schedule():
@@ -64,15 +67,24 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     work = cache / "seq2seq" / "bible-es-en"
     model = VerifierConfig(d_model=32, encoder_layers=1, decoder_layers=2, heads=2, ffn=64,
                            vocab_size=120, max_positions=64)  # fmt: skip
-    cfg = TrainVerifierConfig(out=work / "verifier", model=model, loop=tiny_loop(2))
+    loop = tiny_loop(2, keep_snapshots=2)
+    cfg = TrainVerifierConfig(out=work / "verifier", model=model, loop=loop)
     summary = train_verifier(cfg, progress=False)
     assert summary["steps"] == 2 and len(summary["history"]) == 1
     assert (work / "verifier" / "best" / "model.safetensors").exists()
     # resuming continues from the saved step instead of starting again
     summary = train_verifier(
-        TrainVerifierConfig(out=work / "verifier", model=model, loop=tiny_loop(3)), progress=False
+        TrainVerifierConfig(out=work / "verifier", model=model, loop=replace(loop, max_steps=3)),
+        progress=False,
     )
     assert summary["steps"] == 3 and len(summary["history"]) == 2
+    snapshots = sorted(p.name for p in (work / "verifier" / "snapshots").iterdir())
+    assert snapshots == ["step-0000002", "step-0000003"]
+    assert main(["seq2seq", "average", "--last", "2", "--threads", "1"]) == 0
+    averaged = json.loads((work / "verifier" / "summary.json").read_text())["averaged"]
+    assert averaged["snapshots"] == snapshots
+    assert (work / "verifier" / "averaged" / "tokenizer.json").exists()
+    assert main(["seq2seq", "average", "--last", "3"]) == 2  # only two snapshots kept
 
     distilled = work / "distilled.jsonl"
     distill(work / "verifier" / "best", distilled, limit=5, progress=False)
@@ -93,6 +105,15 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     summary = train_drafter(drafter_cfg, progress=False)
     assert summary["steps"] == 2 and len(summary["history"]) == 2  # before training, and at 2
     assert BlockDrafter.load(work / "drafter" / "best").cfg.block_size == 4
+    # a drafter started from another: at lr 0 its weights stay those of the one it came from
+    frozen = replace(
+        drafter_cfg, out=tmp_path / "again", init_drafter=work / "drafter" / "last",
+        position_decay=0.5, loop=replace(tiny_loop(1), lr=0.0),
+    )  # fmt: skip
+    train_drafter(frozen, progress=False)
+    before = BlockDrafter.load(work / "drafter" / "last").state_dict()
+    after = BlockDrafter.load(tmp_path / "again" / "last").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
     args = ["seq2seq", "train-assistant", "--max-steps", "1", "--max-tokens", "256",
             "--threads", "1", "--quiet", "--valid-limit", "2"]  # fmt: skip
@@ -156,3 +177,54 @@ def test_glance_reveals_more_where_wrong():
         for s, block in zip(row_starts, row_labels, strict=True):
             assert 0 <= s < len(tgt) and len(block) == 3
             assert [t for t in block if t != -100] == tgt[s : s + 3]
+
+
+def test_block_loss_weights_positions():
+    from specdecode.seq2seq.drafter_train import block_loss
+
+    logits = torch.randn(3, 2, 4, 11, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 11, (3, 2, 4), generator=torch.Generator().manual_seed(1))
+    labels[0, 0, 2:] = -100
+    plain = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 11), labels.flatten(), ignore_index=-100
+    )
+    assert torch.allclose(block_loss(logits, labels, 1.0, 0.0), plain)
+    per = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 11), labels.flatten(), ignore_index=-100, reduction="none"
+    ).view(3, 2, 4)
+    w = torch.tensor([1.0, 0.5, 0.25, 0.125]).expand(3, 2, 4) * (labels != -100)
+    assert torch.allclose(block_loss(logits, labels, 0.5, 0.0), (per * w).sum() / w.sum())
+    # the same miss costs more at the first position than at the last
+    flat = torch.zeros(3, 2, 4, 11)
+    base = block_loss(flat, labels, 0.5, 0.0)
+    miss_first, miss_last = flat.clone(), flat.clone()
+    miss_first[..., 0, :].scatter_(-1, labels[..., 0:1].clamp(min=0), -10.0)
+    miss_last[..., 3, :].scatter_(-1, labels[..., 3:4].clamp(min=0), -10.0)
+    first = block_loss(miss_first, labels, 0.5, 0.0) - base
+    last = block_loss(miss_last, labels, 0.5, 0.0) - base
+    assert first > 4 * last > 0
+
+
+def test_average_snapshots_means_weights_and_refuses_mismatch(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.seq2seq.training import average_snapshots
+
+    dirs = []
+    for i, value in enumerate([1.0, 2.0, 6.0]):
+        d = tmp_path / f"step-{i}"
+        d.mkdir()
+        save_file(
+            {"w": torch.full((2, 3), value), "b": torch.tensor([value])}, str(d / "m.safetensors")
+        )
+        (d / "config.json").write_text(json.dumps({"i": i}))
+        dirs.append(d)
+    out = average_snapshots(dirs, tmp_path / "avg")
+    weights = load_file(str(out / "m.safetensors"))
+    assert torch.allclose(weights["w"], torch.full((2, 3), 3.0)) and weights["b"].item() == 3.0
+    assert json.loads((out / "config.json").read_text()) == {"i": 2}  # the newest's files
+    save_file({"w": torch.zeros(3, 2), "b": torch.zeros(1)}, str(dirs[0] / "m.safetensors"))
+    with pytest.raises(ValueError, match="shape"):
+        average_snapshots(dirs, tmp_path / "bad")
+    with pytest.raises(ValueError, match="no snapshots"):
+        average_snapshots([], tmp_path / "none")

@@ -39,6 +39,7 @@ def loop_config(args: argparse.Namespace, **defaults) -> LoopConfig:
         weight_decay=base.weight_decay,
         seed=args.seed,
         threads=args.threads or 0,
+        keep_snapshots=args.keep_snapshots,
     )
 
 
@@ -55,6 +56,9 @@ def add_loop_arguments(p: argparse.ArgumentParser, minutes: float) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--keep-snapshots", type=int, default=0, help="keep the last N checkpoints' models"
+    )
 
 
 def cmd_train_verifier(args: argparse.Namespace) -> int:
@@ -115,6 +119,16 @@ def cmd_train_assistant(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_average(args: argparse.Namespace) -> int:
+    from specdecode.seq2seq.verifier_train import average_verifier
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = args.run or work_dir(args) / "verifier"
+    print(json.dumps(average_verifier(run, args.last, args.valid_limit), indent=1))
+    return 0
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from specdecode.seq2seq.distill import distill
 
@@ -149,6 +163,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         layers=args.layers,
         blocks_per_sentence=args.blocks_per_sentence,
         glance=args.glance,
+        position_decay=args.position_decay,
+        init_drafter=args.init_drafter,
         valid_sentences=args.valid_sentences,
         loop=loop_config(args, lr=5e-4, warmup=300, weight_decay=0.01),
     )
@@ -234,6 +250,16 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--valid-limit", type=int, default=0)
     p.set_defaults(func=cmd_train_verifier)
 
+    p = sub.add_parser(
+        "average", help="average the verifier's last snapshots; keep it if it scores better"
+    )
+    p.add_argument("--run", type=Path, default=None, help="verifier run (default: the cache)")
+    p.add_argument("--last", type=int, default=5, help="how many snapshots to average")
+    p.add_argument("--valid-limit", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cache-dir", default=None)
+    p.set_defaults(func=cmd_average)
+
     p = sub.add_parser("distill", help="translate the training sources with the verifier")
     p.add_argument("--verifier", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
@@ -253,6 +279,12 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
     p.add_argument("--blocks-per-sentence", type=int, default=4)
     p.add_argument("--glance", type=float, default=0.0, help="GLAT glancing ratio (0: off)")
+    p.add_argument(
+        "--position-decay", type=float, default=1.0, help="loss weight decay**j on position j"
+    )
+    p.add_argument(
+        "--init-drafter", type=Path, default=None, help="start from this drafter's weights"
+    )
     p.add_argument("--valid-sentences", type=int, default=100)
     p.set_defaults(func=cmd_train_drafter)
 

@@ -52,6 +52,8 @@ class TrainDrafterConfig:
     layers: int = 2
     blocks_per_sentence: int = 4
     glance: float = 0.0  # GLAT glancing ratio; 0 disables
+    position_decay: float = 1.0  # loss weight decay**j on block position j; 1: all equal
+    init_drafter: Path | None = None  # start from this drafter (e.g. one for an older verifier)
     label_smoothing: float = 0.1
     valid_sentences: int = 100
     loop: LoopConfig = field(
@@ -66,6 +68,8 @@ class TrainDrafterConfig:
             )
         if not 0 <= self.glance <= 1:
             raise ValueError(f"glance must be in [0, 1], got {self.glance}")
+        if not 0 < self.position_decay <= 1:
+            raise ValueError(f"position_decay must be in (0, 1], got {self.position_decay}")
         if self.layers < 1 or self.blocks_per_sentence < 1:
             raise ValueError("layers and blocks_per_sentence must be >= 1")
 
@@ -100,6 +104,31 @@ def glance_inputs(
     return reveal, labels.masked_fill(reveal, -100)
 
 
+def block_loss(
+    logits: torch.Tensor, labels: torch.Tensor, decay: float, label_smoothing: float
+) -> torch.Tensor:
+    """Cross-entropy over a block's positions, position j weighted decay**j.
+
+    Why weights: a draft is accepted up to its first miss, so position j only counts when the
+    j before it were right, and its worth falls about geometrically with j. An equal-weight loss
+    over blocks of up to 25 spends most of its gradient on far positions that are rarely
+    reached, while the first one, which every round's gain hangs on, gets 1/k of it.
+
+    logits [..., k, vocab], labels [..., k] (-100: ignored) -> scalar
+    """
+    k = labels.shape[-1]
+    losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=label_smoothing,
+        reduction="none",
+    ).view(labels.shape)
+    weights = decay ** torch.arange(k, dtype=losses.dtype, device=losses.device)  # [k]
+    weights = weights * (labels != -100)  # [..., k]
+    return (losses * weights).sum() / weights.sum().clamp(min=1e-9)
+
+
 def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
@@ -124,7 +153,7 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     torch.manual_seed(loop.seed)
     rng = random.Random(loop.seed)
     generator = torch.Generator().manual_seed(loop.seed)
-    ckpt = Checkpointer(out)
+    ckpt = Checkpointer(out, loop.keep_snapshots)
     model_cfg = BlockDrafterConfig(
         vocab_size=verifier.config.vocab_size,
         d_model=verifier.config.d_model,
@@ -139,6 +168,17 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     resuming = ckpt.exists()
     if resuming:
         drafter = BlockDrafter.load(ckpt.last).train()
+    elif cfg.init_drafter is not None:
+        drafter = BlockDrafter.load(cfg.init_drafter).train()
+        if (
+            drafter.cfg.vocab_size != model_cfg.vocab_size
+            or drafter.cfg.d_model != model_cfg.d_model
+        ):
+            raise ValueError(
+                f"{cfg.init_drafter} is a drafter of vocabulary {drafter.cfg.vocab_size} and "
+                f"width {drafter.cfg.d_model}; this verifier needs {model_cfg.vocab_size} and "
+                f"{model_cfg.d_model}"
+            )
     else:
         drafter = BlockDrafter(model_cfg)
         init_from_verifier(drafter, verifier)
@@ -154,7 +194,6 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     verifier.to(accelerator.device)
-    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=cfg.label_smoothing)
     pair = TranslationPair(verifier, tokenizer, None)
     clock = Clock(loop.minutes)
     seconds_before = state.seconds
@@ -215,7 +254,7 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         else:
             loss_labels = labels_t
             logits = drafter(*blocks, starts=starts_t)  # [b, B, k, vocab]
-        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), loss_labels.flatten())
+        loss = block_loss(logits, loss_labels, cfg.position_decay, cfg.label_smoothing)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(drafter.parameters(), 5.0)
         optimizer.step()

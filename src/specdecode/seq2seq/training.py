@@ -35,6 +35,7 @@ class LoopConfig:
     weight_decay: float = 1e-5
     seed: int = 0
     threads: int = 0  # 0: all cores
+    keep_snapshots: int = 0  # > 0: keep the model of the last N checkpoints, for averaging
 
 
 def inverse_sqrt(warmup: int) -> Callable[[int], float]:
@@ -91,12 +92,15 @@ class LoopState:
 
 
 class Checkpointer:
-    """`<dir>/last/` holds the resumable state, `<dir>/best/` the best model by validation BLEU."""
+    """`<dir>/last/` holds the resumable state, `<dir>/best/` the best model by validation BLEU,
+    `<dir>/snapshots/step-N/` (with `keep_snapshots`) the models of the last checkpoints."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, keep_snapshots: int = 0) -> None:
         self.directory = directory
         self.last = directory / "last"
         self.best = directory / "best"
+        self.snapshots = directory / "snapshots"
+        self.keep_snapshots = keep_snapshots
 
     def exists(self) -> bool:
         return (self.last / "state.json").exists()
@@ -122,6 +126,20 @@ class Checkpointer:
             _rmtree(old)
         else:
             tmp.rename(self.last)
+        if self.keep_snapshots:
+            self._snapshot(state.step)
+
+    def _snapshot(self, step: int) -> None:
+        """The model files of `last` (not the optimizer) as `snapshots/step-N`; older pruned."""
+        import shutil
+
+        target = self.snapshots / f"step-{step:07d}"
+        target.mkdir(parents=True, exist_ok=True)
+        for f in self.last.iterdir():
+            if f.is_file() and f.name not in ("optimizer.pt", "state.json"):
+                shutil.copy(f, target / f.name)
+        for old in snapshot_dirs(self.directory)[: -self.keep_snapshots]:
+            _rmtree(old)
 
     def restore(self, optimizer, scheduler) -> LoopState:
         blob = torch.load(self.last / "optimizer.pt", weights_only=False)
@@ -133,6 +151,49 @@ class Checkpointer:
         if "best_bleu" in saved:  # checkpoints written before the field was renamed
             saved["best_score"] = saved.pop("best_bleu")
         return LoopState(**saved)
+
+
+def snapshot_dirs(directory: Path) -> list[Path]:
+    """A run's snapshots, oldest first."""
+    return sorted(p for p in (Path(directory) / "snapshots").glob("step-*") if p.is_dir())
+
+
+def average_snapshots(snapshots: Sequence[Path], out: Path) -> Path:
+    """The element-wise mean of the snapshots' weights (fairseq's `average_checkpoints`), with
+    the newest snapshot's other files (configuration, tokenizer).
+
+    Why: the mean of the last few checkpoints of a run is a cheap, well-known gain in BLEU, and
+    a run still descending noisily at the end of a CPU session is where it helps most.
+    """
+    from safetensors.torch import load_file, save_file
+
+    if not snapshots:
+        raise ValueError("no snapshots to average")
+    names = sorted(f.name for f in snapshots[-1].glob("*.safetensors"))
+    if not names:
+        raise ValueError(f"{snapshots[-1]} holds no safetensors weights")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in snapshots[-1].iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    for name in names:
+        total: dict[str, torch.Tensor] = {}
+        for snap in snapshots:
+            if not (snap / name).exists():
+                raise ValueError(f"{snap} lacks {name}; snapshots of different models?")
+            for key, value in load_file(str(snap / name)).items():
+                if key in total and total[key].shape != value.shape:
+                    raise ValueError(f"{key} has shape {tuple(value.shape)} in {snap}, "
+                                     f"{tuple(total[key].shape)} before")  # fmt: skip
+                total[key] = total[key] + value.double() if key in total else value.double()
+        dtypes = {k: v.dtype for k, v in load_file(str(snapshots[-1] / name)).items()}
+        save_file(
+            {k: (v / len(snapshots)).to(dtypes[k]).contiguous() for k, v in total.items()},
+            str(out / name),
+            metadata={"format": "pt"},
+        )
+    return out
 
 
 def _rmtree(path: Path) -> None:

@@ -24,11 +24,13 @@ from specdecode.seq2seq.training import (
     Clock,
     LoopConfig,
     LoopState,
+    average_snapshots,
     corpus_bleu,
     end_step,
     epoch_batches,
     inverse_sqrt,
     pad,
+    snapshot_dirs,
     start_run,
 )
 
@@ -163,7 +165,7 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
 
     torch.manual_seed(loop.seed)
     random.seed(loop.seed)
-    ckpt = Checkpointer(out)
+    ckpt = Checkpointer(out, loop.keep_snapshots)
     resuming = ckpt.exists()
     if resuming:
         model = MarianMTModel.from_pretrained(str(ckpt.last))
@@ -242,6 +244,47 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def average_verifier(run: Path, last: int, valid_limit: int = 0) -> dict:
+    """Average the run's last `last` snapshots into `<run>/averaged`, score it on the validation
+    split, and make it the run's best model when it beats the best BLEU seen in training."""
+    from transformers import MarianMTModel, PreTrainedTokenizerFast
+
+    run = Path(run)
+    snapshots = snapshot_dirs(run)
+    if last < 2:
+        raise ValueError(f"averaging needs at least 2 snapshots, asked for {last}")
+    if len(snapshots) < last:
+        raise ValueError(
+            f"{run} has {len(snapshots)} snapshots, fewer than the {last} asked for: train with "
+            "--keep-snapshots N"
+        )
+    averaged = average_snapshots(snapshots[-last:], run / "averaged")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "last"))
+    tokenizer.save_pretrained(str(averaged))
+    valid = read_split("valid")
+    if valid_limit:
+        valid = valid[:valid_limit]
+    model = MarianMTModel.from_pretrained(str(averaged))
+    hypotheses = translate(model, tokenizer, [v.src for v in valid])
+    bleu = corpus_bleu(hypotheses, [[v.tgt for v in valid]])
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    best = float(summary.get("best_valid_bleu", -1.0))
+    promoted = bleu > best
+    if promoted:
+        save_model(model, run / "best")
+        tokenizer.save_pretrained(str(run / "best"))
+        summary["best_valid_bleu"] = round(bleu, 2)
+    summary["averaged"] = {
+        "snapshots": [p.name for p in snapshots[-last:]],
+        "valid_bleu": round(bleu, 2),
+        "best_before": best,
+        "promoted_to_best": promoted,
+    }
+    summary_path.write_text(json.dumps(summary, indent=1))
+    return summary["averaged"]
 
 
 def config_with(cfg: TrainVerifierConfig, **loop_changes) -> TrainVerifierConfig:
