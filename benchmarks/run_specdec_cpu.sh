@@ -13,6 +13,9 @@
 # 5. export in fp16 to src/specdecode/pairs/bible-es-en (the shipped pair);
 # 6. bench on the test split: batch 1 (first 25 verses: k and beta/tau sweep; first 100: the
 #    main methods) and batch 32 (all 1,179 verses).
+# The first session ran steps 1-6 as below; the second ran the part after `exit 0`, which
+# replaces steps 5-6: the verifier trained 40 minutes more with snapshots and averaged, a
+# second distillation, the drafter objective A/B and a longer drafter run on it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 specdecode data fetch bible-es-en

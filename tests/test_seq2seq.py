@@ -154,6 +154,18 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
         out.extend(event.new_tokens[0])
     assert out == expected
     assert stats.total.target_calls == 3  # 12 tokens, 4 drafted + ... each call commits 5, 5, 2
+    # every round accepted all it drafted: 4, 4, then 1 (the 12th token ends the output)
+    assert stats.total.accepted_at_least() == [1.0, 2 / 3, 2 / 3, 2 / 3]
+
+
+def test_accepted_at_least_from_rounds():
+    from specdecode.stats import RowStats
+
+    row = RowStats()
+    for drafted, accepted in [(3, 0), (3, 1), (3, 3), (3, 1)]:
+        row.record(drafted, accepted, accepted + 1, 1)
+    assert row.accepted_at_least() == [3 / 4, 1 / 4, 1 / 4]
+    assert RowStats().accepted_at_least() == []
 
 
 def test_relaxed_rule_accepts_more_and_is_marked_approximate():

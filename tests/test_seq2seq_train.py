@@ -82,7 +82,9 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert snapshots == ["step-0000002", "step-0000003"]
     assert main(["seq2seq", "average", "--last", "2", "--threads", "1"]) == 0
     averaged = json.loads((work / "verifier" / "summary.json").read_text())["averaged"]
-    assert averaged["snapshots"] == snapshots
+    assert [a["snapshots"] for a in averaged] == [snapshots]
+    state = json.loads((work / "verifier" / "last" / "state.json").read_text())
+    assert state["best_score"] >= averaged[0]["valid_bleu"]  # what a resumed run must beat
     assert (work / "verifier" / "averaged" / "tokenizer.json").exists()
     assert main(["seq2seq", "average", "--last", "3"]) == 2  # only two snapshots kept
 

@@ -48,6 +48,21 @@ class RowStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def accepted_at_least(self) -> list[float]:
+        """[j - 1] = share of target calls that accepted at least j drafted tokens.
+
+        Why: a draft is accepted up to its first miss, so these shares say where rounds end;
+        the first one, the acceptance of a round's first drafted token, bounds every later one.
+        """
+        calls = sum(self.accepted_hist)
+        if not calls:
+            return []
+        tail, out = calls, []
+        for count in self.accepted_hist[:-1]:
+            tail -= count
+            out.append(tail / calls)
+        return out
+
     def merge(self, other: RowStats) -> RowStats:
         hist = [0] * max(len(self.accepted_hist), len(other.accepted_hist))
         for source in (self.accepted_hist, other.accepted_hist):

@@ -249,6 +249,7 @@ def summarise(cfg, methods, batch_size, outputs, seconds, stats, verses, pair) -
             row.update(
                 tokens_per_verifier_call=st.tokens_per_target_call,
                 acceptance_rate=st.acceptance_rate if st.drafted else None,
+                accepted_at_least=st.accepted_at_least() if st.drafted else None,
                 verifier_calls=st.target_calls,
             )
         rows.append(row)
@@ -272,19 +273,22 @@ def markdown_table(record: dict) -> str:
             f"\nbatch size {run['batch_size']}, {run['methods'][0]['sentences']} sentences "
             f"({record['config']['split']} split)\n",
             "| method | speedup vs ar (geomean, p10-p90) | vs hf | sent/s | tokens/verifier call "
-            "| ms per drafter / verifier call | BLEU | BLEU 2 refs | chrF | identical to ar |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| first draft token accepted | ms per drafter / verifier call | BLEU | BLEU 2 refs "
+            "| chrF | identical to ar |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in run["methods"]:
             sp, hf = r["speedup"], r["speedup_vs_hf"]
             mark = " (approx.)" if r["approximate"] else ""
             tpc = r.get("tokens_per_verifier_call")
+            first = (r.get("accepted_at_least") or [None])[0]
             cells = [
                 f"{r['method']}{mark}",
                 f"{sp['geomean']:.2f}x ({sp['p10']:.2f}-{sp['p90']:.2f})",
                 f"{hf['geomean']:.2f}x" if hf else "-",
                 f"{r['sentences_per_s']:.2f}",
                 f"{tpc:.2f}" if tpc else "-",
+                f"{100 * first:.1f}%" if first is not None else "-",
                 " / ".join(
                     f"{r[key]:.1f}" if key in r else "-"
                     for key in ("ms_per_drafter_call", "ms_per_verifier_call")

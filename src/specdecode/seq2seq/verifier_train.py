@@ -277,14 +277,19 @@ def average_verifier(run: Path, last: int, valid_limit: int = 0) -> dict:
         save_model(model, run / "best")
         tokenizer.save_pretrained(str(run / "best"))
         summary["best_valid_bleu"] = round(bleu, 2)
-    summary["averaged"] = {
+        state_path = run / "last" / "state.json"
+        if state_path.exists():  # a resumed run must beat the average to replace it
+            state = json.loads(state_path.read_text())
+            state_path.write_text(json.dumps({**state, "best_score": bleu}, indent=1))
+    attempt = {
         "snapshots": [p.name for p in snapshots[-last:]],
         "valid_bleu": round(bleu, 2),
         "best_before": best,
         "promoted_to_best": promoted,
     }
+    summary["averaged"] = [*summary.get("averaged", []), attempt]  # every attempt, in order
     summary_path.write_text(json.dumps(summary, indent=1))
-    return summary["averaged"]
+    return attempt
 
 
 def config_with(cfg: TrainVerifierConfig, **loop_changes) -> TrainVerifierConfig:
