@@ -84,7 +84,7 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     averaged = json.loads((work / "verifier" / "summary.json").read_text())["averaged"]
     assert [a["snapshots"] for a in averaged] == [snapshots]
     state = json.loads((work / "verifier" / "last" / "state.json").read_text())
-    assert state["best_score"] >= averaged[0]["valid_bleu"]  # what a resumed run must beat
+    assert state["best_score"] >= averaged[0]["valid_bleu"] - 0.005  # a resumed run must beat it
     assert (work / "verifier" / "averaged" / "tokenizer.json").exists()
     assert main(["seq2seq", "average", "--last", "3"]) == 2  # only two snapshots kept
 
