@@ -228,5 +228,8 @@ def test_average_snapshots_means_weights_and_refuses_mismatch(tmp_path):
     save_file({"w": torch.zeros(3, 2), "b": torch.zeros(1)}, str(dirs[0] / "m.safetensors"))
     with pytest.raises(ValueError, match="shape"):
         average_snapshots(dirs, tmp_path / "bad")
+    save_file({"w": torch.zeros(2, 3)}, str(dirs[0] / "m.safetensors"))
+    with pytest.raises(ValueError, match="other tensors"):
+        average_snapshots(dirs, tmp_path / "bad")
     with pytest.raises(ValueError, match="no snapshots"):
         average_snapshots([], tmp_path / "none")

@@ -179,15 +179,19 @@ def average_snapshots(snapshots: Sequence[Path], out: Path) -> Path:
             (out / f.name).write_bytes(f.read_bytes())
     for name in names:
         total: dict[str, torch.Tensor] = {}
+        dtypes: dict[str, torch.dtype] = {}
         for snap in snapshots:
             if not (snap / name).exists():
                 raise ValueError(f"{snap} lacks {name}; snapshots of different models?")
-            for key, value in load_file(str(snap / name)).items():
+            weights = load_file(str(snap / name))
+            if total and weights.keys() != total.keys():
+                raise ValueError(f"{snap / name} holds other tensors than {snapshots[0] / name}")
+            for key, value in weights.items():
                 if key in total and total[key].shape != value.shape:
                     raise ValueError(f"{key} has shape {tuple(value.shape)} in {snap}, "
                                      f"{tuple(total[key].shape)} before")  # fmt: skip
                 total[key] = total[key] + value.double() if key in total else value.double()
-        dtypes = {k: v.dtype for k, v in load_file(str(snapshots[-1] / name)).items()}
+                dtypes[key] = value.dtype  # the newest snapshot's, as its other files
         save_file(
             {k: (v / len(snapshots)).to(dtypes[k]).contiguous() for k, v in total.items()},
             str(out / name),
