@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -131,8 +132,6 @@ class Checkpointer:
 
     def _snapshot(self, step: int) -> None:
         """The model files of `last` (not the optimizer) as `snapshots/step-N`; older pruned."""
-        import shutil
-
         target = self.snapshots / f"step-{step:07d}"
         target.mkdir(parents=True, exist_ok=True)
         for f in self.last.iterdir():
@@ -201,8 +200,6 @@ def average_snapshots(snapshots: Sequence[Path], out: Path) -> Path:
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -136,6 +136,19 @@ def translate(
     return out
 
 
+def validation_verses(limit: int = 0) -> list:
+    """The validation split, or its first `limit` verses (0: all)."""
+    valid = read_split("valid")
+    return valid[:limit] if limit else valid
+
+
+def valid_bleu(model, tokenizer, verses) -> float:
+    """Greedy BLEU of the model on the verses: what the best verifier is chosen by."""
+    return corpus_bleu(
+        translate(model, tokenizer, [v.src for v in verses]), [[v.tgt for v in verses]]
+    )
+
+
 def save_model(model, directory: Path) -> None:
     model.save_pretrained(str(directory))
 
@@ -159,9 +172,7 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
     limit = cfg.model.max_source_tokens
     src_ids = [ids[:limit] for ids in tokenizer(src_texts)["input_ids"]]
     tgt_ids = [ids[:limit] for ids in tokenizer(tgt_texts)["input_ids"]]
-    valid = read_split("valid")
-    if cfg.valid_limit:
-        valid = valid[: cfg.valid_limit]
+    valid = validation_verses(cfg.valid_limit)
 
     torch.manual_seed(loop.seed)
     random.seed(loop.seed)
@@ -190,8 +201,7 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
     tokens_seen = 0
 
     def evaluate() -> float:
-        hyps = translate(accelerator.unwrap_model(model), tokenizer, [v.src for v in valid])
-        bleu = corpus_bleu(hyps, [[v.tgt for v in valid]])
+        bleu = valid_bleu(accelerator.unwrap_model(model), tokenizer, valid)
         state.history.append(
             {
                 "step": state.step,
@@ -263,24 +273,21 @@ def average_verifier(run: Path, last: int, valid_limit: int = 0) -> dict:
     averaged = average_snapshots(snapshots[-last:], run / "averaged")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "last"))
     tokenizer.save_pretrained(str(averaged))
-    valid = read_split("valid")
-    if valid_limit:
-        valid = valid[:valid_limit]
     model = MarianMTModel.from_pretrained(str(averaged))
-    hypotheses = translate(model, tokenizer, [v.src for v in valid])
-    bleu = corpus_bleu(hypotheses, [[v.tgt for v in valid]])
+    bleu = valid_bleu(model, tokenizer, validation_verses(valid_limit))
+    # the run's resumable state holds the bar its best model was chosen by
+    state_path = run / "last" / "state.json"
+    state = json.loads(state_path.read_text())
+    best = float(state["best_score"])
+    promoted = bleu > best
     summary_path = run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    best = float(summary.get("best_valid_bleu", -1.0))
-    promoted = bleu > best
     if promoted:
         save_model(model, run / "best")
         tokenizer.save_pretrained(str(run / "best"))
         summary["best_valid_bleu"] = round(bleu, 2)
-        state_path = run / "last" / "state.json"
-        if state_path.exists():  # a resumed run must beat the average to replace it
-            state = json.loads(state_path.read_text())
-            state_path.write_text(json.dumps({**state, "best_score": bleu}, indent=1))
+        # a resumed run must beat the average to replace it
+        state_path.write_text(json.dumps({**state, "best_score": bleu}, indent=1))
     attempt = {
         "snapshots": [p.name for p in snapshots[-last:]],
         "valid_bleu": round(bleu, 2),
