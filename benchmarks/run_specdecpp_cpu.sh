@@ -41,3 +41,12 @@ run mtbench 4 0 2 3 4 5
 specdecode bench --prompts humaneval --limit 12 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
   --stop-threshold 0.6 0.7 --bound 1 12 --out benchmarks/specdecpp-humaneval-t07-12 --quiet
+# Larger samples under sampling (T = 0.7), where the 4-6 prompt runs were within noise of the
+# target: HumanEval prompts 0-15 (disjoint from the head's 40-103) and MT-Bench's first 12
+# questions, the three constants around each set's best, the heuristic, and three thresholds.
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 5 6 7 --length-policy constant heuristic head \
+  --stop-threshold 0.6 0.7 0.8 --bound 1 12 --out benchmarks/specdecpp-humaneval-t07-16 --quiet
+specdecode bench --prompts mtbench --limit 12 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant heuristic head \
+  --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out benchmarks/specdecpp-mtbench-t07-12 --quiet

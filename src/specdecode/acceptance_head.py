@@ -52,7 +52,9 @@ def law_features(law: torch.Tensor, drawn: torch.Tensor | None = None) -> torch.
     """
     law = law.float()
     top2 = law.topk(2, dim=-1).values.clamp_min(1e-30).log()  # [..., 2]
-    entropy = -torch.special.xlogy(law, law).sum(-1)  # [...]
+    # p log p with p clamped inside the log: 0 log 0 = 0 as in xlogy, at a fifth of its time
+    # over a 151k vocabulary (this runs once per drafted token)
+    entropy = -(law * law.clamp_min(1e-30).log()).sum(-1)  # [...]
     margin = (top2[..., 0] - top2[..., 1]).clamp(max=_MAX_MARGIN)  # [...]
     columns = [top2[..., 0], entropy, margin]
     if drawn is not None:
