@@ -368,6 +368,12 @@ def test_policy_preview_matches_a_direct_simulation():
     assert rows["k=3"]["tokens_per_round"] == pytest.approx(direct(lambda j, e: min(3, e - j)))
     for h in (0.3, 0.6):
         assert rows[f"head h={h:g}"]["tokens_per_round"] == pytest.approx(direct(head_stop(h)))
+    # a perfect head on 0/1 labels drafts exactly up to the first rejection (at least 2, the
+    # bound's minimum, and at most 5), so it wastes at most one drafted token a round
+    oracle = rows["oracle h=0.5"]
+    assert oracle["tokens_per_round"] == pytest.approx(direct(lambda j, e: min(5, e - j)))
+    assert oracle["drafted_per_round"] <= oracle["tokens_per_round"] + 1
+    assert oracle["drafted_per_round"] < rows["k=5"]["drafted_per_round"]
 
 
 def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch):

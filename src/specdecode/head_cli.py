@@ -103,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("held-out preview (rough; verify pass = 1 step, drafted token = 0.15 step):")
         for name, row in preview.items():
             print(
-                f"  {name:>10}: {row['tokens_per_round']:.2f} tokens/round, "
+                f"  {name:>12}: {row['tokens_per_round']:.2f} tokens/round, "
                 f"{row['drafted_per_round']:.2f} drafted/round, est. {row['est_speed']:.2f}x"
             )
     out = Path(args.out)

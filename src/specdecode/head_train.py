@@ -599,7 +599,8 @@ def preview_policies(
     (exact for greedy 0/1 labels, the expectation for sampling ones). `est_speed` prices a
     drafted token at `cost` target steps and a verify pass at one step: a rough guide for
     choosing thresholds to benchmark, not a measurement (the states here follow the mixed
-    collection sequences, not real drafts).
+    collection sequences, not real drafts). Rows `oracle h=...` run the rule on the labels
+    themselves: the most any head could get from these rounds.
     """
     # pred, label, prompt_index, position: [N]
     order = torch.argsort(prompt_index * (int(position.max()) + 1) + position)
@@ -625,12 +626,18 @@ def preview_policies(
             "est_speed": float(per_round / cost_round),
         }
 
-    rows = {f"k={k}": outcome(torch.full((n,), k)) for k in range(1, high + 1)}
     steps = torch.arange(1, high + 1)[None, :]  # [1, MAX]
-    for h in PREVIEW_THRESHOLDS:
-        stop = (1 - keep_p > h) & (steps >= low)  # [N, MAX] a stop after token m
-        first = torch.where(stop, steps, high).min(1).values
-        rows[f"head h={h:g}"] = outcome(first)
+
+    def threshold_rule(keep: torch.Tensor, h: float) -> dict[str, float]:
+        stop = (1 - keep > h) & (steps >= low)  # [N, MAX] a stop after token m
+        return outcome(torch.where(stop, steps, high).min(1).values)
+
+    rows = {f"k={k}": outcome(torch.full((n,), k)) for k in range(1, high + 1)}
+    rows |= {f"head h={h:g}": threshold_rule(keep_p, h) for h in PREVIEW_THRESHOLDS}
+    # The same rule fed the true labels: what a perfect head would do on these rounds, the
+    # ceiling for head training (greedy: stop exactly at the first rejection; sampling: the
+    # exact acceptance probability of each drafted token, still a gamble on the verdict)
+    rows |= {f"oracle h={h:g}": threshold_rule(keep_l, h) for h in PREVIEW_THRESHOLDS}
     return rows
 
 
