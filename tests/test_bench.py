@@ -10,6 +10,7 @@ import pytest
 from specdecode.bench.methods import Method
 from specdecode.bench.metrics import (
     alpha_from_tokens_per_call,
+    bootstrap_interval,
     expected_tokens_per_call,
     geometric_mean,
     leviathan_speedup,
@@ -66,6 +67,23 @@ def test_ratio_summaries():
     assert s["geomean"] == pytest.approx(math.prod([4.0, 1.0, 2.0, 3.0]) ** 0.25)
     with pytest.raises(ValueError):
         geometric_mean([1.0, 0.0])
+
+
+def test_bootstrap_interval_of_a_geometric_mean():
+    same = bootstrap_interval([1.1] * 8)
+    assert same == pytest.approx((1.1, 1.1))  # no spread, no uncertainty
+    ratios = [0.8, 1.3, 0.95, 1.2, 1.05, 0.9, 1.4, 1.0]
+    low, high = bootstrap_interval(ratios)
+    assert low < geometric_mean(ratios) < high
+    assert bootstrap_interval(ratios) == (low, high)  # seeded: a rederived record is the same
+    wider = bootstrap_interval([r**2 for r in ratios])  # twice the spread in log space
+    assert wider[0] < low and wider[1] > high
+    sixteen = bootstrap_interval(ratios * 2)  # twice the prompts, same spread: narrower
+    assert sixteen[1] - sixteen[0] < high - low
+    with pytest.raises(ValueError, match="positive"):
+        bootstrap_interval([1.0, -0.5])
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_interval(ratios, level=1.0)
 
 
 def test_method_expansion_and_errors():

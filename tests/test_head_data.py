@@ -269,6 +269,8 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     compared = {c["method"]: c for c in record["policy_comparison"]}
     assert compared["sd[head t=0.3]"]["best_constant"] in ("sd[k=2]", "sd[k=3]")
     assert compared["sd[heuristic k0=3]"]["batches"] == 2
+    low, high = compared["sd[head t=0.3]"]["vs_best_constant_95ci"]
+    assert low <= compared["sd[head t=0.3]"]["vs_best_constant"] <= high
     assert "against the best constant k" in (bench / "table.md").read_text()
     assert all(r["modelled_speedup"] > 0 for r in record["methods"] if r["method"] != "ar")
     assert compared["sd[head t=0.3]"]["modelled_best_constant"] in ("sd[k=2]", "sd[k=3]")

@@ -10,11 +10,12 @@ def policy_comparison(record: dict) -> list[dict]:
     """Each adaptive policy against the best constant k of the same drafter and batch size.
 
     The ratio is the geometric mean over prompt batches of (policy speed / best constant speed),
-    both measured on the same batch in the same interleaved round, so drift cancels. Beside it,
+    both measured on the same batch in the same interleaved round, so drift cancels, with a 95%
+    bootstrap interval over the batches (`metrics.bootstrap_interval`). Beside it,
     the same comparison on modelled speedups (counted calls x calibrated costs; see
     `metrics.modelled_speedup`), against the constant k that is best by that model.
     """
-    from specdecode.bench.metrics import geometric_mean
+    from specdecode.bench.metrics import bootstrap_interval, geometric_mean
 
     rows = [r for r in record["methods"] if r.get("policy")]
     out = []
@@ -50,6 +51,7 @@ def policy_comparison(record: dict) -> list[dict]:
                 "batch_size": r["batch_size"],
                 "best_constant": best["method"],
                 "vs_best_constant": geometric_mean(ratios),
+                "vs_best_constant_95ci": list(bootstrap_interval(ratios)),
                 **entry,
                 "wins": sum(x > 1 for x in ratios),
                 "batches": len(ratios),
@@ -110,18 +112,20 @@ def markdown_table(record: dict) -> str:
             "",
             "Adaptive length policies against the best constant k (geomean of per-batch ratios):",
             "",
-            "| policy | batch | best constant | speed vs best constant | batches won "
-            "| policy ms/drafted token | policy share of time "
+            "| policy | batch | best constant | speed vs best constant | 95% interval "
+            "| batches won | policy ms/drafted token | policy share of time "
             "| modelled: best constant | modelled: vs best constant |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in comparison:
             ms = c["policy_ms_per_drafted_token"]
             share = c["policy_share_of_time"]
             modelled = c.get("modelled_vs_best_constant")
+            low_high = c.get("vs_best_constant_95ci")  # absent from records made before it
+            interval = "-" if low_high is None else f"[{low_high[0]:.3f}, {low_high[1]:.3f}]"
             lines.append(
                 f"| {c['method']} | {c['batch_size']} | {c['best_constant']} | "
-                f"{c['vs_best_constant']:.3f} | {c['wins']}/{c['batches']} | "
+                f"{c['vs_best_constant']:.3f} | {interval} | {c['wins']}/{c['batches']} | "
                 f"{'-' if ms is None else f'{ms:.3f}'} | "
                 f"{'-' if share is None else f'{100 * share:.2f}%'} | "
                 f"{c.get('modelled_best_constant', '-')} | "
