@@ -18,6 +18,7 @@ from specdecode.bench.metrics import (
     summarize,
 )
 from specdecode.cli import main
+from specdecode.prompts import load_prompts
 
 
 def test_modelled_speedup_from_counts_and_a_fitted_verify_line() -> None:
@@ -105,6 +106,8 @@ def test_bench_smoke_run(tiny_pair, tmp_path, capsys):
             str(draft),
             "--prompts",
             str(prompts),
+            "--skip",
+            "1",
             "--limit",
             "3",
             "--max-new-tokens",
@@ -145,6 +148,9 @@ def test_bench_smoke_run(tiny_pair, tmp_path, capsys):
     assert {"speedup_vs_k.png", "tokens_per_s.png", "table.md"} <= {p.name for p in out.iterdir()}
     assert "| sd[k=2] |" in (out / "table.md").read_text()
     assert "record written" in capsys.readouterr().out
+    # --skip 1 --limit 3: the set's prompts 1..3, said in the table
+    assert record["prompt_ids"] == [p.id for p in load_prompts(prompts)][1:4]
+    assert "(3 after the first 1)" in (out / "table.md").read_text()
 
 
 def test_cli_generate_on_local_model_dirs(tiny_pair, capsys):

@@ -86,6 +86,8 @@ def test_jsonl_file_prompt_text_and_turns(tmp_path):
     assert [(p.id, p.text) for p in prompts] == [("a", "first"), ("2", "second"), ("7", "third")]
     assert {p.source for p in prompts} == {str(path)}
     assert load_prompts(str(path), limit=2) == prompts[:2]
+    assert load_prompts(path, skip=1, limit=1) == prompts[1:2]  # the slice after the first
+    assert load_prompts(path, skip=5) == []
 
 
 def test_jsonl_gz_file(tmp_path):
@@ -122,6 +124,8 @@ def test_unknown_name_or_type_refused(tmp_path):
         load_prompts(tmp_path / "p.csv")
     with pytest.raises(ValueError, match="limit"):
         load_prompts(tmp_path / "p.csv", limit=-1)
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        load_prompts(tmp_path / "p.csv", skip=-1)
 
 
 def tiny_tokenizer(chat_template: str | None):

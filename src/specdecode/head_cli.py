@@ -159,8 +159,6 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.prompts import load_prompts
 
     set_threads(args.threads)
-    if args.skip < 0:
-        raise ValueError(f"--skip must be >= 0, got {args.skip}")
     cfg = CollectConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -168,8 +166,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
     )
-    prompts = load_prompts(args.prompts)[args.skip :]
-    prompts = prompts[: args.limit] if args.limit is not None else prompts
+    prompts = load_prompts(args.prompts, limit=args.limit, skip=args.skip)
     if not prompts:
         raise ValueError(f"no prompts left in {args.prompts!r} after --skip {args.skip}")
     target, tokenizer = load_causal_lm(args.target)

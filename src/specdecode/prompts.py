@@ -94,13 +94,17 @@ def load_prompts(
     name_or_path: str | os.PathLike[str],
     limit: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    skip: int = 0,
 ) -> list[Prompt]:
     """Prompts of a named set (fetched into the cache on first use) or of a local file.
 
-    ``limit`` keeps the first ``limit`` prompts, in the set's own order.
+    ``skip`` drops the first ``skip`` prompts and ``limit`` keeps the next ``limit``, in the
+    set's own order: disjoint slices for training and evaluation, or more of a set later.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
     if isinstance(name_or_path, str) and name_or_path in PROMPT_SETS:
         prompts = _load_named(PROMPT_SETS[name_or_path], cache_dir)
     else:
@@ -111,6 +115,7 @@ def load_prompts(
                 f"({', '.join(PROMPT_SETS)}) nor an existing .jsonl / .jsonl.gz / .txt file"
             )
         prompts = _load_file(path)
+    prompts = prompts[skip:]
     return prompts if limit is None else prompts[:limit]
 
 

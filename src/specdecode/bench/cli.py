@@ -105,6 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft=args.draft,
         prompts=args.prompts,
         limit=args.limit,
+        skip=args.skip,
         methods=tuple(args.methods or ["ar", "hf", "hf-assisted", "sd", "sd-int8"]),
         num_draft_tokens=tuple(args.num_draft_tokens),
         batch_sizes=tuple(args.batch_sizes),
@@ -127,7 +128,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if cfg.prepack:
         prepack_linears(target)
     models = Models(target, tokenizer, drafter, head=cfg.head)
-    prompts = load_prompts(cfg.prompts, limit=cfg.limit)
+    prompts = load_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
@@ -152,7 +153,8 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a file")
-    p.add_argument("--limit", type=int, default=20, help="first N prompts")
+    p.add_argument("--limit", type=int, default=20, help="first N prompts (after --skip)")
+    p.add_argument("--skip", type=int, default=0, help="drop the set's first N prompts")
     p.add_argument(
         "--methods",
         nargs="+",

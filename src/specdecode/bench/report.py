@@ -62,12 +62,17 @@ def policy_comparison(record: dict) -> list[dict]:
     return out
 
 
+def _prompt_slice(cfg: dict) -> str:
+    skip = cfg.get("skip", 0)  # records made before --skip have none
+    return f"first {cfg['limit']}" if not skip else f"{cfg['limit']} after the first {skip}"
+
+
 def markdown_table(record: dict) -> str:
     cfg = record["config"]
     lines = [
         f"# specdecode bench: {cfg['target']} with {cfg['draft']} drafting",
         "",
-        f"Prompts: {cfg['prompts']} (first {cfg['limit']}), {cfg['max_new_tokens']} new tokens, "
+        f"Prompts: {cfg['prompts']} ({_prompt_slice(cfg)}), {cfg['max_new_tokens']} new tokens, "
         f"temperature {cfg['temperature']}, machine: {record['machine']['cpu']} "
         f"({record['machine']['cores']} cores), torch {record['machine']['torch']}, "
         f"transformers {record['machine']['transformers']}.",

@@ -36,6 +36,7 @@ class BenchConfig:
     draft: str
     prompts: str
     limit: int | None = 20
+    skip: int = 0  # prompts dropped from the set's start before `limit` is taken
     methods: tuple[str, ...] = ("ar", "hf", "hf-assisted", "sd", "sd-int8")
     num_draft_tokens: tuple[int, ...] = (4,)
     batch_sizes: tuple[int, ...] = (1,)
