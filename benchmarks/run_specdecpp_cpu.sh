@@ -50,3 +50,8 @@ specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperatur
 specdecode bench --prompts mtbench --limit 12 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant heuristic head \
   --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out benchmarks/specdecpp-mtbench-t07-12 --quiet
+# HumanEval prompts 16-31 at T = 0.7, to pool with prompts 0-15 above: the two leading constants
+# and the head at the default threshold only
+specdecode bench --prompts humaneval --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
+  --seed 0 --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
+  --stop-threshold 0.7 --bound 1 12 --out benchmarks/specdecpp-humaneval-t07-16-31 --quiet
