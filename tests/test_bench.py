@@ -196,3 +196,7 @@ def test_cli_bad_input_message(tiny_pair, capsys):
     )
     assert code == 2
     assert "top_p must be in (0, 1], got 2.0" in capsys.readouterr().err
+    prompts = tiny_pair[2]  # 4 prompts: skipping them all leaves nothing to bench
+    code = main(["bench", "--target", "nowhere", "--prompts", str(prompts), "--skip", "4"])
+    assert code == 2
+    assert "no prompts to run" in capsys.readouterr().err

@@ -123,12 +123,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bound=tuple(args.bound or (1, 8)),
         head=args.head,
     )
+    # prompts before models: a bad slice fails in a second, not after loading gigabytes
+    prompts = load_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
+    if not prompts:
+        raise ValueError(
+            f"no prompts to run: {cfg.prompts!r} has none left after --skip {cfg.skip} "
+            f"with --limit {cfg.limit}"
+        )
     target, tokenizer = load_causal_lm(cfg.target)
     drafter, _ = load_causal_lm(cfg.draft)
     if cfg.prepack:
         prepack_linears(target)
     models = Models(target, tokenizer, drafter, head=cfg.head)
-    prompts = load_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
