@@ -16,7 +16,7 @@ from conftest import make_fake_dist
 
 from specdecode import packages
 from specdecode.packages import PackageInstallError, package_dir
-from specdecode.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl
+from specdecode.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl, require_prompts
 
 
 def jsonl(rows: list[dict]) -> bytes:
@@ -88,6 +88,9 @@ def test_jsonl_file_prompt_text_and_turns(tmp_path):
     assert load_prompts(str(path), limit=2) == prompts[:2]
     assert load_prompts(path, skip=1, limit=1) == prompts[1:2]  # the slice after the first
     assert load_prompts(path, skip=5) == []
+    assert require_prompts(path, skip=1, limit=1) == prompts[1:2]
+    with pytest.raises(ValueError, match="none left after --skip 5 with --limit None"):
+        require_prompts(path, skip=5)
 
 
 def test_jsonl_gz_file(tmp_path):

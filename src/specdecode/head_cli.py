@@ -156,7 +156,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.head_data import CollectConfig, collect
     from specdecode.kernels import prepack_linears, quantize_int8
     from specdecode.model_store import load_causal_lm
-    from specdecode.prompts import load_prompts
+    from specdecode.prompts import require_prompts
 
     set_threads(args.threads)
     cfg = CollectConfig(
@@ -166,9 +166,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
     )
-    prompts = load_prompts(args.prompts, limit=args.limit, skip=args.skip)
-    if not prompts:
-        raise ValueError(f"no prompts left in {args.prompts!r} after --skip {args.skip}")
+    prompts = require_prompts(args.prompts, limit=args.limit, skip=args.skip)
     target, tokenizer = load_causal_lm(args.target)
     drafter, draft_tokenizer = load_causal_lm(args.draft)
     if not args.no_prepack:

@@ -119,6 +119,20 @@ def load_prompts(
     return prompts if limit is None else prompts[:limit]
 
 
+def require_prompts(
+    name_or_path: str | os.PathLike[str], limit: int | None = None, skip: int = 0
+) -> list[Prompt]:
+    """`load_prompts` for commands that run models: an empty slice is refused, before any
+    model is loaded, naming the flags that emptied it."""
+    prompts = load_prompts(name_or_path, limit=limit, skip=skip)
+    if not prompts:
+        raise ValueError(
+            f"no prompts to run: {str(name_or_path)!r} has none left after --skip {skip} "
+            f"with --limit {limit}"
+        )
+    return prompts
+
+
 def _load_named(spec: PromptSet, cache_dir: str | os.PathLike[str] | None) -> list[Prompt]:
     path = fetch_package_file(spec.package, spec.file, cache_dir, progress=False)
     prompts = list(

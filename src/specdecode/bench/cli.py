@@ -97,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import BenchConfig, run_bench
     from specdecode.kernels import prepack_linears
     from specdecode.model_store import load_causal_lm
-    from specdecode.prompts import load_prompts
+    from specdecode.prompts import require_prompts
 
     set_threads(args.threads)
     cfg = BenchConfig(
@@ -124,12 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         head=args.head,
     )
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
-    prompts = load_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
-    if not prompts:
-        raise ValueError(
-            f"no prompts to run: {cfg.prompts!r} has none left after --skip {cfg.skip} "
-            f"with --limit {cfg.limit}"
-        )
+    prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
     target, tokenizer = load_causal_lm(cfg.target)
     drafter, _ = load_causal_lm(cfg.draft)
     if cfg.prepack:

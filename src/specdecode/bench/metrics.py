@@ -83,9 +83,9 @@ def bootstrap_interval(
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    logs = [math.log(r) for r in ratios if r > 0]
-    if len(logs) != len(ratios) or not logs:
+    if not ratios or any(r <= 0 for r in ratios):
         raise ValueError("a bootstrap interval needs one or more positive ratios")
+    logs = [math.log(r) for r in ratios]
     rng = random.Random(seed)
     n = len(logs)
     means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))

@@ -270,13 +270,17 @@ def average_verifier(run: Path, last: int, valid_limit: int = 0) -> dict:
             f"{run} has {len(snapshots)} snapshots, fewer than the {last} asked for: train with "
             "--keep-snapshots N"
         )
+    # the run's resumable state holds the bar its best model was chosen by
+    state_path = run / "last" / "state.json"
+    if not state_path.is_file():
+        raise FileNotFoundError(
+            f"{state_path} is missing: {run} is not a verifier run written by train-verifier"
+        )
     averaged = average_snapshots(snapshots[-last:], run / "averaged")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "last"))
     tokenizer.save_pretrained(str(averaged))
     model = MarianMTModel.from_pretrained(str(averaged))
     bleu = valid_bleu(model, tokenizer, validation_verses(valid_limit))
-    # the run's resumable state holds the bar its best model was chosen by
-    state_path = run / "last" / "state.json"
     state = json.loads(state_path.read_text())
     best = float(state["best_score"])
     promoted = bleu > best
