@@ -331,8 +331,9 @@ def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_
     assert "trained for the drafter 'other'" in err and "specdecode head collect" in err
 
 
-def test_policy_preview_matches_a_direct_simulation():
-    from specdecode.head_train import preview_policies
+def test_policy_preview_replays_decoding_like_a_direct_walk():
+    """On 0/1 labels decoding is deterministic: walk each response round by round."""
+    from specdecode.head_train import PreviewCosts, preview_policies
 
     gen = torch.Generator().manual_seed(0)
     label = (torch.rand(40, generator=gen) < 0.7).float()
@@ -340,20 +341,24 @@ def test_policy_preview_matches_a_direct_simulation():
     prompt = torch.tensor([0] * 25 + [1] * 15)
     position = torch.cat([torch.arange(25), torch.arange(15)])
     shuffle = torch.randperm(40, generator=gen)  # the preview must not rely on storage order
+    costs = PreviewCosts(draft_cost=0.2, verify_slope=0.05)
     rows = preview_policies(
-        pred[shuffle], label[shuffle], prompt[shuffle], position[shuffle], bound=(2, 5)
+        pred[shuffle], label[shuffle], prompt[shuffle], position[shuffle], (2, 5), costs
     )
 
-    def direct(stop_after) -> float:
-        total = []
-        for j in range(40):
-            end = 25 if j < 25 else 40
-            m = stop_after(j, end)
-            accepted = 0
-            while accepted < m and label[j + accepted] == 1:
-                accepted += 1
-            total.append(1 + accepted)
-        return sum(total) / len(total)
+    def walk(stop_after) -> dict[str, float]:
+        rounds = tokens = drafted = cost = 0
+        for first, end in ((0, 25), (25, 40)):
+            t = first
+            while t < end:  # a round starts where the last one ended
+                m = stop_after(t, end)
+                accepted = 0
+                while accepted < m and label[t + accepted] == 1:
+                    accepted += 1
+                rounds, tokens, drafted = rounds + 1, tokens + accepted + 1, drafted + m
+                cost += 1 + (0.05 + 0.2) * m
+                t += accepted + 1
+        return {"tokens": tokens / rounds, "drafted": drafted / rounds, "speed": tokens / cost}
 
     def head_stop(h):
         def stop_after(j, end):
@@ -367,15 +372,50 @@ def test_policy_preview_matches_a_direct_simulation():
 
         return stop_after
 
-    assert rows["k=3"]["tokens_per_round"] == pytest.approx(direct(lambda j, e: min(3, e - j)))
+    def check(row, expected):
+        assert row["tokens_per_round"] == pytest.approx(expected["tokens"])
+        assert row["drafted_per_round"] == pytest.approx(expected["drafted"])
+        assert row["est_speed"] == pytest.approx(expected["speed"])
+
+    check(rows["k=3"], walk(lambda j, e: min(3, e - j)))
     for h in (0.3, 0.6):
-        assert rows[f"head h={h:g}"]["tokens_per_round"] == pytest.approx(direct(head_stop(h)))
+        check(rows[f"head h={h:g}"], walk(head_stop(h)))
+
     # a perfect head on 0/1 labels drafts exactly up to the first rejection (at least 2, the
     # bound's minimum, and at most 5), so it wastes at most one drafted token a round
+    def up_to_first_rejection(j, e):
+        m = 1
+        while m < min(5, e - j) and label[j + m - 1] == 1:
+            m += 1
+        return min(max(m, 2), e - j)
+
     oracle = rows["oracle h=0.5"]
-    assert oracle["tokens_per_round"] == pytest.approx(direct(lambda j, e: min(5, e - j)))
+    check(oracle, walk(up_to_first_rejection))
     assert oracle["drafted_per_round"] <= oracle["tokens_per_round"] + 1
     assert oracle["drafted_per_round"] < rows["k=5"]["drafted_per_round"]
+
+
+def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
+    """Two positions, k = 1, acceptance a0 and a1: the replay's expectations by hand."""
+    from specdecode.head_train import PreviewCosts, preview_policies
+
+    a0, a1 = 0.3, 0.8
+    rows = preview_policies(
+        torch.tensor([0.9, 0.9]),
+        torch.tensor([a0, a1]),
+        torch.tensor([0, 0]),
+        torch.tensor([0, 1]),
+        (1, 1),
+        PreviewCosts(draft_cost=0.5, verify_slope=0.0),
+    )
+    # from position 1: one round, 1 + a1 tokens; from 0: rejected (1 - a0) -> 1 token, then the
+    # round at 1; accepted (a0) -> 2 tokens and the response is done
+    rounds = 1 + (1 - a0)
+    tokens = (1 - a0) * (1 + 1 + a1) + a0 * 2
+    assert rows["k=1"]["tokens_per_round"] == pytest.approx(tokens / rounds)
+    assert rows["k=1"]["est_speed"] == pytest.approx(tokens / (1.5 * rounds))
+    with pytest.raises(ValueError, match="draft_cost must be a finite number"):
+        PreviewCosts(draft_cost=-1.0)
 
 
 def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch):

@@ -235,6 +235,12 @@ def test_clear_errors(tmp_path: Path, data_dir: Path) -> None:
         TrainConfig(rule="beam")
     with pytest.raises(ValueError, match="val_fraction"):
         TrainConfig(val_fraction=1.0)
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        TrainConfig(width=0)
+    with pytest.raises(ValueError, match="preview_bound"):
+        TrainConfig(preview_bound=(3, 2))
+    with pytest.raises(ValueError, match="verify_slope must be a finite number"):
+        TrainConfig(preview_verify_slope=float("nan"))
     with pytest.raises(FileNotFoundError, match=r"examples\.safetensors"):
         (tmp_path / "empty").mkdir()
         train_head(tmp_path / "empty", tmp_path / "out", progress=False)
@@ -269,10 +275,14 @@ def test_cli_prints_summary(data_dir: Path, tmp_path: Path, capsys) -> None:
     add_train_arguments(parser)
     out = tmp_path / "cli"
     args = parser.parse_args(
-        [str(data_dir), "--out", str(out), "--epochs", "1", "--layers", "0"]
-        + ["--val-fraction", "0.25", "--no-progress"]
+        [str(data_dir), "--out", str(out), "--epochs", "1", "--layers", "1", "--width", "4"]
+        + ["--val-fraction", "0.25", "--no-progress", "--preview-bound", "2", "6"]
+        + ["--preview-costs", "0.3", "0.05"]
     )
     assert cmd_train(args) == 0
     printed = capsys.readouterr().out
     assert "best epoch 1/1" in printed and "AUC" in printed and str(out) in printed
-    assert load_head(out).config.num_layers == 0
+    assert "rounds of 2..6" in printed and "a drafted token 0.3" in printed
+    assert "k=6:" in printed and "k=7:" not in printed
+    config = load_head(out).config
+    assert (config.num_layers, config.width) == (1, 4)

@@ -492,6 +492,26 @@ def test_head_layers_have_their_own_weights() -> None:
     assert torch.equal(weights[1], before)
 
 
+def test_narrow_head_projects_then_runs_its_own_blocks(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadConfig(hidden_size=16, num_layers=2, width=4)).eval()
+    assert head.project is not None and head.project.weight.shape == (4, 16)
+    assert [b.linear.weight.shape for b in head.blocks] == [(4, 4), (4, 4)]
+    assert head.blocks[0].linear.weight.data_ptr() != head.blocks[1].linear.weight.data_ptr()
+    projection, mlp = 16 * 4 + 4, 2 * (4 * 4 + 4) + 4 + 1
+    assert sum(p.numel() for p in head.parameters()) == projection + mlp + 3 + 1
+    with torch.no_grad():  # a non-zero output layer, so the state changes the logit
+        head.out.weight.normal_()
+    head.save(tmp_path)
+    loaded = load_head(tmp_path)
+    assert loaded.config.width == 4
+    hidden, law = torch.randn(5, 16), law_features(torch.randn(5, 9).softmax(-1))
+    assert torch.equal(loaded(hidden, law), head(hidden, law))
+    assert not torch.allclose(head(hidden, law), head(hidden * 2, law))
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        HeadConfig(hidden_size=16, width=0)
+
+
 def named(model: nn.Module, name: str) -> nn.Module:
     model.config.name_or_path = f"tiny/{name}"
     return model
@@ -910,7 +930,7 @@ def test_heads_saved_before_law_features_load_without_them(tmp_path: Path) -> No
     old = AcceptanceHead(HeadConfig(hidden_size=8, num_layers=1, law_features=False)).eval()
     old.save(tmp_path)
     raw = json.loads((tmp_path / CONFIG_FILE).read_text())
-    del raw["law_features"]  # what a head from before the features looks like
+    del raw["law_features"], raw["width"]  # what a head from before the features looks like
     (tmp_path / CONFIG_FILE).write_text(json.dumps(raw))
     loaded = load_head(tmp_path)
     assert not loaded.reads_law

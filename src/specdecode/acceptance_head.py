@@ -106,6 +106,9 @@ def model_fingerprint(model: nn.Module) -> str:
 class HeadConfig:
     hidden_size: int
     num_layers: int = 3
+    width: int | None = None  # the residual blocks' width: None runs them on the hidden state
+    # itself; a smaller width first projects the state down (fewer weights to read per drafted
+    # token, and fewer to fit on a few thousand examples)
     dropout: float = 0.1
     law_features: bool = True  # also read `law_features` of the drafting law (heads saved
     # before they existed have no such key and load with False)
@@ -121,6 +124,8 @@ class HeadConfig:
             raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"width must be >= 1 (or None: the hidden size), got {self.width}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.rule not in RULES:
@@ -144,6 +149,7 @@ class HeadConfig:
                 raw[role] = ModelIdentity(**raw[role])
         raw.setdefault("law_features", False)
         raw.setdefault("drawn_token", False)
+        raw.setdefault("width", None)
         return cls(**raw)
 
 
@@ -160,6 +166,9 @@ class ResidualBlock(nn.Module):
 class AcceptanceHead(nn.Module):
     """hidden [..., hidden_size] (+ law features [..., F]) -> acceptance logit [...].
 
+    With `HeadConfig.width` set, a linear layer first projects the state to that width and the
+    residual blocks run there.
+
     With law features the logit is a logistic term on the standardised features plus the
     residual MLP's term on the hidden state. The MLP's output layer starts at zero, so a head
     begins as the logistic model on the law and the MLP learns what the hidden state adds
@@ -169,7 +178,9 @@ class AcceptanceHead(nn.Module):
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
-        width = config.hidden_size
+        width = config.width or config.hidden_size
+        # [..., hidden_size] -> [..., width]; absent when the blocks run on the state itself
+        self.project = nn.Linear(config.hidden_size, width) if config.width else None
         self.blocks = nn.ModuleList(
             ResidualBlock(width, config.dropout) for _ in range(config.num_layers)
         )
@@ -200,6 +211,8 @@ class AcceptanceHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         x = hidden.to(self.out.weight.dtype)
+        if self.project is not None:
+            x = self.project(x)
         for block in self.blocks:
             x = block(x)
         logit = self.out(x).squeeze(-1)

@@ -34,6 +34,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="which acceptance to learn: greedy (argmax agreement) or sampling (expected)",
     )
     parser.add_argument("--layers", type=int, default=_DEFAULTS.num_layers, help="residual blocks")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=_DEFAULTS.width,
+        help="the residual blocks' width; the hidden state is first projected to it (default: "
+        "the drafter's hidden size, no projection)",
+    )
     parser.add_argument("--dropout", type=float, default=_DEFAULTS.dropout)
     parser.add_argument(
         "--no-law-features",
@@ -65,6 +72,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--half", action="store_true", help="save the weights in fp16")
+    parser.add_argument(
+        "--preview-bound",
+        nargs=2,
+        type=int,
+        default=_DEFAULTS.preview_bound,
+        metavar=("MIN", "MAX"),
+        help="tokens per round in the held-out preview (as `--bound` of generate and bench)",
+    )
+    parser.add_argument(
+        "--preview-costs",
+        nargs=2,
+        type=float,
+        default=(_DEFAULTS.preview_draft_cost, _DEFAULTS.preview_verify_slope),
+        metavar=("DRAFT", "VERIFY_SLOPE"),
+        help="the preview's prices, in target steps: a drafted token, and each extra position "
+        "a verify pass scores (`specdecode bench` prints your machine's: c and the verify "
+        "costs); the defaults are the default pair's on a 2-core CPU",
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -72,6 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         rule=args.rule,
         num_layers=args.layers,
+        width=args.width,
         dropout=args.dropout,
         law_features=not args.no_law_features,
         drawn_token=not args.expected_label,
@@ -83,6 +109,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         seed=args.seed,
         half=args.half,
+        preview_bound=tuple(args.preview_bound),
+        preview_draft_cost=args.preview_costs[0],
+        preview_verify_slope=args.preview_costs[1],
     )
     result = train_head(args.data_dir, args.out, config, progress=not args.no_progress)
     best = result["best"]
@@ -100,7 +129,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     preview = result.get("policy_preview") or {}
     if preview:
-        print("held-out preview (rough; verify pass = 1 step, drafted token = 0.15 step):")
+        low, high = config.preview_bound
+        print(
+            f"held-out preview (decoding replayed on the validation responses, rounds of "
+            f"{low}..{high}; a verify pass 1 + {config.preview_verify_slope:g} k steps, a "
+            f"drafted token {config.preview_draft_cost:g}):"
+        )
         for name, row in preview.items():
             print(
                 f"  {name:>12}: {row['tokens_per_round']:.2f} tokens/round, "

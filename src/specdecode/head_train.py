@@ -32,6 +32,7 @@ Choices that are not obvious from the code:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -68,6 +69,7 @@ class TrainConfig:
 
     rule: str = "greedy"  # which label to learn: "greedy" (argmax agreement) or "sampling"
     num_layers: int = 3
+    width: int | None = None  # residual blocks' width (None: the drafter's hidden size)
     dropout: float = 0.1
     law_features: bool = True  # the head also reads the drafting law's features
     drawn_token: bool = True  # rule sampling: learn the drawn token's acceptance, reading its
@@ -81,12 +83,18 @@ class TrainConfig:
     seed: int = 0
     warmup_ratio: float = 0.03  # linear warm-up over this fraction of steps, then cosine decay
     half: bool = False  # save fp16 weights: half the size of a head that ships with a project
+    # the held-out preview: rounds of MIN..MAX tokens, priced by `PreviewCosts`
+    preview_bound: tuple[int, int] = (1, 12)
+    preview_draft_cost: float = 0.23
+    preview_verify_slope: float = 0.07
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.num_layers < 0:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"width must be >= 1 (or None: the hidden size), got {self.width}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not (self.reject_weight > 0 and math.isfinite(self.reject_weight)):
@@ -103,6 +111,16 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        low, high = self.preview_bound
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"preview_bound must be (MIN, MAX) with 1 <= MIN <= MAX, got {low, high}"
+            )
+        PreviewCosts(self.preview_draft_cost, self.preview_verify_slope)  # checks both costs
+
+    @property
+    def preview_costs(self) -> PreviewCosts:
+        return PreviewCosts(self.preview_draft_cost, self.preview_verify_slope)
 
     @property
     def learns_drawn(self) -> bool:
@@ -393,6 +411,7 @@ def train_head(
         HeadConfig(
             hidden_size=hidden_size,
             num_layers=config.num_layers,
+            width=config.width,
             dropout=config.dropout,
             law_features=config.law_features,
             drawn_token=drawn,
@@ -533,6 +552,8 @@ def train_head(
                 best_val[1].cpu(),
                 data.prompt_index[val_rows],
                 data.position[val_rows],
+                config.preview_bound,
+                config.preview_costs,
             )
             if data.position is not None
             else None
@@ -584,25 +605,99 @@ def fit_law_term(
 PREVIEW_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
+@dataclass(frozen=True)
+class PreviewCosts:
+    """How the preview prices a round, in target decoding steps.
+
+    A round that drafts m tokens costs `1 + verify_slope * m + draft_cost * m`: one verify pass,
+    dearer by `verify_slope` for each extra position it scores, and m drafter passes. The
+    defaults are the default pair's on a 2-core CPU (the int8 0.5B drafter against the 1.5B
+    target, from `specdecode bench`'s calibration: c = 0.23, verify cost 1.04 + 0.07 k); a bench
+    run prints its own.
+    """
+
+    draft_cost: float = 0.23
+    verify_slope: float = 0.07
+
+    def __post_init__(self) -> None:
+        for name in ("draft_cost", "verify_slope"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"preview {name} must be a finite number >= 0, got {value}")
+
+
+def _stop_lengths(keep: torch.Tensor, inside: torch.Tensor, low: int, h: float) -> torch.Tensor:
+    """keep [N, MAX] (running product of acceptances of a round starting at each position),
+    inside [N, MAX] -> [N] drafted tokens: the first m >= low with 1 - keep > h, else MAX,
+    cut at the response's end."""
+    high = keep.shape[1]
+    steps = torch.arange(1, high + 1)[None, :]  # [1, MAX]
+    stop = (1 - keep > h) & (steps >= low)  # [N, MAX] a stop after token m
+    return torch.minimum(torch.where(stop, steps, high).min(1).values, inside.sum(1))
+
+
+def _run_rounds(
+    label: torch.Tensor, starts: list[int], drafted: torch.Tensor, costs: PreviewCosts
+) -> dict[str, float]:
+    """Expected totals when rounds follow one another along each response.
+
+    label [N] acceptance probabilities in response order; starts: the first index of each
+    response (and N at the end); drafted [N] tokens a round starting there drafts. A round at t
+    accepts n tokens with probability prod_{i<n} a_{t+i} (1 - a_{t+n}) (n < m), or
+    prod_{i<m} a_{t+i} (n = m), commits n + 1 and the next round starts at t + n + 1. A backward
+    recursion gives each response's expected rounds, tokens, drafted tokens and cost exactly.
+    """
+    a, m_all = label.tolist(), drafted.tolist()
+    totals = [0.0, 0.0, 0.0, 0.0]  # rounds, committed tokens, drafted tokens, cost
+    for first, last in itertools.pairwise(starts):
+        length = last - first
+        ahead = [[0.0] * 4 for _ in range(length + 2)]  # expectations from position t on
+        for t in range(length - 1, -1, -1):
+            m = m_all[first + t]
+            cost = 1 + (costs.verify_slope + costs.draft_cost) * m
+            here = [1.0, 0.0, float(m), cost]
+            survive = 1.0  # P(the first n drafted tokens all accepted)
+            for n in range(m + 1):
+                chance = survive * (1 - a[first + t + n]) if n < m else survive
+                rest = ahead[min(t + n + 1, length)]
+                here[0] += chance * rest[0]
+                here[1] += chance * (n + 1 + rest[1])
+                here[2] += chance * rest[2]
+                here[3] += chance * rest[3]
+                if n < m:
+                    survive *= a[first + t + n]
+            ahead[t] = here
+        totals = [x + y for x, y in zip(totals, ahead[0], strict=True)]
+    rounds, tokens, drafted_total, cost = totals
+    return {
+        "tokens_per_round": tokens / rounds,
+        "drafted_per_round": drafted_total / rounds,
+        "est_speed": tokens / cost,
+    }
+
+
 def preview_policies(
     pred: torch.Tensor,
     label: torch.Tensor,
     prompt_index: torch.Tensor,
     position: torch.Tensor,
-    bound: tuple[int, int] = (1, 8),
-    cost: float = 0.15,
+    bound: tuple[int, int] = (1, 12),
+    costs: PreviewCosts | None = None,
 ) -> dict[str, dict[str, float]]:
     """What each stop threshold (and each constant k) would do on held-out responses.
 
-    A round may start at every position of a response; the head stops it once
-    1 - prod(pred) > h (within `bound`); its expected tokens are 1 + sum_m prod_{i<=m} label_i
-    (exact for greedy 0/1 labels, the expectation for sampling ones). `est_speed` prices a
-    drafted token at `cost` target steps and a verify pass at one step: a rough guide for
-    choosing thresholds to benchmark, not a measurement (the states here follow the mixed
-    collection sequences, not real drafts). Rows `oracle h=...` run the rule on the labels
-    themselves: the most any head could get from these rounds.
+    Decoding is replayed along each response: a round starts where the last one ended, the head
+    stops it once 1 - prod(pred) > h (within `bound`), and its accepted tokens follow the labels
+    (0/1 under greedy; each drafted token's acceptance probability under sampling, so the
+    replay takes the expectation over verdicts). `est_speed` is committed tokens per target step
+    under `costs`. Rounds starting where earlier rounds end, rather than at every position,
+    matter: a constant k spends more rounds in the easy stretches it must cross k + 1 tokens
+    at a time. Still a guide for choosing thresholds, not a measurement: the states follow the
+    mixed collection sequences, not real drafts. Rows `oracle h=...` run the rule on the labels
+    themselves: the most any head could get from these responses.
     """
     # pred, label, prompt_index, position: [N]
+    costs = costs or PreviewCosts()
     order = torch.argsort(prompt_index * (int(position.max()) + 1) + position)
     pred, label, prompt = pred[order].double(), label[order].double(), prompt_index[order]
     low, high = bound
@@ -613,31 +708,22 @@ def preview_policies(
     idx = idx.clamp(max=n - 1)
     keep_p = torch.where(inside, pred[idx], 0.0).cumprod(1)  # [N, MAX] predicted all-accepted
     keep_l = torch.where(inside, label[idx], 0.0).cumprod(1)  # [N, MAX] actual all-accepted
+    starts = torch.nonzero(torch.diff(prompt, prepend=prompt[:1] - 1)).squeeze(1).tolist() + [n]
     available = inside.sum(1)  # [N]
 
-    def outcome(drafted: torch.Tensor) -> dict[str, float]:
-        drafted = torch.minimum(drafted, available)
-        used = torch.arange(high)[None, :] < drafted[:, None]
-        tokens = 1 + (keep_l * used).sum(1)
-        per_round, cost_round = tokens.mean(), 1 + cost * drafted.double().mean()
-        return {
-            "tokens_per_round": float(per_round),
-            "drafted_per_round": float(drafted.double().mean()),
-            "est_speed": float(per_round / cost_round),
-        }
+    def replay(drafted: torch.Tensor) -> dict[str, float]:
+        return _run_rounds(label, starts, torch.minimum(drafted, available), costs)
 
-    steps = torch.arange(1, high + 1)[None, :]  # [1, MAX]
-
-    def threshold_rule(keep: torch.Tensor, h: float) -> dict[str, float]:
-        stop = (1 - keep > h) & (steps >= low)  # [N, MAX] a stop after token m
-        return outcome(torch.where(stop, steps, high).min(1).values)
-
-    rows = {f"k={k}": outcome(torch.full((n,), k)) for k in range(1, high + 1)}
-    rows |= {f"head h={h:g}": threshold_rule(keep_p, h) for h in PREVIEW_THRESHOLDS}
+    rows = {f"k={k}": replay(torch.full((n,), k)) for k in range(1, high + 1)}
+    rows |= {
+        f"head h={h:g}": replay(_stop_lengths(keep_p, inside, low, h)) for h in PREVIEW_THRESHOLDS
+    }
     # The same rule fed the true labels: what a perfect head would do on these rounds, the
     # ceiling for head training (greedy: stop exactly at the first rejection; sampling: the
     # exact acceptance probability of each drafted token, still a gamble on the verdict)
-    rows |= {f"oracle h={h:g}": threshold_rule(keep_l, h) for h in PREVIEW_THRESHOLDS}
+    rows |= {
+        f"oracle h={h:g}": replay(_stop_lengths(keep_l, inside, low, h)) for h in PREVIEW_THRESHOLDS
+    }
     return rows
 
 
