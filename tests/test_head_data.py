@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -265,6 +266,11 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     head_row = next(r for r in record["methods"] if r["method"] == "sd[head t=0.3]")
     assert head_row["policy_seconds"] > 0 and head_row["policy_ms_per_drafted_token"] > 0
     assert "leviathan_bound" not in head_row  # the bound assumes a constant k
+    measured = record["models"]["head"]  # the record names the exact head it measured
+    assert measured["dir"] == str(head) and measured["config"]["rule"] == "greedy"
+    assert (
+        measured["sha256"] == hashlib.sha256((head / "head.safetensors").read_bytes()).hexdigest()
+    )
     assert {"policy_sweep.png", "policy_pareto.png"} <= {p.name for p in bench.iterdir()}
     compared = {c["method"]: c for c in record["policy_comparison"]}
     assert compared["sd[head t=0.3]"]["best_constant"] in ("sd[k=2]", "sd[k=3]")

@@ -284,6 +284,20 @@ def load_head(
     return head.eval()
 
 
+def head_provenance(directory: str | Path) -> dict:
+    """What a benchmark record keeps of the head it measured: where it was, the SHA-256 of its
+    weights and its config, so a figure can be traced to the exact head after it is retrained."""
+    directory = Path(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"no acceptance head weights at {weights}")
+    return {
+        "dir": str(directory),
+        "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+        "config": json.loads((directory / CONFIG_FILE).read_text()),
+    }
+
+
 def find_shipped_head(drafter: nn.Module, target: nn.Module, rule: str) -> Path | None:
     """A head shipped with the package for exactly this drafter, target and rule, if any."""
     want = (model_fingerprint(drafter), model_fingerprint(target), rule)

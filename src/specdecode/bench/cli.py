@@ -133,6 +133,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
+    if "head" in cfg.policies:
+        record["models"]["head"] = _measured_head(cfg, target, drafter)
     record["prompt_ids"] = [p.id for p in prompts]
     out = Path(args.out)
     write_report(record, out, plots=not args.no_plots)
@@ -145,6 +147,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _measured_head(cfg, target, drafter) -> dict | None:
+    """The head the `head` policy ran with: --head, or the one shipped for this pair and rule."""
+    from specdecode.acceptance_head import find_shipped_head, head_provenance
+
+    rule = "greedy" if cfg.temperature == 0 else "sampling"
+    where = cfg.head or find_shipped_head(drafter, target, rule)
+    return head_provenance(where) if where is not None else None
 
 
 def add_subcommands(subparsers) -> None:
