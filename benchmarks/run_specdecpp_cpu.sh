@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SpecDec++ on the default pair (qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b int8 drafter), CPU.
-# 1. collect head data on HumanEval prompts 40..103, later 40..163 (the evaluation uses prompts
-#    0..31, so the two never meet), 96 new tokens, responses at temperature 0.7, mixing ratio 0.15;
+# 1. collect head data on HumanEval prompts 40..103, later 40..163 for a narrow head (the
+#    evaluation uses prompts 0..31, so the two never meet), 96 new tokens, responses at temperature 0.7, mixing ratio 0.15;
 # 2. train a greedy head and a sampling head (fp16, shipped in src/specdecode/heads/); the
 #    sampling head learns the acceptance of the drawn token, min(1, p/q), and reads its log q;
 # 3. bench constant k, heuristic, confidence and head on HumanEval (in distribution) and MT-Bench
@@ -15,17 +15,10 @@ data=${SPECDECODE_CACHE:-$HOME/.cache/specdecode}/heads/data-humaneval-40-104
 heads=src/specdecode/heads
 specdecode head collect --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
   --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --out "$data"
-specdecode head train "$data" --rule greedy --half --no-progress \
-  --out "$heads/qwen2.5-coder-0.5b-for-1.5b-greedy" | tee benchmarks/specdecpp-train-greedy.txt
-# The sampling head: the same collection extended to prompts 40..163 (a copy, resumed: the first
-# 64 prompts' shards are kept; 18 more minutes), and a narrow head (the state projected to 128,
-# 2 blocks) whose held-out preview equals the full-width one's at a fifth of the policy time.
-wide=${data%-104}-164
-[ -d "$wide" ] || cp -r "$data" "$wide"
-specdecode head collect --prompts humaneval --skip 40 --limit 124 --max-new-tokens 96 \
-  --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --out "$wide"
-specdecode head train "$wide" --rule sampling --width 128 --layers 2 --half --no-progress \
-  --out "$heads/qwen2.5-coder-0.5b-for-1.5b-sampling" | tee benchmarks/specdecpp-train-sampling.txt
+for rule in greedy sampling; do
+  specdecode head train "$data" --rule "$rule" --half --no-progress \
+    --out "$heads/qwen2.5-coder-0.5b-for-1.5b-$rule" | tee "benchmarks/specdecpp-train-$rule.txt"
+done
 # Rounds of up to 12 tokens for the adaptive policies (a held-out preview of the head put
 # MAX 12 ahead of MAX 8); the constants sweep the k that led each set in earlier runs and one
 # past it: HumanEval k = 4..7, MT-Bench k = 2..5. Thresholds around the preview's best (0.7).
@@ -62,11 +55,21 @@ specdecode bench --prompts mtbench --limit 12 --max-new-tokens 64 --temperature 
 specdecode bench --prompts humaneval --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
   --seed 0 --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
   --stop-threshold 0.7 --bound 1 12 --out benchmarks/specdecpp-humaneval-t07-16-31 --quiet
-# The sampling head retrained (prompts 40..163, width 128): HumanEval prompts 0-31 in one run,
-# and MT-Bench's 12 questions again, the constants around each set's best and the default threshold
+# A narrow sampling head (the state projected to 128, 2 blocks) on the collection extended to
+# prompts 40..163 (a copy, resumed: the first 64 prompts' shards are kept; 18 more minutes), not
+# shipped: HumanEval prompts 0-31 in one run, and MT-Bench's 12 questions again, the constants
+# around each set's best and the default threshold
+wide=${data%-104}-164
+[ -d "$wide" ] || cp -r "$data" "$wide"
+specdecode head collect --prompts humaneval --skip 40 --limit 124 --max-new-tokens 96 \
+  --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --out "$wide"
+specdecode head train "$wide" --rule sampling --width 128 --layers 2 --half --no-progress \
+  --out runs/head-sampling-w128 | tee benchmarks/specdecpp-train-sampling-w128.txt
 specdecode bench --prompts humaneval --limit 32 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
-  --stop-threshold 0.7 --bound 1 12 --out benchmarks/specdecpp-humaneval-t07-32-w128 --quiet
+  --stop-threshold 0.7 --bound 1 12 --head runs/head-sampling-w128 \
+  --out benchmarks/specdecpp-humaneval-t07-32-w128 --quiet
 specdecode bench --prompts mtbench --limit 12 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head \
-  --stop-threshold 0.7 --bound 1 12 --out benchmarks/specdecpp-mtbench-t07-12-w128 --quiet
+  --stop-threshold 0.7 --bound 1 12 --head runs/head-sampling-w128 \
+  --out benchmarks/specdecpp-mtbench-t07-12-w128 --quiet
