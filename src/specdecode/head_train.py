@@ -64,6 +64,27 @@ REQUIRED_META = ("drafter", "target", "temperature")
 
 
 @dataclass(frozen=True)
+class PreviewCosts:
+    """How the preview prices a round, in target decoding steps.
+
+    A round that drafts m tokens costs `1 + verify_slope * m + draft_cost * m`: one verify pass,
+    dearer by `verify_slope` for each extra position it scores, and m drafter passes. The
+    defaults are the default pair's on a 2-core CPU (the int8 0.5B drafter against the 1.5B
+    target, from `specdecode bench`'s calibration: c = 0.23, verify cost 1.04 + 0.07 k); a bench
+    run prints its own.
+    """
+
+    draft_cost: float = 0.23
+    verify_slope: float = 0.07
+
+    def __post_init__(self) -> None:
+        for name in ("draft_cost", "verify_slope"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"preview {name} must be a finite number >= 0, got {value}")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Hyper-parameters of one training run; recorded verbatim in training.json."""
 
@@ -85,8 +106,8 @@ class TrainConfig:
     half: bool = False  # save fp16 weights: half the size of a head that ships with a project
     # the held-out preview: rounds of MIN..MAX tokens, priced by `PreviewCosts`
     preview_bound: tuple[int, int] = (1, 12)
-    preview_draft_cost: float = 0.23
-    preview_verify_slope: float = 0.07
+    preview_draft_cost: float = PreviewCosts.draft_cost
+    preview_verify_slope: float = PreviewCosts.verify_slope
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -605,35 +626,13 @@ def fit_law_term(
 PREVIEW_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-@dataclass(frozen=True)
-class PreviewCosts:
-    """How the preview prices a round, in target decoding steps.
-
-    A round that drafts m tokens costs `1 + verify_slope * m + draft_cost * m`: one verify pass,
-    dearer by `verify_slope` for each extra position it scores, and m drafter passes. The
-    defaults are the default pair's on a 2-core CPU (the int8 0.5B drafter against the 1.5B
-    target, from `specdecode bench`'s calibration: c = 0.23, verify cost 1.04 + 0.07 k); a bench
-    run prints its own.
-    """
-
-    draft_cost: float = 0.23
-    verify_slope: float = 0.07
-
-    def __post_init__(self) -> None:
-        for name in ("draft_cost", "verify_slope"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"preview {name} must be a finite number >= 0, got {value}")
-
-
-def _stop_lengths(keep: torch.Tensor, inside: torch.Tensor, low: int, h: float) -> torch.Tensor:
-    """keep [N, MAX] (running product of acceptances of a round starting at each position),
-    inside [N, MAX] -> [N] drafted tokens: the first m >= low with 1 - keep > h, else MAX,
-    cut at the response's end."""
+def _stop_lengths(keep: torch.Tensor, low: int, h: float) -> torch.Tensor:
+    """keep [N, MAX] (running product of acceptances of a round starting at each position) ->
+    [N] drafted tokens: the first m >= low with 1 - keep > h, else MAX."""
     high = keep.shape[1]
     steps = torch.arange(1, high + 1)[None, :]  # [1, MAX]
     stop = (1 - keep > h) & (steps >= low)  # [N, MAX] a stop after token m
-    return torch.minimum(torch.where(stop, steps, high).min(1).values, inside.sum(1))
+    return torch.where(stop, steps, high).min(1).values
 
 
 def _run_rounds(
@@ -691,10 +690,11 @@ def preview_policies(
     (0/1 under greedy; each drafted token's acceptance probability under sampling, so the
     replay takes the expectation over verdicts). `est_speed` is committed tokens per target step
     under `costs`. Rounds starting where earlier rounds end, rather than at every position,
-    matter: a constant k spends more rounds in the easy stretches it must cross k + 1 tokens
-    at a time. Still a guide for choosing thresholds, not a measurement: the states follow the
-    mixed collection sequences, not real drafts. Rows `oracle h=...` run the rule on the labels
-    themselves: the most any head could get from these responses.
+    matter: decoding spends more of its rounds in hard stretches, where a constant k wastes its
+    drafts and a head stops early, and starting everywhere under-weights them. Still a guide
+    for choosing thresholds, not a measurement: the states follow the mixed collection
+    sequences, not real drafts. Rows `oracle h=...` run the rule on the labels themselves: the
+    most any head could get from these responses.
     """
     # pred, label, prompt_index, position: [N]
     costs = costs or PreviewCosts()
@@ -715,15 +715,11 @@ def preview_policies(
         return _run_rounds(label, starts, torch.minimum(drafted, available), costs)
 
     rows = {f"k={k}": replay(torch.full((n,), k)) for k in range(1, high + 1)}
-    rows |= {
-        f"head h={h:g}": replay(_stop_lengths(keep_p, inside, low, h)) for h in PREVIEW_THRESHOLDS
-    }
+    rows |= {f"head h={h:g}": replay(_stop_lengths(keep_p, low, h)) for h in PREVIEW_THRESHOLDS}
     # The same rule fed the true labels: what a perfect head would do on these rounds, the
     # ceiling for head training (greedy: stop exactly at the first rejection; sampling: the
     # exact acceptance probability of each drafted token, still a gamble on the verdict)
-    rows |= {
-        f"oracle h={h:g}": replay(_stop_lengths(keep_l, inside, low, h)) for h in PREVIEW_THRESHOLDS
-    }
+    rows |= {f"oracle h={h:g}": replay(_stop_lengths(keep_l, low, h)) for h in PREVIEW_THRESHOLDS}
     return rows
 
 
