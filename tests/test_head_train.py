@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from specdecode.acceptance_head import load_head
 from specdecode.head_cli import add_train_arguments, cmd_train
 from specdecode.head_train import (
+    PreviewCosts,
     TrainConfig,
     auc,
     expected_calibration_error,
@@ -240,7 +241,7 @@ def test_clear_errors(tmp_path: Path, data_dir: Path) -> None:
     with pytest.raises(ValueError, match="preview_bound"):
         TrainConfig(preview_bound=(3, 2))
     with pytest.raises(ValueError, match="verify_slope must be a finite number"):
-        TrainConfig(preview_verify_slope=float("nan"))
+        TrainConfig(preview_costs=PreviewCosts(verify_slope=float("nan")))
     with pytest.raises(FileNotFoundError, match=r"examples\.safetensors"):
         (tmp_path / "empty").mkdir()
         train_head(tmp_path / "empty", tmp_path / "out", progress=False)

@@ -18,7 +18,13 @@ import math
 from pathlib import Path
 
 from specdecode.acceptance_head import RULES
-from specdecode.head_train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
+from specdecode.head_train import (
+    RELIABILITY_FILE,
+    TRAINING_FILE,
+    PreviewCosts,
+    TrainConfig,
+    train_head,
+)
 
 _DEFAULTS = TrainConfig()
 
@@ -84,7 +90,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--preview-costs",
         nargs=2,
         type=float,
-        default=(_DEFAULTS.preview_draft_cost, _DEFAULTS.preview_verify_slope),
+        default=(_DEFAULTS.preview_costs.draft_cost, _DEFAULTS.preview_costs.verify_slope),
         metavar=("DRAFT", "VERIFY_SLOPE"),
         help="the preview's prices, in target steps: a drafted token, and each extra position "
         "a verify pass scores (`specdecode bench` prints your machine's: c and the verify "
@@ -110,8 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         half=args.half,
         preview_bound=tuple(args.preview_bound),
-        preview_draft_cost=args.preview_costs[0],
-        preview_verify_slope=args.preview_costs[1],
+        preview_costs=PreviewCosts(*args.preview_costs),
     )
     result = train_head(args.data_dir, args.out, config, progress=not args.no_progress)
     best = result["best"]
@@ -132,8 +137,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         low, high = config.preview_bound
         print(
             f"held-out preview (decoding replayed on the validation responses, rounds of "
-            f"{low}..{high}; a verify pass 1 + {config.preview_verify_slope:g} k steps, a "
-            f"drafted token {config.preview_draft_cost:g}):"
+            f"{low}..{high}; a verify pass 1 + {config.preview_costs.verify_slope:g} k steps, a "
+            f"drafted token {config.preview_costs.draft_cost:g}):"
         )
         for name, row in preview.items():
             print(

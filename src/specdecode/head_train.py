@@ -106,8 +106,7 @@ class TrainConfig:
     half: bool = False  # save fp16 weights: half the size of a head that ships with a project
     # the held-out preview: rounds of MIN..MAX tokens, priced by `PreviewCosts`
     preview_bound: tuple[int, int] = (1, 12)
-    preview_draft_cost: float = PreviewCosts.draft_cost
-    preview_verify_slope: float = PreviewCosts.verify_slope
+    preview_costs: PreviewCosts = PreviewCosts()  # checks its own values
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -137,11 +136,6 @@ class TrainConfig:
             raise ValueError(
                 f"preview_bound must be (MIN, MAX) with 1 <= MIN <= MAX, got {low, high}"
             )
-        PreviewCosts(self.preview_draft_cost, self.preview_verify_slope)  # checks both costs
-
-    @property
-    def preview_costs(self) -> PreviewCosts:
-        return PreviewCosts(self.preview_draft_cost, self.preview_verify_slope)
 
     @property
     def learns_drawn(self) -> bool:

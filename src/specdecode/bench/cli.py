@@ -152,8 +152,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _measured_head(cfg, target, drafter) -> dict | None:
     """The head the `head` policy ran with: --head, or the one shipped for this pair and rule."""
     from specdecode.acceptance_head import find_shipped_head, head_provenance
+    from specdecode.config import SamplingConfig
+    from specdecode.verification import make_rule
 
-    rule = "greedy" if cfg.temperature == 0 else "sampling"
+    # the rule the bench's decoders verify with (make_rule's default for these settings)
+    rule = make_rule(None, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)).name
     where = cfg.head or find_shipped_head(drafter, target, rule)
     return head_provenance(where) if where is not None else None
 
