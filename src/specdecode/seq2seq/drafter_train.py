@@ -137,7 +137,9 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
 
     loop = cfg.loop
     out = start_run(loop, cfg.out, cfg)
-    verifier = AutoModelForSeq2SeqLM.from_pretrained(str(cfg.verifier)).eval()
+    # float32 whatever the saved dtype: a shipped pair is fp16, and the drafter trains in fp32
+    verifier = AutoModelForSeq2SeqLM.from_pretrained(str(cfg.verifier), dtype=torch.float32)
+    verifier = verifier.eval()
     for p in verifier.parameters():
         p.requires_grad_(False)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cfg.verifier))
