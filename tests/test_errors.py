@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama, word_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import MistralConfig, MistralForCausalLM
 
 from specdecode import DecodeConfig, SamplingConfig, SpeculativeDecoder
 from specdecode.checks import IncompatibleModelsError
 from specdecode.kv_cache import UnsupportedModelError
-from specdecode.sampling import InvalidLogitsError
+from specdecode.sampling import InvalidLogitsError, bad_logits
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,25 @@ def test_bad_settings(decoder, kwargs, match):
     kwargs.setdefault("temperature", 0.7)
     with pytest.raises(ValueError, match=match):
         decoder.generate([[1, 2, 3]], **kwargs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from([0.0, -2.5, 7.0, float("nan"), float("inf"), float("-inf")]),
+                 min_size=3, max_size=3),
+        min_size=1, max_size=4,
+    )
+)  # fmt: skip
+def test_bad_logits_matches_its_definition(rows):
+    """The one-reduction check flags exactly NaN, +inf, or a position with every logit -inf."""
+    logits = torch.tensor(rows)  # [positions, vocab]
+    expected = any(
+        any(v != v or v == float("inf") for v in row) or all(v == float("-inf") for v in row)
+        for row in rows
+    )
+    assert bool(bad_logits(logits)) == expected
+    assert bool(bad_logits(logits[None])) == expected  # any leading shape
 
 
 @pytest.mark.parametrize("poison", ["target", "drafter"])

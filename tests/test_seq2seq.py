@@ -20,6 +20,7 @@ from specdecode.engine import decode
 from specdecode.kv_cache import UnsupportedModelError
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.cached import CachedSeq2Seq
+from specdecode.sampling import InvalidLogitsError
 from specdecode.seq2seq.nar_drafter import NARDrafter
 from specdecode.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
 
@@ -114,6 +115,17 @@ def test_plain_decoding_without_drafter_equals_generate():
     model = tiny_marian()
     src, mask = sources(batch=4)
     assert run(model, src, mask) == reference(model, src, mask)
+
+
+def test_block_drafter_nan_logits_refused():
+    """The drafter's draft and its logit check come from one reduction; NaN must still stop it."""
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 3)
+    with torch.no_grad():
+        drafter.layers[-1].norm3.weight.fill_(float("nan"))
+    src, mask = sources()
+    with pytest.raises(InvalidLogitsError, match="NaN"):
+        run(model, src, mask, drafter, 3)
 
 
 def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():

@@ -25,13 +25,21 @@ def bad_logits(logits: torch.Tensor) -> torch.Tensor:
     """NaN, +inf, or a position whose every logit is -inf (a single -inf is a legitimate mask).
 
     Returns a device-side flag, so the hot loop checks every logit with one host sync per step.
+    One reduction does it (see `bad_maxima`): at small models' sizes every extra pass over the
+    vocabulary is a measurable share of a step.
     """
     # logits: [..., vocab] -> [] bool
-    return (
-        torch.isnan(logits).any()
-        | torch.isposinf(logits).any()
-        | (torch.isneginf(logits).all(dim=-1).any())
-    )
+    return bad_maxima(logits.amax(dim=-1))
+
+
+def bad_maxima(maxima: torch.Tensor) -> torch.Tensor:
+    """`bad_logits` from each position's largest logit, for callers that take the max anyway.
+
+    A position's max is NaN when any of its logits is NaN (max propagates NaN), +inf when one is
+    +inf, and -inf when all are -inf: it is finite exactly when the position is usable.
+    """
+    # maxima: [...] -> [] bool
+    return ~torch.isfinite(maxima).all()
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafters import Draft
-from specdecode.sampling import bad_logits
+from specdecode.sampling import bad_maxima
 from specdecode.seq2seq.block_drafter import BlockDrafter, DrafterState
 from specdecode.seq2seq.cached import CachedSeq2Seq
 
@@ -39,7 +39,8 @@ class NARDrafter:
         )  # [batch, k, vocab]
         lengths = max_tokens.clamp(min=0, max=k)  # [batch]
         passes = (lengths > 0).long()  # one pass per row that drafted, whatever k
-        return Draft(logits.argmax(-1), None, lengths, 1, bad_logits(logits), row_passes=passes)
+        best, tokens = logits.max(-1)  # [batch, k]: the draft and the check in one reduction
+        return Draft(tokens, None, lengths, 1, bad_maxima(best), row_passes=passes)
 
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
         del lengths, num_drafted, num_accepted  # only committed tokens are ever cached
