@@ -18,9 +18,9 @@ from transformers import (
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.engine import decode
 from specdecode.kv_cache import UnsupportedModelError
+from specdecode.sampling import InvalidLogitsError
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.cached import CachedSeq2Seq
-from specdecode.sampling import InvalidLogitsError
 from specdecode.seq2seq.nar_drafter import NARDrafter
 from specdecode.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
 
@@ -50,11 +50,14 @@ def tiny_bart(seed: int = 0) -> BartForConditionalGeneration:
     return BartForConditionalGeneration(cfg).eval()
 
 
-def tiny_drafter(model, k: int = 5, seed: int = 1, copy: bool = True) -> BlockDrafter:
+def tiny_drafter(
+    model, k: int = 5, seed: int = 1, copy: bool = True, first_from_prefix: bool = False
+) -> BlockDrafter:
     torch.manual_seed(seed)
     cfg = BlockDrafterConfig(
-        vocab_size=V, d_model=32, layers=2, heads=2, ffn=64, block_size=k, mask_id=MASK, pad_id=0
-    )
+        vocab_size=V, d_model=32, layers=2, heads=2, ffn=64, block_size=k, mask_id=MASK, pad_id=0,
+        first_from_prefix=first_from_prefix,
+    )  # fmt: skip
     drafter = BlockDrafter(cfg).eval()
     if copy:
         init_from_verifier(drafter, model)
@@ -100,11 +103,14 @@ def reference(model, src, mask, new=20) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", [tiny_marian, tiny_bart])
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_specdec_greedy_equals_generate(family, k):
+@pytest.mark.parametrize("first_from_prefix", [False, True])
+def test_specdec_greedy_equals_generate(family, k, first_from_prefix):
     model = family()
     src, mask = sources()
     expected = reference(model, src, mask)
-    drafter = tiny_drafter(model, k, copy=family is tiny_marian)
+    drafter = tiny_drafter(
+        model, k, copy=family is tiny_marian, first_from_prefix=first_from_prefix
+    )
     assert run(model, src, mask, drafter, k) == expected
     # beta = 1 of the relaxed rule is the exact greedy rule
     relaxed = TopBetaTauRule(SamplingConfig(), TopBetaTau(beta=1, tau=3.0))
@@ -395,13 +401,14 @@ def test_block_drafter_initialised_from_verifier_and_layers_distinct():
     assert first.data_ptr() != second.data_ptr() and not torch.equal(first, second)
 
 
-def test_cached_rounds_equal_full_passes():
+@pytest.mark.parametrize("first_from_prefix", [False, True])
+def test_cached_rounds_equal_full_passes(first_from_prefix):
     """Feeding committed tokens round by round through the cache gives the full pass's logits,
     for ragged rows, with holes and compaction."""
     from specdecode.seq2seq.block_drafter import DrafterState
 
     model = tiny_marian()
-    drafter = tiny_drafter(model, 4)
+    drafter = tiny_drafter(model, 4, first_from_prefix=first_from_prefix)
     src, mask = sources(batch=3)
     enc = encoded(model, src, mask)
     g = torch.Generator().manual_seed(4)
@@ -420,10 +427,11 @@ def test_cached_rounds_equal_full_passes():
     assert state.physical_len >= int(state.lengths.max())
 
 
-def test_training_blocks_equal_separate_passes():
+@pytest.mark.parametrize("first_from_prefix", [False, True])
+def test_training_blocks_equal_separate_passes(first_from_prefix):
     """`forward_blocks` (prefix computed once, several blocks) gives each block's own logits."""
     model = tiny_marian()
-    drafter = tiny_drafter(model, 3)
+    drafter = tiny_drafter(model, 3, first_from_prefix=first_from_prefix)
     src, mask = sources(batch=2)
     with torch.no_grad():
         enc = encoded(model, src, mask)
@@ -438,6 +446,45 @@ def test_training_blocks_equal_separate_passes():
                 alone = drafter(targets[row : row + 1, : s + 1], torch.tensor([s + 1]),
                                 enc[row : row + 1], mask[row : row + 1], 3)  # fmt: skip
                 assert torch.allclose(together[row, b], alone[0], atol=1e-5), (row, b)
+
+
+def test_first_token_from_prefix_is_the_causal_prediction():
+    """Read from the last prefix slot, the first draft is that slot's next-token logits: the
+    same whatever k (prefix slots never see the queries), and the same as the training pass's
+    prefix logits at that slot; the queries behind it still read the whole prefix."""
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 4, first_from_prefix=True)
+    src, mask = sources(batch=2)
+    with torch.no_grad():
+        enc = encoded(model, src, mask)
+        targets = torch.tensor([[0, 5, 6, 7, 8, 1], [0, 9, 10, 1, 0, 0]])
+        lens = torch.tensor([6, 4])
+        prefix_lens = torch.tensor([4, 3])
+        one = drafter(targets, prefix_lens, enc, mask, 1)
+        four = drafter(targets, prefix_lens, enc, mask, 4)
+        assert one.shape == (2, 1, V) and four.shape == (2, 4, V)
+        assert torch.allclose(one[:, 0], four[:, 0], atol=1e-5)
+        starts = (prefix_lens - 1)[:, None]  # the block after targets[:, :prefix_lens]
+        blocks, prefix = drafter(targets, lens, enc, mask, 4, starts=starts, prefix_logits=True)
+        assert prefix.shape == (2, 6, V)
+        for row in range(2):
+            slot = int(prefix_lens[row]) - 1
+            assert torch.allclose(prefix[row, slot], four[row, 0], atol=1e-5)
+            assert torch.allclose(blocks[row, 0], four[row], atol=1e-5)
+        other = targets.clone()
+        other[0, 3] = 11  # the last prefix token changes the queries' drafts too
+        assert not torch.allclose(drafter(other, prefix_lens, enc, mask, 4)[0, 1:], four[0, 1:])
+
+
+def test_reading_first_from_prefix_keeps_the_weights():
+    drafter = tiny_drafter(tiny_marian(), 3)
+    switched = drafter.reading_first_from_prefix(True)
+    assert switched.cfg.first_from_prefix and not drafter.cfg.first_from_prefix
+    assert drafter.reading_first_from_prefix(False) is drafter
+    for (name, a), (_, b) in zip(
+        drafter.state_dict().items(), switched.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def test_queries_read_the_whole_prefix():

@@ -108,13 +108,17 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert summary["steps"] == 2 and len(summary["history"]) == 2  # before training, and at 2
     assert BlockDrafter.load(work / "drafter" / "best").cfg.block_size == 4
     # a drafter started from another: at lr 0 its weights stay those of the one it came from
+    # (switched to drafting its first token from the prefix, with the language-model loss)
     frozen = replace(
         drafter_cfg, out=tmp_path / "again", init_drafter=work / "drafter" / "last",
-        position_decay=0.5, loop=replace(tiny_loop(1), lr=0.0),
+        position_decay=0.5, glance=0.0, first_from_prefix=True, lm_weight=0.5,
+        loop=replace(tiny_loop(1), lr=0.0),
     )  # fmt: skip
     train_drafter(frozen, progress=False)
     before = BlockDrafter.load(work / "drafter" / "last").state_dict()
-    after = BlockDrafter.load(tmp_path / "again" / "last").state_dict()
+    switched = BlockDrafter.load(tmp_path / "again" / "last")
+    assert switched.cfg.first_from_prefix
+    after = switched.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
     args = ["seq2seq", "train-assistant", "--max-steps", "1", "--max-tokens", "256",
@@ -205,6 +209,40 @@ def test_block_loss_weights_positions():
     first = block_loss(miss_first, labels, 0.5, 0.0) - base
     last = block_loss(miss_last, labels, 0.5, 0.0) - base
     assert first > 4 * last > 0
+
+
+def test_next_token_loss_reads_each_slot_against_the_token_after_it():
+    from specdecode.seq2seq.drafter_train import next_token_loss
+
+    targets = torch.tensor([[0, 5, 6, 7, 1], [0, 8, 1, 0, 0]])  # start token, sentence, padding
+    lens = torch.tensor([5, 3])
+    right = torch.full((2, 5, 11), -20.0)
+    for row in range(2):
+        for slot in range(int(lens[row]) - 1):
+            right[row, slot, targets[row, slot + 1]] = 20.0  # slot i predicts targets[i + 1]
+    assert next_token_loss(right, targets, lens, 0.0) < 1e-6
+    # what the padding slots and each row's last slot predict is not scored
+    noisy = right.clone()
+    noisy[1, 2:] = torch.randn(3, 11)
+    noisy[0, 4] = torch.randn(11)
+    assert torch.allclose(next_token_loss(noisy, targets, lens, 0.0), torch.tensor(0.0), atol=1e-6)
+    wrong = right.clone()
+    wrong[0, 1] = right[0, 2]  # slot 1 now predicts 7 instead of 6
+    assert next_token_loss(wrong, targets, lens, 0.0) > 1.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"glance": 0.3, "first_from_prefix": True}, "use --glance 0 with --first-from-prefix"),
+        ({"lm_weight": -1.0}, "lm_weight must be >= 0"),
+    ],
+)
+def test_drafter_training_settings_refused(tmp_path, changes, message):
+    from specdecode.seq2seq.drafter_train import TrainDrafterConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainDrafterConfig(verifier=tmp_path, train_file=tmp_path, out=tmp_path, **changes)
 
 
 def test_average_snapshots_means_weights_and_refuses_mismatch(tmp_path):

@@ -5,6 +5,12 @@ k `<mask>` queries, cross-attending to the source. The prefix attends causally, 
 verifier; the queries attend to the whole prefix and to each other. The k outputs at the query
 slots are the draft: one pass per block, so drafting cost hardly grows with k.
 
+With `first_from_prefix`, the first drafted token is read from the last prefix slot instead,
+as a causal language model predicts its next token, and k - 1 queries (one position further on)
+give the rest. Why: that slot holds the last committed token itself, which a query must first
+fetch through attention, and every prefix slot can then be trained with a language-model loss,
+a signal at every position of a sentence for the one drafted token every round depends on.
+
 Why a causal prefix: its states then depend on the committed tokens alone, so at inference they
 are cached per row (`DrafterState`) and each round feeds only the tokens committed since the
 last one plus the k queries, instead of the whole prefix again. On a CPU, where these passes are
@@ -45,6 +51,9 @@ class BlockDrafterConfig:
     pad_id: int = 0
     mask_id: int = 3
     scale_embedding: bool = True
+    # the block's first token from the last committed token's state (a causal LM's next-token
+    # prediction) rather than from a mask query; the k - 1 others from queries, as before
+    first_from_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -166,7 +175,8 @@ class BlockDrafter(nn.Module):
         k: int,
         given: torch.Tensor | None = None,  # [batch, k] tokens placed in query slots (training)
         starts: torch.Tensor | None = None,  # [batch, B]: training blocks, see `forward_blocks`
-    ) -> torch.Tensor:
+        prefix_logits: bool = False,  # with starts: also the prefix slots' logits
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits of the k tokens after each row's prefix, in one pass: [batch, k, vocab].
 
         `given` (GLAT's glancing) puts reference tokens into some query slots; slots holding
@@ -175,12 +185,14 @@ class BlockDrafter(nn.Module):
         """
         if starts is not None:
             return self.forward_blocks(
-                prefix, prefix_lens, starts, encoder_states, encoder_mask, k, given
-            )
+                prefix, prefix_lens, starts, encoder_states, encoder_mask, k, given,
+                prefix_logits,
+            )  # fmt: skip
         self._check_positions(int(prefix_lens.max()), k)
-        ids, valid, query = self.block_inputs(prefix, prefix_lens, k)
+        lead = int(self.cfg.first_from_prefix)  # tokens read from the prefix: 0 or 1
+        ids, valid, query = self.block_inputs(prefix, prefix_lens, k - lead)
         if given is not None:
-            ids = ids.scatter(1, query, given)
+            ids = ids.scatter(1, query, given[:, lead:])
         width = ids.shape[1]
         slots = torch.arange(width, device=ids.device)
         in_prefix = slots[None, :] < prefix_lens[:, None]  # [b, width]
@@ -190,8 +202,10 @@ class BlockDrafter(nn.Module):
         allowed = allowed & valid[:, None, :] | torch.eye(
             width, dtype=torch.bool, device=ids.device
         )
-        positions = slots[None].expand(ids.shape[0], -1)
+        positions = slots[None] + lead * ~in_prefix  # queries one position on when lead = 1
         h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
+        if lead:  # the last prefix slot comes first, then the queries
+            query = torch.cat([prefix_lens[:, None] - 1, query], 1)
         h = h.gather(1, query[..., None].expand(-1, -1, h.shape[-1]))  # [batch, k, d]
         return self.logits(h)
 
@@ -204,41 +218,51 @@ class BlockDrafter(nn.Module):
         encoder_mask: torch.Tensor,
         k: int,
         given: torch.Tensor | None = None,  # [batch, B, k] glancing tokens (mask_id elsewhere)
-    ) -> torch.Tensor:
+        prefix_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Training: B blocks per sentence in one pass, the causal prefix computed once.
 
         Each block's queries see the prefix up to its start and their own block only, so the
-        logits equal B separate `forward` calls: [batch, B, k, vocab].
+        logits equal B separate `forward` calls: [batch, B, k, vocab]. With `prefix_logits`,
+        also every prefix slot's next-token logits [batch, T, vocab] (the language-model loss).
         """
         b, t = targets.shape
         n_blocks = starts.shape[1]
         self._check_positions(int(starts.max()) + 1, k)
+        lead = int(self.cfg.first_from_prefix)
+        k_q = k - lead  # query slots per block
         queries = (
-            given.reshape(b, n_blocks * k)
+            given[..., lead:].reshape(b, n_blocks * k_q)
             if given is not None
-            else torch.full((b, n_blocks * k), self.cfg.mask_id, device=targets.device)
+            else torch.full((b, n_blocks * k_q), self.cfg.mask_id, device=targets.device)
         )
-        ids = torch.cat([targets, queries], 1)  # [b, T + B k]
+        ids = torch.cat([targets, queries], 1)  # [b, T + B k_q]
         slot = torch.arange(t, device=targets.device)
-        j = torch.arange(k, device=targets.device)
-        query_pos = (starts[:, :, None] + 1 + j).reshape(b, -1)  # [b, B k]
+        j = torch.arange(k_q, device=targets.device)
+        query_pos = (starts[:, :, None] + 1 + lead + j).reshape(b, -1)  # [b, B k_q]
         positions = torch.cat([slot.expand(b, -1), query_pos], 1)
         valid = slot[None] < lens[:, None]  # [b, T]
         prefix_rows = torch.cat(
             [(slot[:, None] >= slot[None]) & valid[:, None],
-             torch.zeros(b, t, n_blocks * k, dtype=torch.bool, device=ids.device)], 2
+             torch.zeros(b, t, n_blocks * k_q, dtype=torch.bool, device=ids.device)], 2
         )  # fmt: skip
         sees_prefix = slot[None, None] <= starts[:, :, None]  # [b, B, T]
         same_block = torch.eye(n_blocks, dtype=torch.bool, device=ids.device)  # [B, B]
-        sees_queries = same_block[:, None, :, None].expand(n_blocks, k, n_blocks, k)
+        sees_queries = same_block[:, None, :, None].expand(n_blocks, k_q, n_blocks, k_q)
         query_rows = torch.cat(
-            [sees_prefix[:, :, None].expand(-1, -1, k, -1).reshape(b, n_blocks * k, t),
-             sees_queries.reshape(1, n_blocks * k, n_blocks * k).expand(b, -1, -1)], 2
+            [sees_prefix[:, :, None].expand(-1, -1, k_q, -1).reshape(b, n_blocks * k_q, t),
+             sees_queries.reshape(1, n_blocks * k_q, n_blocks * k_q).expand(b, -1, -1)], 2
         )  # fmt: skip
         allowed = torch.cat([prefix_rows, query_rows], 1)
-        allowed = allowed | torch.eye(t + n_blocks * k, dtype=torch.bool, device=ids.device)
+        allowed = allowed | torch.eye(t + n_blocks * k_q, dtype=torch.bool, device=ids.device)
         h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
-        return self.logits(h[:, t:]).view(b, n_blocks, k, -1)
+        d = h.shape[-1]
+        blocks = h[:, t:].reshape(b, n_blocks, k_q, d)
+        if lead:  # each block's first token from its last prefix slot
+            first = h[:, :t].gather(1, starts[..., None].expand(-1, -1, d))  # [b, B, d]
+            blocks = torch.cat([first[:, :, None], blocks], 2)  # [b, B, k, d]
+        logits = self.logits(blocks)
+        return (logits, self.logits(h[:, :t])) if prefix_logits else logits
 
     def _check_positions(self, prefix_len: int, k: int) -> None:
         if prefix_len + k > self.cfg.max_positions:
@@ -270,6 +294,15 @@ class BlockDrafter(nn.Module):
         state = load_file(str(directory / "drafter.safetensors"))
         model.load_state_dict({k: v.float() for k, v in state.items()})
         return model.eval()
+
+    def reading_first_from_prefix(self, first_from_prefix: bool) -> BlockDrafter:
+        """The same weights with the first token read from the prefix or not (no new weights)."""
+        if first_from_prefix == self.cfg.first_from_prefix:
+            return self
+        cfg = BlockDrafterConfig(**{**asdict(self.cfg), "first_from_prefix": first_from_prefix})
+        model = BlockDrafter(cfg)
+        model.load_state_dict(self.state_dict())
+        return model.train(self.training)
 
 
 class _Layer:
@@ -318,25 +351,32 @@ class DrafterState(CachedModel):
             self.cross = drafter.cross_kv(encoder_states)
         new, valid = self.pending(sequences, seq_lens, drafter.cfg.pad_id)  # [b, n]
         b, n = new.shape
-        queries = torch.full((b, k), drafter.cfg.mask_id, dtype=torch.long, device=new.device)
-        ids = torch.cat([new, queries], 1)  # [b, n + k]
+        lead = int(drafter.cfg.first_from_prefix)
+        if lead and not bool(valid[:, -1].all()):
+            raise RuntimeError(
+                "a drafter reading its first token from the last committed one needs every row "
+                "to have committed a token since its last proposal"
+            )
+        k_q = k - lead  # query slots
+        queries = torch.full((b, k_q), drafter.cfg.mask_id, dtype=torch.long, device=new.device)
+        ids = torch.cat([new, queries], 1)  # [b, n + k_q]
         new_pos = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [b, n]
-        query_pos = seq_lens[:, None] + torch.arange(k, device=new.device)  # [b, k]
-        positions = torch.cat([new_pos.clamp(min=0), query_pos], 1)  # [b, n + k]
+        query_pos = seq_lens[:, None] + lead + torch.arange(k_q, device=new.device)  # [b, k_q]
+        positions = torch.cat([new_pos.clamp(min=0), query_pos], 1)  # [b, n + k_q]
         cached = self.slot_pos >= 0  # [b, L]
         # new slots: cached prefix + earlier new slots; queries: all of the prefix and each other
         tri = torch.ones(n, n, dtype=torch.bool, device=new.device).tril()
         new_rows = torch.cat(
             [cached[:, None].expand(-1, n, -1), tri[None] & valid[:, None],
-             torch.zeros(b, n, k, dtype=torch.bool, device=new.device)], 2
+             torch.zeros(b, n, k_q, dtype=torch.bool, device=new.device)], 2
         )  # fmt: skip
         query_rows = torch.cat(
-            [cached[:, None].expand(-1, k, -1), valid[:, None].expand(-1, k, -1),
-             torch.ones(b, k, k, dtype=torch.bool, device=new.device)], 2
+            [cached[:, None].expand(-1, k_q, -1), valid[:, None].expand(-1, k_q, -1),
+             torch.ones(b, k_q, k_q, dtype=torch.bool, device=new.device)], 2
         )  # fmt: skip
-        allowed = torch.cat([new_rows, query_rows], 1)  # [b, n + k, L + n + k]
-        eye = torch.eye(n + k, dtype=torch.bool, device=new.device)
-        allowed[:, :, -(n + k) :] |= eye  # a hole attends to itself (no empty softmax)
+        allowed = torch.cat([new_rows, query_rows], 1)  # [b, n + k_q, L + n + k_q]
+        eye = torch.eye(n + k_q, dtype=torch.bool, device=new.device)
+        allowed[:, :, -(n + k_q) :] |= eye  # a hole attends to itself (no empty softmax)
         past = [(layer.keys, layer.values) for layer in self.layers]
         if past[0][0] is None:
             past = None
@@ -349,7 +389,7 @@ class DrafterState(CachedModel):
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, new_pos, HOLE)], 1)
         self.lengths = self.lengths + valid.sum(1)
         self._crop_and_compact()
-        return drafter.logits(h[:, n:])
+        return drafter.logits(h[:, n - lead :])  # [b, k, vocab]: last new slot if lead, queries
 
 
 def init_from_verifier(drafter: BlockDrafter, verifier: nn.Module) -> None:

@@ -165,6 +165,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         glance=args.glance,
         position_decay=args.position_decay,
         init_drafter=args.init_drafter,
+        first_from_prefix=args.first_from_prefix,
+        lm_weight=args.lm_weight,
         valid_sentences=args.valid_sentences,
         loop=loop_config(args, lr=5e-4, warmup=300, weight_decay=0.01),
     )
@@ -284,6 +286,14 @@ def add_subcommands(subparsers) -> None:
     )
     p.add_argument(
         "--init-drafter", type=Path, default=None, help="start from this drafter's weights"
+    )
+    p.add_argument(
+        "--first-from-prefix",
+        action="store_true",
+        help="draft a block's first token from the last committed token's state, as a causal LM",
+    )
+    p.add_argument(
+        "--lm-weight", type=float, default=0.0, help="weight of a next-token loss on the prefix"
     )
     p.add_argument("--valid-sentences", type=int, default=100)
     p.set_defaults(func=cmd_train_drafter)

@@ -12,6 +12,11 @@ block, then a fraction (glance x the share of wrong tokens) of the query slots i
 reference tokens, and the loss is taken on the remaining slots. It teaches the drafter the
 dependencies inside a block; `--glance 0` trains the plain objective, so the two can be compared.
 
+With `first_from_prefix` the block's first token is read from the last prefix slot, and
+`lm_weight > 0` adds a next-token loss at every prefix slot (`next_token_loss`): the first drafted
+token decides whether a round gains anything, and this trains it at every position of every
+sentence rather than at the few sampled block starts.
+
 The model kept is the one with the most tokens per verifier call on validation sentences,
 measured by decoding them with SpecDec (beta = 1), the figure speed depends on.
 """
@@ -54,6 +59,8 @@ class TrainDrafterConfig:
     glance: float = 0.0  # GLAT glancing ratio; 0 disables
     position_decay: float = 1.0  # loss weight decay**j on block position j; 1: all equal
     init_drafter: Path | None = None  # start from this drafter (e.g. one for an older verifier)
+    first_from_prefix: bool = False  # the block's first token from the last prefix slot
+    lm_weight: float = 0.0  # > 0: plus a next-token loss at every prefix slot, this weighted
     label_smoothing: float = 0.1
     valid_sentences: int = 100
     loop: LoopConfig = field(
@@ -70,6 +77,13 @@ class TrainDrafterConfig:
             raise ValueError(f"glance must be in [0, 1], got {self.glance}")
         if not 0 < self.position_decay <= 1:
             raise ValueError(f"position_decay must be in (0, 1], got {self.position_decay}")
+        if not self.lm_weight >= 0:
+            raise ValueError(f"lm_weight must be >= 0, got {self.lm_weight}")
+        if self.glance > 0 and self.first_from_prefix:
+            raise ValueError(
+                "glancing reveals query slots, and a drafter reading its first token from the "
+                "prefix has no query there: use --glance 0 with --first-from-prefix"
+            )
         if self.layers < 1 or self.blocks_per_sentence < 1:
             raise ValueError("layers and blocks_per_sentence must be >= 1")
 
@@ -129,6 +143,25 @@ def block_loss(
     return (losses * weights).sum() / weights.sum().clamp(min=1e-9)
 
 
+def next_token_loss(
+    prefix_logits: torch.Tensor, targets: torch.Tensor, lens: torch.Tensor, label_smoothing: float
+) -> torch.Tensor:
+    """Cross-entropy of every prefix slot's prediction of the token after it (a causal LM's loss).
+
+    prefix_logits [b, T, vocab], targets [b, T] (start token first), lens [b] -> scalar
+    """
+    t = targets.shape[1]
+    labels = targets[:, 1:].masked_fill(
+        torch.arange(1, t, device=targets.device) >= lens[:, None], -100
+    )  # [b, T - 1]: slot i predicts targets[:, i + 1]
+    return torch.nn.functional.cross_entropy(
+        prefix_logits[:, :-1].reshape(-1, prefix_logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=label_smoothing,
+    )
+
+
 def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
@@ -166,12 +199,14 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         pad_id=verifier.config.pad_token_id,
         mask_id=mask_id,
         scale_embedding=bool(getattr(verifier.config, "scale_embedding", True)),
+        first_from_prefix=cfg.first_from_prefix,
     )
     resuming = ckpt.exists()
     if resuming:
         drafter = BlockDrafter.load(ckpt.last).train()
     elif cfg.init_drafter is not None:
-        drafter = BlockDrafter.load(cfg.init_drafter).train()
+        drafter = BlockDrafter.load(cfg.init_drafter)
+        drafter = drafter.reading_first_from_prefix(cfg.first_from_prefix).train()
         if (
             drafter.cfg.vocab_size != model_cfg.vocab_size
             or drafter.cfg.d_model != model_cfg.d_model
@@ -253,10 +288,17 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
             )
             given = labels_t.flatten(0, 1).masked_fill(~reveal, mask_id)  # reference if revealed
             logits = drafter(*blocks, given.view_as(labels_t), starts=starts_t)
+        elif cfg.lm_weight > 0:
+            loss_labels = labels_t
+            logits, prefix_logits = drafter(*blocks, starts=starts_t, prefix_logits=True)
         else:
             loss_labels = labels_t
             logits = drafter(*blocks, starts=starts_t)  # [b, B, k, vocab]
         loss = block_loss(logits, loss_labels, cfg.position_decay, cfg.label_smoothing)
+        if cfg.lm_weight > 0:
+            loss = loss + cfg.lm_weight * next_token_loss(
+                prefix_logits, targets, lens, cfg.label_smoothing
+            )
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(drafter.parameters(), 5.0)
         optimizer.step()
