@@ -143,9 +143,10 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     out = tmp_path / "bench"
     args = ["bench", "--pair", str(pair_dir), "--limit", "3", "--block-sizes", "2", "4",
             "--relaxed", "3,2.0", "--threads", "1", "--max-new-tokens", "12", "--out", str(out),
-            "--quiet", "--no-plots"]  # fmt: skip
+            "--quiet", "--no-plots", "--repeats", "2"]  # fmt: skip
     assert main(args) == 0
     record = json.loads((out / "record.json").read_text())
+    assert record["config"]["repeats"] == 2
     rows = {r["method"]: r for r in record["runs"][0]["methods"]}
     assert {"ar", "hf", "hf-beam5", "hf-assisted", "specdec[k=2]", "specdec[k=4,b=3,t=2]"} <= set(
         rows
@@ -154,6 +155,7 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert rows["specdec[k=4,b=3,t=2]"]["approximate"] and not rows["specdec[k=2]"]["approximate"]
     assert record["ok"] and "(approx.)" in (out / "table.md").read_text()
     assert main([*args, "--relaxed", "five"]) == 2  # not BETA,TAU
+    assert main([*args, "--repeats", "0"]) == 2
 
 
 def test_translate_refuses_bad_input(cache, tmp_path):

@@ -54,6 +54,7 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
         batch_sizes=tuple(args.batch_sizes),
         max_new_tokens=args.max_new_tokens,
         threads=args.threads,
+        repeats=args.repeats,
     )
     record = run_seq2seq_bench(cfg, progress=not args.quiet)
     out = Path(args.out)
@@ -195,6 +196,13 @@ def add_subcommands(subparsers) -> None:
         help="with --pair: BETA,TAU pairs of the relaxed rule (SpecDec's 5,3.0)",
     )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --pair: run each batch's methods this many times (interleaved) and keep each "
+        "one's fastest, so that a stall of the machine does not count",
+    )
     p.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels for all")
     p.add_argument("--out", default="runs/bench", help="folder for record.json, table.md, plots")
     p.add_argument("--no-plots", action="store_true")
