@@ -84,3 +84,32 @@ specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
 specdecode bench --pair --limit 0 --max-new-tokens 100 --batch-sizes 32 \
   --methods ar hf hf-beam5 specdec --block-sizes 2 3 --relaxed 2,1.0 5,3.0 \
   --threads 2 --out benchmarks/specdec-bible-b32 --quiet
+
+# --- third session: the drafter on a GPU, a cheaper logit check, first token from the prefix ---
+# (a GPU was lent for 30 minutes: benchmarks/run_specdec_gpu.sh, three calls of 7.5-8 minutes,
+# each training three variants side by side; records specdec-drafter-gpu-{1,2,3}.json)
+#   call 1: a (2 layers, from the shipped drafter, k in [2, 5]), b (k in [2, 8], decay 0.7),
+#           c (3 layers, from the verifier)           -> 2.219, 2.213, 2.298 (300 valid verses)
+#   call 2: a2, a8, a6 from a                           -> 2.246, 2.243, 2.241 (a plateau)
+#   call 3: c2, c6, c3 from c                           -> 2.335, 2.336, 2.333 (a plateau)
+# On this CPU the 3-layer drafter's dearer pass ate its extra 0.1 tokens per call, so `a` ships:
+#   benchmarks/run_specdec_gpu.sh OUT 7.5 \
+#     "a:--init-drafter,src/specdecode/pairs/bible-es-en/drafter,--block-size,5,--min-block,2,--blocks-per-sentence,16,--position-decay,0.5,--max-tokens,16384,--eval-minutes,1.5,--valid-sentences,300"
+#   cp OUT/a/drafter.safetensors src/specdecode/pairs/bible-es-en/drafter/
+# First token from the prefix, A/B from the shipped drafter, 24 minutes each on one thread
+# (specdec-drafter-first-token-ab.txt; not shipped):
+COMMON=(--verifier src/specdecode/pairs/bible-es-en/verifier --train-file "$W/distilled-v2.jsonl"
+  --init-drafter src/specdecode/pairs/bible-es-en/drafter --block-size 5 --min-block 2
+  --blocks-per-sentence 16 --position-decay 0.5 --first-from-prefix --minutes 24 --eval-minutes 8
+  --threads 1 --quiet)
+specdecode seq2seq train-drafter "${COMMON[@]}" --out "$W/drafter-first-lm" --lm-weight 0.5 &
+specdecode seq2seq train-drafter "${COMMON[@]}" --out "$W/drafter-first"
+wait
+# batch 1 on the first 100 test verses, once as before and once with each method's fastest of
+# two interleaved repeats (stalls of the machine dropped)
+specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
+  --methods ar hf hf-beam5 hf-assisted specdec --block-sizes 2 3 4 --relaxed 2,1.0 3,2.0 5,3.0 \
+  --threads 2 --out benchmarks/specdec-bible-b1-100-v3 --quiet
+specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
+  --methods ar hf hf-beam5 hf-assisted specdec --block-sizes 2 3 4 --relaxed 2,1.0 3,2.0 5,3.0 \
+  --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-r2 --quiet
