@@ -117,9 +117,10 @@ specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
 specdecode bench --pair --limit 320 --max-new-tokens 100 --batch-sizes 32 \
   --methods ar hf specdec --block-sizes 2 3 --relaxed 2,1.0 5,3.0 \
   --threads 2 --out benchmarks/specdec-bible-b32-320 --quiet
-# batch 1 again (decode under inference_mode), and the no_grad/inference_mode A/B: the same
-# command on feeb919 and on 28a2adc with --limit 50 --methods ar specdec --block-sizes 2 3
-# --relaxed 5,3.0
+# batch 1 again (decode under inference_mode). The no_grad/inference_mode A/B ran, from a git
+# worktree of feeb919 and then of 28a2adc (PYTHONPATH=<worktree>/src):
+#   specdecode bench --pair --limit 50 --max-new-tokens 100 --batch-sizes 1 --methods ar specdec \
+#     --block-sizes 2 3 --threads 2 --repeats 2 --out <dir> --quiet   (default relaxed: 5,3.0)
 specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
   --methods ar hf hf-beam5 hf-assisted specdec --block-sizes 2 3 4 --relaxed 2,1.0 3,2.0 5,3.0 \
   --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-r2-im --quiet
