@@ -94,6 +94,55 @@ def test_method_expansion_and_errors():
         Method.expand(["nope"], [1])
 
 
+def test_adaptive_methods_run_once_per_bound_and_threshold():
+    methods = Method.expand(
+        ["ar", "sd"],
+        [4, 5],
+        ["constant", "heuristic", "head"],
+        {"head": [0.6, 0.7]},
+        [(1, 12), (3, 12)],
+    )
+    assert [m.label for m in methods] == [
+        "ar",
+        "sd[k=4]",
+        "sd[k=5]",
+        "sd[heuristic k0=5 1..12]",
+        "sd[heuristic k0=5 3..12]",
+        "sd[head t=0.6 1..12]",
+        "sd[head t=0.7 1..12]",
+        "sd[head t=0.6 3..12]",
+        "sd[head t=0.7 3..12]",
+    ]
+    assert {m.bound for m in methods if m.adaptive} == {(1, 12), (3, 12)}
+    with pytest.raises(ValueError, match="a bound is required"):
+        Method("sd", 4, policy="head", threshold=0.7)
+    with pytest.raises(ValueError, match="a bound is unused"):
+        Method("sd", 4, bound=(1, 4))
+
+
+def test_decode_ratios_leave_out_the_first_round():
+    from specdecode.bench.runner import MethodRecord, decode_ratios
+
+    # ar: 1 s of prefill for 1 token, then 9 tokens in 9 s; the method: the same prefill
+    # committing 3 tokens, then 9 tokens in 3 s -> 3x after the first round (1.67x end to end)
+    base = MethodRecord("ar", 1, seconds=[10.0, 10.0], tokens=[10, 10])
+    base.first_round_seconds, base.first_round_tokens = [1.0, 1.0], [1, 1]
+    rec = MethodRecord("sd", 1, seconds=[4.0, 2.0], tokens=[12, 3])
+    rec.first_round_seconds, rec.first_round_tokens = [1.0, 2.0], [3, 3]
+    ratios = decode_ratios(rec, base)
+    assert ratios[0] == pytest.approx(3.0)
+    assert ratios[1] is None  # that batch ended in its first round: no decode phase
+    outside = MethodRecord("hf", 1, seconds=[5.0], tokens=[10])
+    outside.first_round_seconds, outside.first_round_tokens = [None], [None]
+    assert decode_ratios(outside, base) is None  # run outside the engine: not measured
+
+
+def test_bench_refuses_an_odd_bound_list(capsys):
+    code = main(["bench", "--limit", "1", "--bound", "1", "12", "3", "--out", "/nonexistent"])
+    assert code != 0
+    assert "MIN MAX pairs" in capsys.readouterr().err
+
+
 def test_bench_smoke_run(tiny_pair, tmp_path, capsys):
     target, draft, prompts = tiny_pair
     out = tmp_path / "bench"

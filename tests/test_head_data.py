@@ -247,6 +247,8 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
             "--bound",
             "1",
             "5",
+            "2",
+            "5",
             "--out",
             str(bench),
             "--quiet",
@@ -258,12 +260,14 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     labels = {r["method"] for r in record["methods"]}
     assert {
         "sd[k=2]",
-        "sd[heuristic k0=3]",
-        "sd[confidence t=0.4]",
-        "sd[head t=0.3]",
-        "sd[head t=0.7]",
+        "sd[heuristic k0=3 1..5]",
+        "sd[heuristic k0=3 2..5]",
+        "sd[confidence t=0.4 1..5]",
+        "sd[head t=0.7 2..5]",
+        "sd[head t=0.3 1..5]",
+        "sd[head t=0.7 1..5]",
     } <= labels
-    head_row = next(r for r in record["methods"] if r["method"] == "sd[head t=0.3]")
+    head_row = next(r for r in record["methods"] if r["method"] == "sd[head t=0.3 1..5]")
     assert head_row["policy_seconds"] > 0 and head_row["policy_ms_per_drafted_token"] > 0
     assert "leviathan_bound" not in head_row  # the bound assumes a constant k
     measured = record["models"]["head"]  # the record names the exact head it measured
@@ -273,13 +277,25 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     )
     assert {"policy_sweep.png", "policy_pareto.png"} <= {p.name for p in bench.iterdir()}
     compared = {c["method"]: c for c in record["policy_comparison"]}
-    assert compared["sd[head t=0.3]"]["best_constant"] in ("sd[k=2]", "sd[k=3]")
-    assert compared["sd[heuristic k0=3]"]["batches"] == 2
-    low, high = compared["sd[head t=0.3]"]["vs_best_constant_95ci"]
-    assert low <= compared["sd[head t=0.3]"]["vs_best_constant"] <= high
+    assert compared["sd[head t=0.3 1..5]"]["best_constant"] in ("sd[k=2]", "sd[k=3]")
+    assert compared["sd[heuristic k0=3 1..5]"]["batches"] == 2
+    # a floor of 2 tokens per round: no round of that policy drafted fewer (budget allowing)
+    floored = next(r for r in record["methods"] if r["method"] == "sd[head t=0.7 2..5]")
+    assert floored["drafted_per_round"] >= 1.5
+    # decoding after the first round (the prefills), beside the end-to-end ratio
+    for row in record["methods"]:
+        assert len(row["per_batch_decode_speedup"]) == 2
+    ar_row = next(r for r in record["methods"] if r["method"] == "ar")
+    assert ar_row["decode_speedup"]["geomean"] == pytest.approx(1.0)
+    decode = compared["sd[head t=0.3 1..5]"]
+    assert decode["decode_best_constant"] in ("sd[k=2]", "sd[k=3]")
+    d_low, d_high = decode["decode_vs_best_constant_95ci"]
+    assert d_low <= decode["decode_vs_best_constant"] <= d_high
+    low, high = compared["sd[head t=0.3 1..5]"]["vs_best_constant_95ci"]
+    assert low <= compared["sd[head t=0.3 1..5]"]["vs_best_constant"] <= high
     assert "against the best constant k" in (bench / "table.md").read_text()
     assert all(r["modelled_speedup"] > 0 for r in record["methods"] if r["method"] != "ar")
-    assert compared["sd[head t=0.3]"]["modelled_best_constant"] in ("sd[k=2]", "sd[k=3]")
+    assert compared["sd[head t=0.3 1..5]"]["modelled_best_constant"] in ("sd[k=2]", "sd[k=3]")
     # a saved run's derived figures are recomputed from its measurements alone
     record["policy_comparison"] = []
     for row in record["methods"]:

@@ -149,6 +149,7 @@ def decode(
     if drafter is not None:
         drafter.start(len(prompts))
     start = time.perf_counter()
+    first_round = True
     try:
         while batch.rows:
             block, counts, done, accepted, drafted, passes = speculative_step(
@@ -159,6 +160,10 @@ def decode(
                 [counts, accepted, drafted, passes]
             ).tolist()
             done_l = done.tolist()
+            if first_round:  # it holds the prefills
+                stats.first_round_seconds += time.perf_counter() - start
+                stats.first_round_tokens += sum(counts_l)
+                first_round = False
             for i, row in enumerate(batch.rows):
                 stats.rows[row].record(drafted_l[i], accepted_l[i], counts_l[i], passes_l[i])
             yield StepEvent(

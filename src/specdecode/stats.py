@@ -105,6 +105,10 @@ class DecodeStats:
     verify_seconds: float = 0.0
     policy_seconds: float = 0.0  # inside drafting: the length policy's decisions (e.g. the head)
     wall_seconds: float = 0.0
+    # the first round of a batch holds both prefills (prompt through target and drafter), the
+    # same work for every method; the time and tokens after it are the decoding proper
+    first_round_seconds: float = 0.0
+    first_round_tokens: int = 0
 
     @property
     def total(self) -> RowStats:
@@ -123,6 +127,8 @@ class DecodeStats:
         self.verify_seconds += part.verify_seconds
         self.policy_seconds += part.policy_seconds
         self.wall_seconds += part.wall_seconds
+        self.first_round_seconds += part.first_round_seconds
+        self.first_round_tokens += part.first_round_tokens
 
     def as_dict(self) -> dict:
         return {
@@ -134,6 +140,8 @@ class DecodeStats:
             "verify_seconds": self.verify_seconds,
             "policy_seconds": self.policy_seconds,
             "wall_seconds": self.wall_seconds,
+            "first_round_seconds": self.first_round_seconds,
+            "first_round_tokens": self.first_round_tokens,
         }
 
     def summary(self) -> str:

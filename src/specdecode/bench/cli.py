@@ -121,7 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         policies=tuple(args.length_policy),
         stop_thresholds=tuple(args.stop_threshold or [0.7]),
         confidence_thresholds=tuple(args.confidence_threshold),
-        bound=tuple(args.bound or (1, 8)),
+        bounds=_bounds(args.bound),
         head=args.head,
     )
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
@@ -148,6 +148,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:
+    """`--bound 1 12 3 12` -> ((1, 12), (3, 12)): the adaptive policies run once per pair."""
+    if not values:
+        return ((1, 8),)
+    if len(values) % 2:
+        raise ValueError(
+            f"--bound takes MIN MAX pairs (one or more), got {len(values)} numbers: {values}"
+        )
+    return tuple((values[i], values[i + 1]) for i in range(0, len(values), 2))
 
 
 def _measured_head(cfg, target, drafter) -> dict | None:
@@ -224,9 +235,18 @@ def add_subcommands(subparsers) -> None:
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_bench)
     # sweeps: several k, policies and head thresholds instead of the shared single values
-    sweeps = {"num_draft_tokens": [4], "length_policy": ["constant"], "stop_threshold": None}
+    sweeps = {
+        "num_draft_tokens": [4],
+        "length_policy": ["constant"],
+        "stop_threshold": None,
+        "bound": None,
+    }
     for action in p._actions:
         if action.dest in sweeps:
             action.nargs, action.default = "+", sweeps[action.dest]
+        if action.dest == "bound":
+            action.metavar = "MIN MAX"
+            action.help = "tokens per round of the adaptive policies, MIN MAX pairs (a sweep: "
+            action.help += "--bound 1 12 3 12 runs each adaptive policy twice; default 1 8)"
         if action.dest == "stop_threshold":
             action.help = "thresholds of the head policy (a sweep; default 0.7)"

@@ -12,7 +12,9 @@ A `+dense` suffix runs a method with the default PyTorch kernels instead of the 
 
 `sd` and `sd-int8` run under every length policy asked for (see `length_policies`): `constant`
 once per k, `heuristic` starting from the largest k, `confidence` and `head` once per threshold,
-the adaptive ones within the same (MIN, MAX) bound.
+the adaptive ones once per (MIN, MAX) bound of tokens per round (a sweep, like the thresholds:
+SpecDec++'s own evaluation drafts at least 2 a round, and the floor decides how often a round is
+cut after its first token).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Method:
     dense: bool = False
     policy: str = "constant"
     threshold: float | None = None  # confidence / head policies
+    bound: tuple[int, int] | None = None  # adaptive policies: (MIN, MAX) tokens per round
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -52,15 +55,21 @@ class Method:
             )
         if self.policy != "constant" and self.kind not in ENGINE_KINDS:
             raise ValueError(f"method {self.kind!r} has no length policy {self.policy!r}")
+        if (self.bound is not None) != self.adaptive:
+            raise ValueError(
+                f"method {self.kind!r} with policy {self.policy!r}: a bound is "
+                f"{'required' if self.bound is None else 'unused'}"
+            )
 
     @property
     def label(self) -> str:
+        span = f" {self.bound[0]}..{self.bound[1]}" if self.bound is not None else ""
         if self.policy == "constant":
             inner = f"[k={self.k}]" if self.k is not None else ""
         elif self.policy == "heuristic":
-            inner = f"[heuristic k0={self.k}]"
+            inner = f"[heuristic k0={self.k}{span}]"
         else:
-            inner = f"[{self.policy} t={self.threshold:g}]"
+            inner = f"[{self.policy} t={self.threshold:g}{span}]"
         return self.kind + inner + ("+dense" if self.dense else "")
 
     @property
@@ -74,8 +83,11 @@ class Method:
         ks: list[int],
         policies: list[str] = ("constant",),
         thresholds: dict[str, list[float]] | None = None,
+        bounds: list[tuple[int, int]] = ((1, 8),),
     ) -> list[Method]:
-        """`sd` with ks [3, 4] gives sd[k=3] and sd[k=4]; `+dense` keeps default kernels."""
+        """`sd` with ks [3, 4] gives sd[k=3] and sd[k=4]; `+dense` keeps default kernels.
+
+        Adaptive policies run once per bound (and per threshold), labelled `... 1..12]`."""
         thresholds = thresholds or {}
         methods = []
         for name in names:
@@ -87,10 +99,12 @@ class Method:
                 if policy == "constant":
                     methods += [cls(kind, k, dense) for k in ks]
                 elif policy == "heuristic":
-                    methods.append(cls(kind, max(ks), dense, policy))
+                    methods += [cls(kind, max(ks), dense, policy, None, b) for b in bounds]
                 else:
                     methods += [
-                        cls(kind, max(ks), dense, policy, t) for t in thresholds.get(policy, [])
+                        cls(kind, max(ks), dense, policy, t, b)
+                        for b in bounds
+                        for t in thresholds.get(policy, [])
                     ]
         return methods
 
@@ -103,7 +117,6 @@ class Settings:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
-    bound: tuple[int, int] | None = None  # adaptive policies' (MIN, MAX) tokens per round
 
 
 @dataclass
@@ -154,7 +167,7 @@ def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Sett
         stop_token_ids=s.stop_token_ids,
         length_policy=method.policy,
         stop_threshold=method.threshold,
-        bound=s.bound if method.adaptive else None,
+        bound=method.bound,
     )
     return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
 

@@ -45,6 +45,7 @@ def policy_comparison(record: dict) -> list[dict]:
                 "modelled_vs_best_constant": r["modelled_speedup"]
                 / best_modelled["modelled_speedup"],
             }
+        entry.update(_decode_comparison(r, constants))
         out.append(
             {
                 "method": r["method"],
@@ -60,6 +61,26 @@ def policy_comparison(record: dict) -> list[dict]:
             }
         )
     return out
+
+
+def _decode_comparison(row: dict, constants: list[dict]) -> dict:
+    """The policy against the constant k that decodes fastest after the first round (the
+    prefill's), over the batches where both have a decode phase (see `runner.decode_ratios`)."""
+    from specdecode.bench.metrics import bootstrap_interval, geometric_mean
+
+    measured = [c for c in constants if c.get("decode_speedup")]
+    if not row.get("decode_speedup") or not measured:
+        return {}
+    best = max(measured, key=lambda c: c["decode_speedup"]["geomean"])
+    pairs = zip(row["per_batch_decode_speedup"], best["per_batch_decode_speedup"], strict=True)
+    ratios = [a / b for a, b in pairs if a is not None and b is not None]
+    if not ratios:
+        return {}
+    return {
+        "decode_best_constant": best["method"],
+        "decode_vs_best_constant": geometric_mean(ratios),
+        "decode_vs_best_constant_95ci": list(bootstrap_interval(ratios)),
+    }
 
 
 def _prompt_slice(cfg: dict) -> str:
@@ -83,11 +104,12 @@ def markdown_table(record: dict) -> str:
         + ", ".join(f"{k}: {v:.3f}" for k, v in record["costs"]["c"].items())
         + ".",
         "",
-        "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] | tokens/call "
+        "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] "
+        "| after the first round (geomean) | tokens/call "
         "| drafted/round | alpha | c (calibrated / in run) | bound "
         "| efficiency (calibrated / in run) | verify cost in steps (in run) "
         "| policy ms/drafted token | modelled speedup | weights GiB | output == ar |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     greedy = cfg["temperature"] == 0
     for row in sorted(record["methods"], key=lambda r: (r["batch_size"], -r["tokens_per_s"])):
@@ -102,9 +124,11 @@ def markdown_table(record: dict) -> str:
             if greedy
             else "n/a"
         )
+        decode = row.get("decode_speedup")  # absent from records made before it
         lines.append(
             f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']:.2f} | "
             f"{s['geomean']:.2f} | {s['median']:.2f} [{s['p10']:.2f}, {s['p90']:.2f}] | "
+            f"{'-' if not decode else format(decode['geomean'], '.2f')} | "
             f"{fmt('tokens_per_target_call')} | {fmt('drafted_per_round')} | {fmt('alpha')} | "
             f"{fmt('c', 3)} / {fmt('c_in_run', 3)} | {fmt('leviathan_bound')} | "
             f"{fmt('efficiency')} / {fmt('efficiency_in_run')} | "
@@ -119,8 +143,9 @@ def markdown_table(record: dict) -> str:
             "",
             "| policy | batch | best constant | speed vs best constant | 95% interval "
             "| batches won | policy ms/drafted token | policy share of time "
-            "| modelled: best constant | modelled: vs best constant |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| modelled: best constant | modelled: vs best constant "
+            "| after the first round: best constant | vs it [95% interval] |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in comparison:
             ms = c["policy_ms_per_drafted_token"]
@@ -128,13 +153,18 @@ def markdown_table(record: dict) -> str:
             modelled = c.get("modelled_vs_best_constant")
             low_high = c.get("vs_best_constant_95ci")  # absent from records made before it
             interval = "-" if low_high is None else f"[{low_high[0]:.3f}, {low_high[1]:.3f}]"
+            decode = "-"
+            if c.get("decode_vs_best_constant") is not None:
+                d_low, d_high = c["decode_vs_best_constant_95ci"]
+                decode = f"{c['decode_vs_best_constant']:.3f} [{d_low:.3f}, {d_high:.3f}]"
             lines.append(
                 f"| {c['method']} | {c['batch_size']} | {c['best_constant']} | "
                 f"{c['vs_best_constant']:.3f} | {interval} | {c['wins']}/{c['batches']} | "
                 f"{'-' if ms is None else f'{ms:.3f}'} | "
                 f"{'-' if share is None else f'{100 * share:.2f}%'} | "
                 f"{c.get('modelled_best_constant', '-')} | "
-                f"{'-' if modelled is None else f'{modelled:.3f}'} |"
+                f"{'-' if modelled is None else f'{modelled:.3f}'} | "
+                f"{c.get('decode_best_constant', '-')} | {decode} |"
             )
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]
