@@ -73,3 +73,11 @@ specdecode bench --prompts mtbench --limit 12 --max-new-tokens 64 --temperature 
   --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head \
   --stop-threshold 0.7 --bound 1 12 --head runs/head-sampling-w128 \
   --out benchmarks/specdecpp-mtbench-t07-12-w128 --quiet
+# The floor of a round (--bound MIN): every run above let the head stop after 1 token; SpecDec++'s
+# own evaluation drafts 2..20. HumanEval prompts 0-15 at T = 0.7, the shipped sampling head at the
+# default threshold with floors 1, 2 and 3, beside k = 5 and 6; the table also reports the speed
+# after the first round (the prefill's), which every method shares
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
+  --stop-threshold 0.7 --bound 1 12 2 12 3 12 \
+  --out benchmarks/specdecpp-humaneval-t07-16-bounds --quiet
