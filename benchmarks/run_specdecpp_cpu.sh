@@ -81,3 +81,16 @@ specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperatur
   --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant head \
   --stop-threshold 0.7 --bound 1 12 2 12 3 12 \
   --out benchmarks/specdecpp-humaneval-t07-16-bounds --quiet
+# (that run, on a 2-core AMD EPYC, calibrated a verify pass of 1-2 drafted tokens at 1.9-2.8
+# target steps: products of 2-3 rows took MKL's path. The prepacked copy now serves them.)
+# The same prompts with the kernels switched at 2 rows: constants, heuristic, head at 0.6 and 0.7
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 5 6 --length-policy constant heuristic head \
+  --stop-threshold 0.6 0.7 --bound 1 12 \
+  --out benchmarks/specdecpp-humaneval-t07-16-rows2 --quiet
+# With verify passes flat from 1 to 12 drafted tokens, longer rounds: k = 6 and 8, the head at
+# the higher thresholds 0.8 and 0.9
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant head \
+  --stop-threshold 0.8 0.9 --bound 1 12 \
+  --out benchmarks/specdecpp-humaneval-t07-16-rows2-h89 --quiet
