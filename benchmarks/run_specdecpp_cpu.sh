@@ -94,3 +94,7 @@ specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperatur
   --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant head \
   --stop-threshold 0.8 0.9 --bound 1 12 \
   --out benchmarks/specdecpp-humaneval-t07-16-rows2-h89 --quiet
+# MT-Bench's first 10 questions at T = 0.7 with the same kernels: k = 3 and 5, the head at 0.7, 0.8
+specdecode bench --prompts mtbench --limit 10 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 3 5 --length-policy constant head \
+  --stop-threshold 0.7 0.8 --bound 1 12 --out benchmarks/specdecpp-mtbench-t07-10-rows2 --quiet
