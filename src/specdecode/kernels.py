@@ -55,6 +55,12 @@ class PrepackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
+def kernel_summary(model: torch.nn.Module) -> dict:
+    """Which fp32 kernels a model runs: the verify cost of short rounds depends on it."""
+    packed = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
+    return {"prepacked": bool(packed), "packed_from_rows": packed[0].min_rows if packed else None}
+
+
 def prepack_available() -> bool:
     return (
         torch.backends.mkldnn.is_available()

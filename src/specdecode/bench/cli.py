@@ -96,7 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.methods import Models
     from specdecode.bench.report import markdown_table, write_report
     from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.kernels import prepack_linears
+    from specdecode.kernels import kernel_summary, prepack_linears
     from specdecode.model_store import load_causal_lm
     from specdecode.prompts import require_prompts
 
@@ -136,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
     if "head" in cfg.policies:
         record["models"]["head"] = _measured_head(cfg, target, drafter)
-    record["kernels"] = _kernels(target)
+    record["kernels"] = kernel_summary(target)
     record["prompt_ids"] = [p.id for p in prompts]
     out = Path(args.out)
     write_report(record, out, plots=not args.no_plots)
@@ -149,14 +149,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
-
-
-def _kernels(target) -> dict:
-    """Which fp32 kernels the target ran: the verify cost of short rounds depends on it."""
-    from specdecode.kernels import PrepackedLinear
-
-    packed = [m for m in target.modules() if isinstance(m, PrepackedLinear)]
-    return {"prepacked": bool(packed), "packed_from_rows": packed[0].min_rows if packed else None}
 
 
 def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:

@@ -15,8 +15,6 @@ def policy_comparison(record: dict) -> list[dict]:
     the same comparison on modelled speedups (counted calls x calibrated costs; see
     `metrics.modelled_speedup`), against the constant k that is best by that model.
     """
-    from specdecode.bench.metrics import bootstrap_interval, geometric_mean
-
     rows = [r for r in record["methods"] if r.get("policy")]
     out = []
     for r in rows:
@@ -32,10 +30,7 @@ def policy_comparison(record: dict) -> list[dict]:
         ]
         if not constants:
             continue
-        best = max(constants, key=lambda c: c["speedup"]["geomean"])
-        ratios = [
-            a / b for a, b in zip(r["per_batch_speedup"], best["per_batch_speedup"], strict=True)
-        ]
+        measured = _against_best(r, constants, "speedup", "per_batch_speedup")
         modelled = [c for c in constants if c.get("modelled_speedup")]
         entry = {}
         if r.get("modelled_speedup") and modelled:
@@ -45,17 +40,14 @@ def policy_comparison(record: dict) -> list[dict]:
                 "modelled_vs_best_constant": r["modelled_speedup"]
                 / best_modelled["modelled_speedup"],
             }
-        entry.update(_decode_comparison(r, constants))
+        decode = _against_best(r, constants, "decode_speedup", "per_batch_decode_speedup")
+        entry.update({f"decode_{key}": value for key, value in decode.items()})
         out.append(
             {
                 "method": r["method"],
                 "batch_size": r["batch_size"],
-                "best_constant": best["method"],
-                "vs_best_constant": geometric_mean(ratios),
-                "vs_best_constant_95ci": list(bootstrap_interval(ratios)),
+                **measured,
                 **entry,
-                "wins": sum(x > 1 for x in ratios),
-                "batches": len(ratios),
                 "policy_ms_per_drafted_token": r.get("policy_ms_per_drafted_token"),
                 "policy_share_of_time": r.get("policy_share_of_time"),
             }
@@ -63,23 +55,25 @@ def policy_comparison(record: dict) -> list[dict]:
     return out
 
 
-def _decode_comparison(row: dict, constants: list[dict]) -> dict:
-    """The policy against the constant k that decodes fastest after the first round (the
-    prefill's), over the batches where both have a decode phase (see `runner.decode_ratios`)."""
+def _against_best(row: dict, constants: list[dict], speed: str, per_batch: str) -> dict:
+    """`row` against the constant k fastest by `speed`, over the batches where both have a
+    per-batch ratio (`per_batch`; None where undefined, see `runner.decode_ratios`)."""
     from specdecode.bench.metrics import bootstrap_interval, geometric_mean
 
-    measured = [c for c in constants if c.get("decode_speedup")]
-    if not row.get("decode_speedup") or not measured:
+    measured = [c for c in constants if c.get(speed)]
+    if not row.get(speed) or not measured:
         return {}
-    best = max(measured, key=lambda c: c["decode_speedup"]["geomean"])
-    pairs = zip(row["per_batch_decode_speedup"], best["per_batch_decode_speedup"], strict=True)
+    best = max(measured, key=lambda c: c[speed]["geomean"])
+    pairs = zip(row[per_batch], best[per_batch], strict=True)
     ratios = [a / b for a, b in pairs if a is not None and b is not None]
     if not ratios:
         return {}
     return {
-        "decode_best_constant": best["method"],
-        "decode_vs_best_constant": geometric_mean(ratios),
-        "decode_vs_best_constant_95ci": list(bootstrap_interval(ratios)),
+        "best_constant": best["method"],
+        "vs_best_constant": geometric_mean(ratios),
+        "vs_best_constant_95ci": list(bootstrap_interval(ratios)),
+        "wins": sum(x > 1 for x in ratios),
+        "batches": len(ratios),
     }
 
 

@@ -208,10 +208,10 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                 )
                 rec.seconds.append(result.seconds)
                 rec.tokens.append(sum(map(len, result.new_tokens)))
-                st = result.stats
-                rec.first_round_seconds.append(None if st is None else st.first_round_seconds)
-                rec.first_round_tokens.append(None if st is None else st.first_round_tokens)
-                if result.stats is not None:
+                stats = result.stats
+                rec.first_round_seconds.append(None if stats is None else stats.first_round_seconds)
+                rec.first_round_tokens.append(None if stats is None else stats.first_round_tokens)
+                if stats is not None:
                     rec.stats = rec.stats.merge(result.stats.total)
                     rec.draft_seconds += result.stats.draft_seconds
                     rec.verify_seconds += result.stats.verify_seconds
