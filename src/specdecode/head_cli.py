@@ -135,8 +135,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     preview = result.get("policy_preview") or {}
     if preview:
         low, high = config.preview_bound
+        where = (
+            "the validation rounds, each cut where the policy stops"
+            if result.get("preview_kind") == "rounds"
+            else "decoding replayed on the validation responses"
+        )
         print(
-            f"held-out preview (decoding replayed on the validation responses, rounds of "
+            f"held-out preview ({where}, rounds of "
             f"{low}..{high}; a verify pass 1 + {config.preview_costs.verify_slope:g} k steps, a "
             f"drafted token {config.preview_costs.draft_cost:g}):"
         )
@@ -174,8 +179,17 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mixing-ratio",
         type=float,
-        default=d.mixing_ratio,
-        help="chance that a position commits the drafter's token instead of the target's",
+        default=None,
+        help="chance that a position commits the drafter's token instead of the target's "
+        f"(default {d.mixing_ratio}; not with --rounds)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=d.rounds,
+        metavar="K",
+        help="record inside real speculative rounds of K drafted tokens (on-policy states: "
+        "each token's prefix holds the round's earlier drafts) instead of mixed sequences",
     )
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -201,9 +215,14 @@ def cmd_collect(args: argparse.Namespace) -> int:
     cfg = CollectConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
-        mixing_ratio=args.mixing_ratio,
+        mixing_ratio=(
+            args.mixing_ratio
+            if args.mixing_ratio is not None
+            else (0.0 if args.rounds else CollectConfig.mixing_ratio)
+        ),
         batch_size=args.batch_size,
         seed=args.seed,
+        rounds=args.rounds,
     )
     prompts = require_prompts(args.prompts, limit=args.limit, skip=args.skip)
     target, tokenizer = load_causal_lm(args.target)

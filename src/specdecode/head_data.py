@@ -31,6 +31,10 @@ Beside the hidden state, each position records `law_features` (log top probabili
 log top-2 margin) of the drafter's law: `law_greedy` from softmax(q), what a greedy round drafts
 from, and `law_sampling` from the temperature-T law a sampled round draws from.
 
+With `rounds` = k > 0 the examples come instead from real decoding, inside rounds of k drafted
+tokens (`head_rounds`): the states the head meets at inference, with no mixing. Both kinds have
+the same tensors; rounds also record each example's round and slot.
+
 Collection is written in shards, one per batch of prompts, and resumes where it stopped. Shards
 written before the law features existed get them on resume from their stored hidden states,
 through the drafter's output layer (the hidden state is the input of that layer, stored in fp16).
@@ -66,6 +70,7 @@ class CollectConfig:
     mixing_ratio: float = 0.15
     batch_size: int = 8
     seed: int = 0
+    rounds: int = 0  # > 0: record inside real rounds of this many drafted tokens (`head_rounds`)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -74,17 +79,24 @@ class CollectConfig:
             raise ValueError(f"mixing_ratio must be in [0, 1], got {self.mixing_ratio}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0 (0: mixed sequences), got {self.rounds}")
+        if self.rounds and self.mixing_ratio:
+            raise ValueError(
+                "a collection inside real rounds commits the verified tokens, so it mixes "
+                f"nothing: mixing_ratio must be 0 with rounds, got {self.mixing_ratio}"
+            )
         SamplingConfig(self.temperature)  # validates the temperature
 
 
 def drawn_acceptance(
     p_law: torch.Tensor, q_law: torch.Tensor, drawn: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampling laws p_law, q_law [n, vocab], drawn [n] (drawn from q_law) ->
-    (min(1, p/q) of the drawn token [n], log q of it [n])."""
-    pick = drawn[:, None]
-    p_drawn = p_law.gather(-1, pick)[:, 0]  # [n]
-    q_drawn = q_law.gather(-1, pick)[:, 0]  # [n], > 0: it was drawn
+    """Sampling laws p_law, q_law [..., vocab], drawn [...] (drawn from q_law) ->
+    (min(1, p/q) of the drawn token [...], log q of it [...])."""
+    pick = drawn[..., None]
+    p_drawn = p_law.gather(-1, pick)[..., 0]
+    q_drawn = q_law.gather(-1, pick)[..., 0]  # > 0: it was drawn
     return (p_drawn / q_drawn).clamp(max=1.0), q_drawn.clamp_min(1e-30).log()
 
 
@@ -259,7 +271,7 @@ def collect(
     }
     old = out / META_FILE
     if old.is_file():
-        before = json.loads(old.read_text())
+        before = {"rounds": 0} | json.loads(old.read_text())  # older ones had no rounds
         if {k: before.get(k) for k in meta} != meta:
             raise ValueError(
                 f"{out} holds a collection made with other settings or models; "
@@ -287,11 +299,27 @@ def collect(
                 part = add_drawn_labels(part, target, drafter, prompts, vocab, cfg.temperature)
                 save_file(part, shard)
             continue
-        gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
-        part = collect_batch(
-            target_lm, drafter_lm, prompts[start : start + cfg.batch_size], cfg, stop_ids, gen
-        )
-        part["prompt_index"] = part.pop("row") + start  # index among the prompts after `skip`
+        batch = prompts[start : start + cfg.batch_size]
+        if cfg.rounds:
+            from specdecode.head_rounds import collect_rounds
+
+            seeds = tuple(cfg.seed * 1_000_003 + start + i for i in range(len(batch)))
+            part = collect_rounds(
+                target_lm,
+                drafter_lm,
+                batch,
+                cfg.rounds,
+                cfg.temperature,
+                cfg.max_new_tokens,
+                stop_ids,
+                seeds,
+            )
+            part["round"] += n * cfg.batch_size * cfg.max_new_tokens  # unique over shards
+            part["prompt_index"] += start  # index among the prompts after `skip`
+        else:
+            gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
+            part = collect_batch(target_lm, drafter_lm, batch, cfg, stop_ids, gen)
+            part["prompt_index"] = part.pop("row") + start  # index among the prompts after `skip`
         save_file(part, shard)
         meta["seconds"] = seconds + time.perf_counter() - started
         old.write_text(json.dumps(meta, indent=1) + "\n")

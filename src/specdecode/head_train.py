@@ -253,6 +253,8 @@ class HeadData:
     meta: dict[str, Any]
     position: torch.Tensor | None = None  # [N] int64 index in the response
     features: torch.Tensor | None = None  # [N, F] float32 law features of the chosen rule
+    round: torch.Tensor | None = None  # [N] int64 round of a collection inside real rounds
+    slot: torch.Tensor | None = None  # [N] int64 index of the drafted token in its round
 
 
 def load_examples(
@@ -349,7 +351,17 @@ def load_examples(
                 f"{data_dir / EXAMPLES_FILE}: the law features of {key} must be finite with "
                 f"shape {want}, got {tuple(features.shape)}"
             )
+    rounds = {}
+    if "round" in tensors or "slot" in tensors:  # collected inside real rounds
+        for key in ("round", "slot"):
+            if key not in tensors or tuple(tensors[key].shape) != (n,):
+                raise ValueError(
+                    f"{data_dir / EXAMPLES_FILE}: a collection inside rounds needs round and "
+                    f"slot, each of shape ({n},)"
+                )
+            rounds[key] = tensors[key].long()
     return HeadData(
+        **rounds,
         hidden=hidden.to(torch.float16),
         label=label,
         label_greedy=tensors["label_greedy"].float(),
@@ -561,18 +573,8 @@ def train_head(
             "mean_label": _nan_to_none(mean_label),
             "counts": counts.tolist(),
         },
-        "policy_preview": (
-            preview_policies(
-                best_val[0].cpu(),
-                best_val[1].cpu(),
-                data.prompt_index[val_rows],
-                data.position[val_rows],
-                config.preview_bound,
-                config.preview_costs,
-            )
-            if data.position is not None
-            else None
-        ),
+        "policy_preview": _preview(data, val_rows, *best_val, config),
+        "preview_kind": "rounds" if data.round is not None else "responses",
         "device": str(accelerator.device),
         "num_processes": accelerator.num_processes,
         "head_dir": str(out_dir),
@@ -715,6 +717,152 @@ def preview_policies(
     # exact acceptance probability of each drafted token, still a gamble on the verdict)
     rows |= {f"oracle h={h:g}": replay(_stop_lengths(keep_l, low, h)) for h in PREVIEW_THRESHOLDS}
     return rows
+
+
+BONUS = -1  # in a chain of recorded rounds: the bonus token after a round that accepted all
+
+
+def _chained_rounds(
+    prompt_index: torch.Tensor, position: torch.Tensor, round_id: torch.Tensor, slot: torch.Tensor
+) -> list[tuple[list[int], int]]:
+    """Recorded rounds joined into chains: (example rows, accepted count before the rejection).
+
+    A round's accepted count is where the next round of its response starts, less one (the
+    token committed after the accepted drafts); the last round of each response has no
+    successor and is left out. A round that accepted all its drafts continues, through its
+    bonus token (`BONUS`, a position with no recorded draft), into the next one, so that a
+    replayed round may run past the recorded round's end.
+    """
+    order = torch.argsort(round_id * (int(slot.max()) + 1) + slot).tolist()
+    rounds: dict[int, list[int]] = {}
+    for i in order:
+        rounds.setdefault(int(round_id[i]), []).append(i)
+    by_prompt: dict[int, list[list[int]]] = {}
+    for rows in rounds.values():  # round ids grow with decoding steps
+        if [int(slot[i]) for i in rows] != list(range(len(rows))):
+            raise ValueError("each recorded round must hold the slots 0..m-1 of its drafted tokens")
+        by_prompt.setdefault(int(prompt_index[rows[0]]), []).append(rows)
+    chains = []
+    for seq in by_prompt.values():
+        chain: list[int] = []
+        for rows, after in itertools.pairwise(seq):
+            accepted = int(position[after[0]]) - int(position[rows[0]]) - 1
+            if not 0 <= accepted <= len(rows):
+                raise ValueError(
+                    f"recorded rounds do not chain: a round of {len(rows)} drafts is followed "
+                    f"{accepted + 1} positions later"
+                )
+            if accepted < len(rows):  # a rejection ends the chain
+                chains.append((chain + rows, len(chain) + accepted))
+                chain = []
+            else:  # all accepted: the bonus token, then the next round, continue the chain
+                chain += rows + [BONUS]
+        if chain:
+            chains.append((chain[:-1], len(chain) - 1))
+    return chains
+
+
+def preview_rounds(
+    pred: torch.Tensor,
+    label: torch.Tensor,
+    prompt_index: torch.Tensor,
+    position: torch.Tensor,
+    round_id: torch.Tensor,
+    slot: torch.Tensor,
+    bound: tuple[int, int] = (1, 12),
+    costs: PreviewCosts | None = None,
+) -> dict[str, dict[str, float]]:
+    """Each policy replayed on the recorded responses themselves, with the recorded verdicts.
+
+    A collection inside rounds of K (`head collect --rounds K`) holds, per round, the K drafts
+    with their states, and (from where the next round starts) how many were accepted. Coupled
+    on the same random numbers, any length policy commits the very same text; only where its
+    rounds end differs. Recorded rounds that accepted everything are joined, through their
+    bonus token, to the next into one chain of drafts ending at a rejection. A round of the
+    replayed policy starting at slot s of a chain drafts m tokens (its decisions read the
+    recorded states at slots s, s+1, ...), and then:
+    - if the chain accepted them all, they are committed with the token after them, which is
+      the recorded draft at slot s + m when that was accepted (the bonus token and the accepted
+      draft are one coupled draw), so the next round starts at slot s + m + 1;
+    - otherwise it commits the accepted ones and the recorded correction, and the next round
+      starts at the next chain.
+    So the counts are those decoding with the policy would make on this text, with no model of
+    acceptance, with one approximation: a recorded bonus token has no draft, so a replayed
+    round that passes over it counts it as a drafted token predicted and labelled 1 (accepted,
+    no stop), and a round starting at the bonus token that ends a chain drafts one.
+    `oracle h=...` feeds the rule the acceptance labels; `head h=...` the head's predictions.
+    A round of m drafted tokens costs 1 + (verify_slope + draft_cost) m target steps.
+    """
+    # pred, label, prompt_index, position, round_id, slot: [N]
+    costs = costs or PreviewCosts()
+    chained = _chained_rounds(prompt_index, position, round_id, slot)
+    low, high = bound
+    pred_l, label_l = pred.double().tolist() + [1.0], label.double().tolist() + [1.0]  # BONUS
+
+    def replay(stop_after) -> dict[str, float]:
+        rounds = committed = drafted = 0
+        for rows, accepted in chained:
+            s = 0
+            while s <= accepted and s < len(rows):
+                m = stop_after(rows[s : s + high])
+                rounds, drafted = rounds + 1, drafted + m
+                if s + m <= accepted:  # all m accepted: commit them and the coupled next token
+                    committed += m + 1
+                    s += m + 1
+                else:
+                    committed += accepted - s + 1
+                    s = accepted + 1
+            if s == len(rows) == accepted:  # a chain cut by the data ends in a bonus token
+                rounds, drafted, committed = rounds + 1, drafted + 1, committed + 1
+        return {
+            "tokens_per_round": committed / rounds,
+            "drafted_per_round": drafted / rounds,
+            "est_speed": committed / (rounds + (costs.verify_slope + costs.draft_cost) * drafted),
+        }
+
+    def threshold(values: list[float], h: float):
+        def stop_after(rows: list[int]) -> int:
+            keep = 1.0
+            for m, i in enumerate(rows, 1):
+                keep *= values[i]
+                if m >= low and 1 - keep > h:
+                    return m
+            return len(rows)
+
+        return stop_after
+
+    out = {f"k={k}": replay(lambda rows, k=k: min(k, len(rows))) for k in range(1, high + 1)}
+    out |= {f"head h={h:g}": replay(threshold(pred_l, h)) for h in PREVIEW_THRESHOLDS}
+    out |= {f"oracle h={h:g}": replay(threshold(label_l, h)) for h in PREVIEW_THRESHOLDS}
+    return out
+
+
+def _preview(
+    data: HeadData,
+    val_rows: torch.Tensor,
+    pred: torch.Tensor,
+    label: torch.Tensor,
+    config: TrainConfig,
+) -> dict[str, dict[str, float]] | None:
+    """The held-out preview: round by round for a collection inside rounds, else replayed
+    along each response."""
+    bound, costs = config.preview_bound, config.preview_costs
+    if data.round is not None and data.slot is not None:
+        return preview_rounds(
+            pred.cpu(),
+            label.cpu(),
+            data.prompt_index[val_rows],
+            data.position[val_rows],
+            data.round[val_rows],
+            data.slot[val_rows],
+            bound,
+            costs,
+        )
+    if data.position is None:
+        return None
+    return preview_policies(
+        pred.cpu(), label.cpu(), data.prompt_index[val_rows], data.position[val_rows], bound, costs
+    )
 
 
 def _constant_baseline(

@@ -1,0 +1,241 @@
+"""Head data recorded inside real rounds: every drafted token, labelled as verification decides."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from specdecode.acceptance_head import law_features
+from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.drafters import ModelDrafter
+from specdecode.engine import decode
+from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
+from specdecode.head_train import PreviewCosts, TrainConfig, preview_rounds, train_head
+from specdecode.kv_cache import CachedModel
+from specdecode.length_policies import ConstantLength
+from specdecode.sampling import logits_to_probs
+from specdecode.verification import make_rule
+
+PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21]]
+K = 3
+
+
+def pair():
+    target, drafter = tiny_llama(0, init=0.2), tiny_llama(0, init=0.2)
+    torch.manual_seed(1)
+    with torch.no_grad():  # the same weights perturbed: partial agreement
+        for p in drafter.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return target, drafter
+
+
+def plain_outputs(target, drafter, temperature: float) -> list[list[int]]:
+    """What the engine commits with a constant k = K and the collection's row seeds."""
+    sampling = SamplingConfig(temperature)
+    cfg = DecodeConfig(
+        max_new_tokens=12, num_draft_tokens=K, sampling=sampling, row_seeds=(0, 1, 2, 3)
+    )
+    vocab = target.get_output_embeddings().weight.shape[0]
+    model_drafter = ModelDrafter(CachedModel(drafter), sampling, vocab, ConstantLength(K))
+    out: list[list[int]] = [[] for _ in PROMPTS]
+    rule = make_rule(None, sampling)
+    for event in decode(CachedModel(target), model_drafter, rule, PROMPTS, cfg):
+        for row, tokens in zip(event.rows, event.new_tokens, strict=True):
+            out[row] += tokens
+    return out
+
+
+@torch.no_grad()
+def fresh(model, prefix: list[int]):
+    out = model(torch.tensor([prefix]), output_hidden_states=True)
+    return out.logits[0, -1], out.hidden_states[-1][0, -1]
+
+
+def collected(tmp_path, temperature: float):
+    target, drafter = pair()
+    cfg = CollectConfig(max_new_tokens=12, temperature=temperature, mixing_ratio=0.0, rounds=K)
+    meta = collect(target, drafter, PROMPTS, tmp_path, cfg, stop_ids=(), progress=False)
+    assert meta["rounds"] == K
+    return target, drafter, load_file(tmp_path / EXAMPLES_FILE)
+
+
+def rounds_of(ex: dict) -> dict[int, list[int]]:
+    """round id -> its examples in slot order."""
+    out: dict[int, list[int]] = {}
+    for i in sorted(
+        range(len(ex["slot"])), key=lambda i: (int(ex["round"][i]), int(ex["slot"][i]))
+    ):
+        out.setdefault(int(ex["round"][i]), []).append(i)
+    return out
+
+
+def prefix_of(ex: dict, i: int, rounds: dict, texts: list[list[int]]) -> list[int]:
+    """Prompt + committed text before the round + the round's earlier drafts."""
+    row, slot = int(ex["prompt_index"][i]), int(ex["slot"][i])
+    start = int(ex["position"][i]) - slot
+    same_round = rounds[int(ex["round"][i])][:slot]
+    return PROMPTS[row] + texts[row][:start] + [int(ex["proposal"][j]) for j in same_round]
+
+
+def test_greedy_rounds_label_every_drafted_token_as_verification_does(tmp_path):
+    target, drafter, ex = collected(tmp_path, temperature=0.0)
+    texts = plain_outputs(*pair(), temperature=0.0)
+    rounds = rounds_of(ex)
+    labels = ex["label_greedy"]
+    assert 0.1 < labels.mean() < 0.9, "the pair must give both accepts and rejects"
+    assert set(ex["prompt_index"].tolist()) == set(range(len(PROMPTS)))
+    for members in rounds.values():
+        assert [int(ex["slot"][i]) for i in members] == list(range(len(members)))
+        assert len(members) <= K
+    # the next round of a prompt starts after the accepted drafts (the leading 1s) + one token
+    by_prompt: dict[int, list[list[int]]] = {}
+    for members in rounds.values():
+        by_prompt.setdefault(int(ex["prompt_index"][members[0]]), []).append(members)
+    for row, row_rounds in by_prompt.items():
+        for this, nxt in itertools.pairwise(row_rounds):
+            accepted = 0
+            while accepted < len(this) and labels[this[accepted]] == 1:
+                accepted += 1
+            assert int(ex["position"][nxt[0]]) == int(ex["position"][this[0]]) + accepted + 1
+        # and the committed text holds each accepted draft
+        for members in row_rounds:
+            start = int(ex["position"][members[0]])
+            for i in members:
+                if labels[i] != 1:
+                    break
+                assert texts[row][start + int(ex["slot"][i])] == int(ex["proposal"][i])
+    for i in range(len(labels)):
+        prefix = prefix_of(ex, i, rounds, texts)
+        p_logits, _ = fresh(target, prefix)
+        q_logits, hidden = fresh(drafter, prefix)
+        assert int(ex["proposal"][i]) == int(q_logits.argmax())
+        assert float(labels[i]) == float(q_logits.argmax() == p_logits.argmax())
+        torch.testing.assert_close(ex["hidden"][i].float(), hidden, atol=2e-2, rtol=1e-2)
+        law = law_features(q_logits.softmax(-1))
+        torch.testing.assert_close(ex["law_greedy"][i], law, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ex["label_drawn"], labels)
+    torch.testing.assert_close(ex["label_sampling"], labels)
+
+
+def test_sampled_rounds_label_the_drawn_token_and_change_no_output(tmp_path):
+    target, drafter, ex = collected(tmp_path, temperature=0.8)
+    # the fresh passes below see the text plain decoding commits: recording changes nothing
+    texts = plain_outputs(*pair(), temperature=0.8)
+    rounds = rounds_of(ex)
+    sampling = SamplingConfig(0.8)
+    assert (ex["slot"] > 0).any(), "rounds must hold drafts after drafts"
+    for i in range(len(ex["slot"])):
+        prefix = prefix_of(ex, i, rounds, texts)
+        p_logits, _ = fresh(target, prefix)
+        q_logits, _ = fresh(drafter, prefix)
+        p = logits_to_probs(p_logits[None], sampling)[0]
+        q = logits_to_probs(q_logits[None], sampling)[0]
+        z = int(ex["proposal"][i])
+        assert float(ex["label_drawn"][i]) == pytest.approx(min(1.0, float(p[z] / q[z])), abs=1e-5)
+        assert float(ex["label_sampling"][i]) == pytest.approx(
+            float(torch.minimum(p, q).sum()), abs=1e-5
+        )
+        assert float(ex["drawn_log_prob"][i]) == pytest.approx(math.log(q[z]), abs=1e-4)
+        assert float(ex["label_greedy"][i]) == float(q_logits.argmax() == p_logits.argmax())
+        torch.testing.assert_close(ex["law_sampling"][i], law_features(q), atol=1e-4, rtol=1e-4)
+
+
+def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path):
+    collected(tmp_path / "data", temperature=0.8)
+    config = TrainConfig(rule="sampling", epochs=1, num_layers=1, val_fraction=0.5)
+    result = train_head(tmp_path / "data", tmp_path / "head", config, progress=False)
+    assert result["preview_kind"] == "rounds"
+    preview = result["policy_preview"]
+    assert {"k=1", f"k={K}", "head h=0.5", "oracle h=0.5"} <= preview.keys()
+    # a higher threshold stops later: rounds never get shorter
+    drafted = [preview[f"head h={h:g}"]["drafted_per_round"] for h in (0.1, 0.5, 0.9)]
+    assert drafted == sorted(drafted)
+    assert preview["k=1"]["drafted_per_round"] == pytest.approx(1.0)
+
+
+def replay_inputs(rounds: list[tuple[int, list[float]]]):
+    """One response's recorded rounds as (start position, labels of the drafts) -> the
+    tensors `preview_rounds` reads, with the labels as predictions too."""
+    cols: dict[str, list] = {"label": [], "prompt": [], "position": [], "round": [], "slot": []}
+    for r, (start, labels) in enumerate(rounds):
+        for j, a in enumerate(labels):
+            for key, value in zip(cols, (a, 0, start + j, r, j), strict=True):
+                cols[key].append(value)
+    label = torch.tensor(cols["label"])
+    ints = (torch.tensor(cols[k]) for k in ("prompt", "position", "round", "slot"))
+    return label, label, *ints
+
+
+def test_round_preview_replays_the_recorded_text_round_by_round():
+    """Rounds of 3 recorded: A accepts 1 of 3, B all 3 (its bonus token follows), C none;
+    D is the last (no successor, left out). By hand: text A0 + correction, then B0 B1 B2 +
+    bonus, C0's correction: 7 tokens, whatever the policy."""
+    recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
+    costs = PreviewCosts(draft_cost=0.2, verify_slope=0.1)
+    rows = preview_rounds(*replay_inputs(recorded), (1, 3), costs)
+
+    def rounds_of(row):
+        committed = 7
+        assert row["tokens_per_round"] == pytest.approx(
+            committed / round(committed / row["tokens_per_round"])
+        )
+        return round(committed / row["tokens_per_round"])
+
+    # k = 3 is the recording itself: 3 rounds, 9 drafted
+    assert rounds_of(rows["k=3"]) == 3
+    assert rows["k=3"]["drafted_per_round"] == pytest.approx(3.0)
+    # k = 1: A0 (+A1 correction... no: A0 accepted, bonus coupled with A1's rejection) = 1
+    # round; B0+B1, B2+bonus, C0 rejected: 3 rounds
+    assert rounds_of(rows["k=1"]) == 4
+    assert rows["k=1"]["est_speed"] == pytest.approx(7 / (4 + 0.3 * 4))
+    # k = 2: A0 A1(rejected) = 1 round; B0 B1 + B2; bonus C0(rejected): 2 rounds, 5 drafted
+    assert rounds_of(rows["k=2"]) == 3
+    assert rows["k=2"]["drafted_per_round"] == pytest.approx(6 / 3)
+    # the oracle on 0/1 labels stops at the first predicted rejection: A0 A1 stop (1 round),
+    # B0 B1 B2 (3 drafted, all kept: bonus), then C0 stops: 3 rounds, 2 + 3 + 1 drafted
+    oracle = rows["oracle h=0.5"]
+    assert rounds_of(oracle) == 3
+    assert oracle["drafted_per_round"] == pytest.approx(6 / 3)
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=2, max_size=12))
+@settings(max_examples=60, deadline=None)
+def test_every_policy_commits_the_recorded_text(shape):
+    """Rounds of n drafts accepting a (<= n): every replayed policy commits the same tokens,
+    and the constant of the recording's own length reproduces its rounds."""
+    gen = torch.Generator().manual_seed(len(shape))
+    recorded, start = [], 0
+    for n, a in shape:
+        a = min(a, n)
+        labels = [1.0] * a + [0.0] * (n - a)
+        recorded.append((start, labels))
+        start += a + 1
+    label, _, *ints = replay_inputs(recorded)
+    pred = torch.rand(len(label), generator=gen)
+    rows = preview_rounds(pred, label, *ints, (1, 4), PreviewCosts(0.1, 0.0))
+    text = sum(min(a, n) + 1 for n, a in shape[:-1])
+    for name, row in rows.items():
+        rounds = text / row["tokens_per_round"]
+        assert rounds == pytest.approx(round(rounds)), name
+        assert row["est_speed"] == pytest.approx(
+            text / (rounds + 0.1 * rounds * row["drafted_per_round"])
+        )
+    if len({n for n, _ in shape[:-1]}) == 1:  # one round length n: k = n is the recording
+        n = shape[0][0]
+        assert text / rows[f"k={n}"]["tokens_per_round"] == pytest.approx(len(shape) - 1)
+    with pytest.raises(ValueError, match=r"slots 0\.\.m-1"):
+        preview_rounds(label[:2], label[:2], *(t[:2] for t in ints[:3]), torch.tensor([0, 2]))
+
+
+def test_rounds_refuse_mixing():
+    with pytest.raises(ValueError, match="mixing_ratio must be 0 with rounds"):
+        CollectConfig(rounds=4)
+    with pytest.raises(ValueError, match="rounds must be >= 0"):
+        CollectConfig(rounds=-1, mixing_ratio=0.0)
