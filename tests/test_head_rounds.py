@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -13,11 +14,18 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from specdecode.acceptance_head import law_features
+from specdecode.cli import main
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
 from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
-from specdecode.head_train import PreviewCosts, TrainConfig, preview_rounds, train_head
+from specdecode.head_train import (
+    PreviewCosts,
+    TrainConfig,
+    preview_rounds,
+    replay_heads,
+    train_head,
+)
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import ConstantLength
 from specdecode.sampling import logits_to_probs
@@ -147,7 +155,7 @@ def test_sampled_rounds_label_the_drawn_token_and_change_no_output(tmp_path):
         torch.testing.assert_close(ex["law_sampling"][i], law_features(q), atol=1e-4, rtol=1e-4)
 
 
-def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path):
+def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path, capsys):
     collected(tmp_path / "data", temperature=0.8)
     config = TrainConfig(rule="sampling", epochs=1, num_layers=1, val_fraction=0.5)
     result = train_head(tmp_path / "data", tmp_path / "head", config, progress=False)
@@ -158,6 +166,32 @@ def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path):
     drafted = [preview[f"head h={h:g}"]["drafted_per_round"] for h in (0.1, 0.5, 0.9)]
     assert drafted == sorted(drafted)
     assert preview["k=1"]["drafted_per_round"] == pytest.approx(1.0)
+
+    # `head replay` replays the saved head on the whole collection, paired with the constants
+    main(
+        [
+            "head",
+            "replay",
+            str(tmp_path / "data"),
+            "--head",
+            str(tmp_path / "head"),
+            "--json",
+            str(tmp_path / "replay.json"),
+        ]
+    )
+    out = capsys.readouterr().out
+    replay = json.loads((tmp_path / "replay.json").read_text())
+    best = replay["best_constant"]
+    assert f"best constant {best}" in out
+    assert replay["constants"][best]["vs_best_constant"] == pytest.approx(1.0)
+    assert all(r["vs_best_constant"] <= 1.0 + 1e-12 for r in replay["constants"].values())
+    rows = replay["heads"][str(tmp_path / "head")]
+    assert {"head h=0.5", "oracle h=0.5"} <= rows.keys()
+    # a collection along mixed sequences cannot be replayed round by round
+    mixed = CollectConfig(max_new_tokens=6, temperature=0.8)
+    collect(*pair(), PROMPTS, tmp_path / "mixed", mixed, stop_ids=(), progress=False)
+    with pytest.raises(ValueError, match="collect --rounds K"):
+        replay_heads(tmp_path / "mixed", [tmp_path / "head"])
 
 
 def replay_inputs(rounds: list[tuple[int, list[float]]]):

@@ -1,7 +1,9 @@
-"""`specdecode head collect | train`: make an acceptance head for a drafter/target pair.
+"""`specdecode head collect | train | replay`: make an acceptance head for a drafter/target pair.
 
     specdecode head collect --prompts humaneval --skip 40 --out DATA     # labelled drafter states
     specdecode head train DATA --out HEAD                                # weighted BCE, calibration
+    specdecode head collect --rounds 12 --limit 16 --out EVAL            # on evaluation prompts
+    specdecode head replay EVAL --head HEAD                              # paired, by replay
     specdecode generate --length-policy head --head HEAD --prompt ...    # use it
 
 `head collect` needs both models; `head train` only needs the collected tensors, so it runs
@@ -255,6 +257,60 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "data_dir", metavar="DATA_DIR", help="written by `specdecode head collect --rounds K`"
+    )
+    parser.add_argument(
+        "--head", action="append", required=True, metavar="HEAD_DIR", help="repeat for more"
+    )
+    parser.add_argument(
+        "--bound", nargs=2, type=int, default=_DEFAULTS.preview_bound, metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--costs",
+        nargs=2,
+        type=float,
+        default=(_DEFAULTS.preview_costs.draft_cost, _DEFAULTS.preview_costs.verify_slope),
+        metavar=("DRAFT", "VERIFY_SLOPE"),
+        help="as `head train --preview-costs`",
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Print each policy's replayed speed against the best constant k."""
+    import json
+
+    from specdecode.head_train import replay_heads
+
+    costs = PreviewCosts(*args.costs)
+    result = replay_heads(args.data_dir, args.head, tuple(args.bound), costs)
+    best = result["best_constant"]
+    print(
+        f"{result['examples']} recorded drafts in {args.data_dir}; rounds of "
+        f"{args.bound[0]}..{args.bound[1]}, a drafted token {costs.draft_cost:g} and each "
+        f"verified position {costs.verify_slope:g} target steps; best constant {best}"
+    )
+
+    def line(name: str, row: dict) -> str:
+        return (
+            f"  {name:>14}: est. {row['est_speed']:.3f}x ({row['vs_best_constant'] - 1:+.1%} vs "
+            f"{best}), {row['tokens_per_round']:.2f} tokens/round, "
+            f"{row['drafted_per_round']:.2f} drafted/round"
+        )
+
+    for name, row in result["constants"].items():
+        print(line(name, row))
+    for head, rows in result["heads"].items():
+        print(f"head {head}:")
+        for name, row in rows.items():
+            print(line(name, row))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
 def add_subcommands(subparsers) -> None:
     head = subparsers.add_parser("head", help="collect data for and train an acceptance head")
     jobs = head.add_subparsers(dest="head_command", required=True)
@@ -264,6 +320,11 @@ def add_subcommands(subparsers) -> None:
     train = jobs.add_parser("train", help="train an acceptance head on a collection")
     add_train_arguments(train)
     train.set_defaults(func=cmd_train)
+    replay = jobs.add_parser(
+        "replay", help="replay heads and constants on a collection made inside rounds"
+    )
+    add_replay_arguments(replay)
+    replay.set_defaults(func=cmd_replay)
 
 
 def _fmt(value: float | None) -> str:

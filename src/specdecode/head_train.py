@@ -619,7 +619,7 @@ def fit_law_term(
         p.requires_grad_(False)
 
 
-PREVIEW_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+PREVIEW_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
 def _stop_lengths(keep: torch.Tensor, low: int, h: float) -> torch.Tensor:
@@ -835,6 +835,45 @@ def preview_rounds(
     out |= {f"head h={h:g}": replay(threshold(pred_l, h)) for h in PREVIEW_THRESHOLDS}
     out |= {f"oracle h={h:g}": replay(threshold(label_l, h)) for h in PREVIEW_THRESHOLDS}
     return out
+
+
+def replay_heads(
+    data_dir: str | Path,
+    heads: list[str | Path],
+    bound: tuple[int, int] = (1, 12),
+    costs: PreviewCosts | None = None,
+) -> dict[str, Any]:
+    """Replay saved heads (and every constant k, and a perfect head) on a collection made
+    inside rounds, e.g. on evaluation prompts: the paired comparison the bench cannot make
+    under sampling, where each method writes its own text.
+
+    Returns {"examples", "best_constant", "constants": rows, "heads": {dir: rows}}, rows as
+    `preview_rounds` gives them, with `vs_best_constant` added.
+    """
+    from specdecode.acceptance_head import load_head
+
+    loaded = [(str(h), load_head(h).float()) for h in heads]
+    if not loaded:
+        raise ValueError("name at least one head to replay (--head DIR)")
+    result: dict[str, Any] = {"heads": {}}
+    for name, head in loaded:
+        rule = head.config.rule
+        data = load_examples(data_dir, rule, law=head.reads_law, drawn=head.reads_drawn)
+        if data.round is None or data.slot is None:
+            raise ValueError(
+                f"{data_dir} was collected along mixed sequences; replaying needs a collection "
+                "inside rounds (`specdecode head collect --rounds K`)"
+            )
+        pred = head.acceptance(data.hidden, data.features)  # [N]
+        columns = (data.prompt_index, data.position, data.round, data.slot)
+        rows = preview_rounds(pred, data.label, *columns, bound, costs)
+        constants = {k: v for k, v in rows.items() if k.startswith("k=")}
+        best = max(constants, key=lambda k: constants[k]["est_speed"])
+        for row in rows.values():
+            row["vs_best_constant"] = row["est_speed"] / constants[best]["est_speed"]
+        result["heads"][name] = {k: v for k, v in rows.items() if not k.startswith("k=")}
+        result |= {"examples": len(pred), "best_constant": best, "constants": constants}
+    return result
 
 
 def _preview(
