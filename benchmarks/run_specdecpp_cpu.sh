@@ -98,3 +98,26 @@ specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperatur
 specdecode bench --prompts mtbench --limit 10 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 3 5 --length-policy constant head \
   --stop-threshold 0.7 0.8 --bound 1 12 --out benchmarks/specdecpp-mtbench-t07-10-rows2 --quiet
+# On-policy head data: HumanEval prompts 40-103 decoded with rounds of 12, every drafted token
+# recorded with its state and verdict (18 minutes); a sampling head trained on it, priced at the
+# EPYC's costs (c 0.106 and verify 0.78 + 0.048 m steps, scaled to a verify intercept of 1)
+onpolicy="$HOME/.cache/specdecode/heads/data-rounds12-humaneval-40-104"
+specdecode head collect --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
+  --temperature 0.7 --rounds 12 --batch-size 8 --no-progress --out "$onpolicy"
+specdecode head train "$onpolicy" --rule sampling --half --no-progress \
+  --preview-costs 0.1375 0.056 --out runs/head-sampling-rounds \
+  | tee benchmarks/specdecpp-train-sampling-rounds.txt
+# The evaluation prompts 0-15 recorded the same way (not for training, 3.5 minutes), and both
+# heads replayed on them: paired, every policy commits the recorded text
+evalrounds="$HOME/.cache/specdecode/heads/eval-rounds12-humaneval-0-16"
+specdecode head collect --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 \
+  --rounds 12 --batch-size 8 --no-progress --out "$evalrounds"
+specdecode head replay "$evalrounds" --head runs/head-sampling-rounds \
+  --head "$heads/qwen2.5-coder-0.5b-for-1.5b-sampling" --costs 0.1375 0.056 \
+  --json benchmarks/specdecpp-replay-humaneval-t07-16.json \
+  | tee benchmarks/specdecpp-replay-humaneval-t07-16.txt
+# The bench with the on-policy head
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant head \
+  --stop-threshold 0.8 0.9 --bound 1 12 --head runs/head-sampling-rounds \
+  --out benchmarks/specdecpp-humaneval-t07-16-onpolicy --quiet

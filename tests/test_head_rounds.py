@@ -187,6 +187,11 @@ def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path, caps
     assert all(r["vs_best_constant"] <= 1.0 + 1e-12 for r in replay["constants"].values())
     rows = replay["heads"][str(tmp_path / "head")]
     assert {"head h=0.5", "oracle h=0.5"} <= rows.keys()
+    # the paired interval holds the ratio; the best constant against itself is exactly 1
+    assert replay["constants"][best]["vs_best_constant_95"] == pytest.approx([1.0, 1.0])
+    for row in [*rows.values(), *replay["constants"].values()]:
+        low, high = row["vs_best_constant_95"]
+        assert low - 1e-9 <= row["vs_best_constant"] <= high + 1e-9
     # a collection along mixed sequences cannot be replayed round by round
     mixed = CollectConfig(max_new_tokens=6, temperature=0.8)
     collect(*pair(), PROMPTS, tmp_path / "mixed", mixed, stop_ids=(), progress=False)

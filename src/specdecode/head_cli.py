@@ -80,23 +80,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--half", action="store_true", help="save the weights in fp16")
+    add_replay_prices(parser, "--preview-")
+
+
+def add_replay_prices(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """`{prefix}bound` and `{prefix}costs`: the rounds and prices a replay uses."""
     parser.add_argument(
-        "--preview-bound",
+        f"{prefix}bound",
         nargs=2,
         type=int,
         default=_DEFAULTS.preview_bound,
         metavar=("MIN", "MAX"),
-        help="tokens per round in the held-out preview (as `--bound` of generate and bench)",
+        help="tokens per round in the replay (as `--bound` of generate and bench)",
     )
     parser.add_argument(
-        "--preview-costs",
+        f"{prefix}costs",
         nargs=2,
         type=float,
         default=(_DEFAULTS.preview_costs.draft_cost, _DEFAULTS.preview_costs.verify_slope),
         metavar=("DRAFT", "VERIFY_SLOPE"),
-        help="the preview's prices, in target steps: a drafted token, and each extra position "
+        help="the replay's prices, in target steps: a drafted token, and each extra position "
         "a verify pass scores (`specdecode bench` prints your machine's: c and the verify "
-        "costs); the defaults are the default pair's on a 2-core CPU",
+        "costs); the defaults are the default pair's on a 2-core Intel Xeon",
     )
 
 
@@ -264,17 +269,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head", action="append", required=True, metavar="HEAD_DIR", help="repeat for more"
     )
-    parser.add_argument(
-        "--bound", nargs=2, type=int, default=_DEFAULTS.preview_bound, metavar=("MIN", "MAX")
-    )
-    parser.add_argument(
-        "--costs",
-        nargs=2,
-        type=float,
-        default=(_DEFAULTS.preview_costs.draft_cost, _DEFAULTS.preview_costs.verify_slope),
-        metavar=("DRAFT", "VERIFY_SLOPE"),
-        help="as `head train --preview-costs`",
-    )
+    add_replay_prices(parser, "--")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
@@ -294,9 +289,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
 
     def line(name: str, row: dict) -> str:
+        low, high = (x - 1 for x in row["vs_best_constant_95"])
         return (
             f"  {name:>14}: est. {row['est_speed']:.3f}x ({row['vs_best_constant'] - 1:+.1%} vs "
-            f"{best}), {row['tokens_per_round']:.2f} tokens/round, "
+            f"{best}, 95% over prompts {low:+.1%} to {high:+.1%}), "
+            f"{row['tokens_per_round']:.2f} tokens/round, "
             f"{row['drafted_per_round']:.2f} drafted/round"
         )
 

@@ -743,7 +743,7 @@ def _chained_rounds(
             raise ValueError("each recorded round must hold the slots 0..m-1 of its drafted tokens")
         by_prompt.setdefault(int(prompt_index[rows[0]]), []).append(rows)
     chains = []
-    for seq in by_prompt.values():
+    for prompt, seq in by_prompt.items():
         chain: list[int] = []
         for rows, after in itertools.pairwise(seq):
             accepted = int(position[after[0]]) - int(position[rows[0]]) - 1
@@ -753,12 +753,12 @@ def _chained_rounds(
                     f"{accepted + 1} positions later"
                 )
             if accepted < len(rows):  # a rejection ends the chain
-                chains.append((chain + rows, len(chain) + accepted))
+                chains.append((chain + rows, len(chain) + accepted, prompt))
                 chain = []
             else:  # all accepted: the bonus token, then the next round, continue the chain
                 chain += rows + [BONUS]
         if chain:
-            chains.append((chain[:-1], len(chain) - 1))
+            chains.append((chain[:-1], len(chain) - 1, prompt))
     return chains
 
 
@@ -771,7 +771,7 @@ def preview_rounds(
     slot: torch.Tensor,
     bound: tuple[int, int] = (1, 12),
     costs: PreviewCosts | None = None,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Each policy replayed on the recorded responses themselves, with the recorded verdicts.
 
     A collection inside rounds of K (`head collect --rounds K`) holds, per round, the K drafts
@@ -791,17 +791,20 @@ def preview_rounds(
     round that passes over it counts it as a drafted token predicted and labelled 1 (accepted,
     no stop), and a round starting at the bonus token that ends a chain drafts one.
     `oracle h=...` feeds the rule the acceptance labels; `head h=...` the head's predictions.
-    A round of m drafted tokens costs 1 + (verify_slope + draft_cost) m target steps.
+    A round of m drafted tokens costs 1 + (verify_slope + draft_cost) m target steps. Each row
+    also lists, per prompt (in prompt order), the committed tokens, rounds and drafted tokens.
     """
     # pred, label, prompt_index, position, round_id, slot: [N]
     costs = costs or PreviewCosts()
     chained = _chained_rounds(prompt_index, position, round_id, slot)
     low, high = bound
     pred_l, label_l = pred.double().tolist() + [1.0], label.double().tolist() + [1.0]  # BONUS
+    price = costs.verify_slope + costs.draft_cost  # of a drafted token, beyond its round's 1
 
-    def replay(stop_after) -> dict[str, float]:
-        rounds = committed = drafted = 0
-        for rows, accepted in chained:
+    def replay(stop_after) -> dict[str, Any]:
+        per_prompt: dict[int, list[int]] = {}  # prompt -> [committed, rounds, drafted]
+        for rows, accepted, prompt in chained:
+            rounds = committed = drafted = 0
             s = 0
             while s <= accepted and s < len(rows):
                 m = stop_after(rows[s : s + high])
@@ -814,10 +817,15 @@ def preview_rounds(
                     s = accepted + 1
             if s == len(rows) == accepted:  # a chain cut by the data ends in a bonus token
                 rounds, drafted, committed = rounds + 1, drafted + 1, committed + 1
+            totals = per_prompt.setdefault(prompt, [0, 0, 0])
+            for j, x in enumerate((committed, rounds, drafted)):
+                totals[j] += x
+        committed, rounds, drafted = (sum(t[j] for t in per_prompt.values()) for j in range(3))
         return {
             "tokens_per_round": committed / rounds,
             "drafted_per_round": drafted / rounds,
-            "est_speed": committed / (rounds + (costs.verify_slope + costs.draft_cost) * drafted),
+            "est_speed": committed / (rounds + price * drafted),
+            "per_prompt": [per_prompt[p] for p in sorted(per_prompt)],
         }
 
     def threshold(values: list[float], h: float):
@@ -835,6 +843,29 @@ def preview_rounds(
     out |= {f"head h={h:g}": replay(threshold(pred_l, h)) for h in PREVIEW_THRESHOLDS}
     out |= {f"oracle h={h:g}": replay(threshold(label_l, h)) for h in PREVIEW_THRESHOLDS}
     return out
+
+
+def _paired_interval(
+    row: dict[str, Any], base: dict[str, Any], costs: PreviewCosts | None, resamples: int = 2000
+) -> list[float]:
+    """95% bootstrap interval over prompts of a replayed policy's speed ratio to `base`.
+
+    Paired: both replay the same recorded text, so a resample draws prompts, not texts.
+    """
+    costs = costs or PreviewCosts()
+    price = costs.verify_slope + costs.draft_cost
+    a = torch.tensor(row["per_prompt"], dtype=torch.float64)  # [P, 3] committed, rounds, drafted
+    b = torch.tensor(base["per_prompt"], dtype=torch.float64)
+    pick = torch.randint(len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(0))
+
+    def speed(t: torch.Tensor) -> torch.Tensor:  # [resamples, P, 3] -> [resamples]
+        total = t.sum(1)
+        return total[:, 0] / (total[:, 1] + price * total[:, 2])
+
+    ratios = speed(a[pick]) / speed(b[pick])
+    return [
+        float(x) for x in torch.quantile(ratios, torch.tensor([0.025, 0.975], dtype=ratios.dtype))
+    ]
 
 
 def replay_heads(
@@ -871,6 +902,7 @@ def replay_heads(
         best = max(constants, key=lambda k: constants[k]["est_speed"])
         for row in rows.values():
             row["vs_best_constant"] = row["est_speed"] / constants[best]["est_speed"]
+            row["vs_best_constant_95"] = _paired_interval(row, constants[best], costs)
         result["heads"][name] = {k: v for k, v in rows.items() if not k.startswith("k=")}
         result |= {"examples": len(pred), "best_constant": best, "constants": constants}
     return result
@@ -882,7 +914,7 @@ def _preview(
     pred: torch.Tensor,
     label: torch.Tensor,
     config: TrainConfig,
-) -> dict[str, dict[str, float]] | None:
+) -> dict[str, dict[str, Any]] | None:
     """The held-out preview: round by round for a collection inside rounds, else replayed
     along each response."""
     bound, costs = config.preview_bound, config.preview_costs
