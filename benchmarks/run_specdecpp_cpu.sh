@@ -121,3 +121,28 @@ specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperatur
   --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant head \
   --stop-threshold 0.8 0.9 --bound 1 12 --head runs/head-sampling-rounds \
   --out benchmarks/specdecpp-humaneval-t07-16-onpolicy --quiet
+# MT-Bench 81-90 at T = 0.7 and the greedy sets recorded the same way (the greedy ones in
+# batches of 1, as the bench decodes), replayed at the EPYC's prices
+specdecode head collect --prompts mtbench --chat --limit 10 --max-new-tokens 64 --temperature 0.7 \
+  --rounds 12 --batch-size 8 --no-progress --out "$HOME/.cache/specdecode/heads/eval-rounds12-mtbench-10-t07"
+specdecode head replay "$HOME/.cache/specdecode/heads/eval-rounds12-mtbench-10-t07" \
+  --head runs/head-sampling-rounds --head "$heads/qwen2.5-coder-0.5b-for-1.5b-sampling" \
+  --costs 0.1375 0.056 --json benchmarks/specdecpp-replay-mtbench-t07-10.json \
+  | tee benchmarks/specdecpp-replay-mtbench-t07-10.txt
+for set in "humaneval 6 0-6" "mtbench 4 4"; do
+  read -r prompts limit tag <<< "$set"
+  chat=""; [ "$prompts" = mtbench ] && chat="--chat"
+  out="$HOME/.cache/specdecode/heads/eval-rounds12-$prompts-$tag-greedy"
+  specdecode head collect --prompts "$prompts" $chat --limit "$limit" --max-new-tokens 64 \
+    --temperature 0 --rounds 12 --batch-size 1 --no-progress --out "$out"
+  specdecode head replay "$out" --head "$heads/qwen2.5-coder-0.5b-for-1.5b-greedy" \
+    --costs 0.1375 0.056 --json "benchmarks/specdecpp-replay-$prompts-greedy-$limit.json" \
+    | tee "benchmarks/specdecpp-replay-$prompts-greedy-$limit.txt"
+done
+# Greedy benches on the EPYC (the greedy head; every method writes the same text)
+specdecode bench --prompts humaneval --limit 6 --max-new-tokens 64 --temperature 0 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant heuristic head \
+  --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out benchmarks/specdecpp-humaneval-greedy-epyc --quiet
+specdecode bench --prompts mtbench --limit 4 --max-new-tokens 64 --temperature 0 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 3 5 --length-policy constant heuristic head \
+  --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out benchmarks/specdecpp-mtbench-greedy-epyc --quiet
