@@ -124,3 +124,7 @@ specdecode bench --pair --limit 320 --max-new-tokens 100 --batch-sizes 32 \
 specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
   --methods ar hf hf-beam5 hf-assisted specdec --block-sizes 2 3 4 --relaxed 2,1.0 3,2.0 5,3.0 \
   --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-r2-im --quiet
+# fifth session: batch 32 with the shipped drafter on all 1,179 test verses (about 8 minutes)
+specdecode bench --pair --limit 0 --max-new-tokens 100 --batch-sizes 32 \
+  --methods ar hf specdec --block-sizes 2 3 --relaxed 2,1.0 5,3.0 \
+  --threads 2 --out benchmarks/specdec-bible-b32-shipped --quiet
