@@ -143,7 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if preview:
         low, high = config.preview_bound
         where = (
-            "the validation rounds, each cut where the policy stops"
+            "the validation responses, on their recorded verdicts"
             if result.get("preview_kind") == "rounds"
             else "decoding replayed on the validation responses"
         )

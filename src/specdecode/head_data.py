@@ -100,6 +100,25 @@ def drawn_acceptance(
     return (p_drawn / q_drawn).clamp(max=1.0), q_drawn.clamp_min(1e-30).log()
 
 
+def acceptance_labels(
+    greedy: torch.Tensor,
+    p_law: torch.Tensor | None,
+    q_law: torch.Tensor | None,
+    drawn: torch.Tensor,
+    top_log_prob: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampling labels of drafted tokens, for both collections (mixed and inside rounds).
+
+    greedy [...]: argmax agreement; p_law, q_law [..., vocab]: the sampling laws, None under
+    greedy, where the drawn token is the argmax and top_log_prob [...] its log probability;
+    drawn [...]. -> (label_sampling, label_drawn, drawn_log_prob), each [...].
+    """
+    if p_law is None or q_law is None:
+        return greedy, greedy, top_log_prob
+    soft = torch.minimum(p_law, q_law).sum(-1).clamp(0, 1)
+    return (soft, *drawn_acceptance(p_law, q_law, drawn))
+
+
 def _draw(logits: torch.Tensor, law: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
     """logits [batch, vocab], the sampling law [batch, vocab] (None under greedy) -> [batch]."""
     if law is None:
@@ -142,24 +161,22 @@ def collect_batch(
         law_greedy = law_features(q_logits.softmax(-1))  # [batch, 3]
         p_law = q_law = None  # the sampling laws [batch, vocab], computed once per step
         if sampling.greedy:
-            soft, law_sampling = greedy, law_greedy
+            law_sampling = law_greedy
         else:
             p_law, q_law = logits_to_probs(p_logits, sampling), logits_to_probs(q_logits, sampling)
-            soft = torch.minimum(p_law, q_law).sum(-1)  # [batch]
             law_sampling = law_features(q_law)  # [batch, 3]
+        own, proposal = _draw(p_logits, p_law, gen), _draw(q_logits, q_law, gen)
+        soft, drawn_label, drawn_log_prob = acceptance_labels(
+            greedy, p_law, q_law, proposal, law_greedy[:, 0]
+        )  # [batch] each
         rows = alive.nonzero()[:, 0]
         records["law_greedy"].append(law_greedy[rows].cpu())
         records["law_sampling"].append(law_sampling[rows].cpu())
         records["hidden"].append(hidden[rows, -1].half().cpu())
         records["greedy"].append(greedy[rows].cpu())
-        records["soft"].append(soft[rows].clamp(0, 1).cpu())
+        records["soft"].append(soft[rows].cpu())
         records["row"].append(rows.cpu())
         records["position"].append(torch.full((len(rows),), step))
-        own, proposal = _draw(p_logits, p_law, gen), _draw(q_logits, q_law, gen)
-        if p_law is None or q_law is None:  # greedy: the proposal is the argmax
-            drawn_label, drawn_log_prob = greedy, law_greedy[:, 0]
-        else:
-            drawn_label, drawn_log_prob = drawn_acceptance(p_law, q_law, proposal)
         records["label_drawn"].append(drawn_label[rows].cpu())
         records["drawn_log_prob"].append(drawn_log_prob[rows].cpu())
         mix = torch.rand(batch, generator=gen, device=device) < cfg.mixing_ratio

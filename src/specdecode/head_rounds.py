@@ -32,7 +32,7 @@ from specdecode.acceptance_head import law_features
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
-from specdecode.head_data import drawn_acceptance
+from specdecode.head_data import acceptance_labels
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import ConstantLength, DraftedPosition, LengthPolicy
 from specdecode.sampling import logits_to_probs
@@ -62,17 +62,12 @@ class RoundRecorder:
         if position.hidden is None or position.token is None:
             raise ValueError("recording a round needs the drafter's hidden state and token")
         law_greedy = law_features(position.logits.float().softmax(-1))  # [batch, 3]
-        if position.probs is None:
-            law_sampling, log_q = law_greedy, law_greedy[:, 0]
-        else:
-            law_sampling = law_features(position.probs)
-            log_q = position.probs.gather(-1, position.token[:, None])[:, 0].clamp_min(1e-30).log()
+        law_sampling = law_greedy if position.probs is None else law_features(position.probs)
         self.step.positions.append(
             {
                 "hidden": position.hidden.half().cpu(),  # [batch, hidden]
                 "law_greedy": law_greedy.cpu(),
                 "law_sampling": law_sampling.cpu(),
-                "drawn_log_prob": log_q.float().cpu(),  # [batch]
                 "proposal": position.token.cpu(),  # [batch]
                 "q_argmax": position.logits.argmax(-1).cpu(),  # [batch]
             }
@@ -82,18 +77,23 @@ class RoundRecorder:
         k = draft_tokens.shape[1]
         if k == 0:  # a round that drafted nothing (the budget's last token)
             return
+        positions = self.step.positions[:k]
         p_logits = target_logits[:, :k].float()  # [batch, k, vocab]
-        p_argmax = p_logits.argmax(-1).cpu()  # [batch, k]
-        q_argmax = torch.stack([p["q_argmax"] for p in self.step.positions[:k]], 1)  # [batch, k]
-        greedy = (q_argmax == p_argmax).float()
-        if draft_probs is None:  # greedy rounds: the drawn token is the argmax
-            soft = drawn = greedy
-        else:
+        q_argmax = torch.stack([p["q_argmax"] for p in positions], 1)  # [batch, k]
+        greedy = (q_argmax == p_logits.argmax(-1).cpu()).float()
+        top_log_prob = torch.stack([p["law_greedy"][:, 0] for p in positions], 1)  # [batch, k]
+        p_law = q_law = None  # greedy rounds: the drawn token is the argmax
+        if draft_probs is not None:  # the laws stay where the models run
             p_law = logits_to_probs(p_logits, self.sampling)  # [batch, k, vocab]
-            q_law = draft_probs.float()  # [batch, k, vocab]
-            soft = torch.minimum(p_law, q_law).sum(-1).clamp(0, 1).cpu()
-            drawn = drawn_acceptance(p_law, q_law, draft_tokens)[0].cpu()
-        self.step.labels = {"label_greedy": greedy, "label_sampling": soft, "label_drawn": drawn}
+            q_law = draft_probs.float()
+        device = draft_tokens.device
+        labels = acceptance_labels(
+            greedy.to(device), p_law, q_law, draft_tokens, top_log_prob.to(device)
+        )  # [batch, k] each
+        names = ("label_sampling", "label_drawn", "drawn_log_prob")
+        self.step.labels = {"label_greedy": greedy} | {
+            name: label.cpu() for name, label in zip(names, labels, strict=True)
+        }
         self.step.num_drafted = num_drafted.cpu()
 
     def flush(self, prompt_rows: list[int], new_tokens: list[list[int]]) -> None:
