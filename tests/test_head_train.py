@@ -21,6 +21,7 @@ from specdecode.head_train import (
     TrainConfig,
     auc,
     expected_calibration_error,
+    load_collections,
     load_examples,
     reliability_bins,
     split_by_prompt,
@@ -287,3 +288,33 @@ def test_cli_prints_summary(data_dir: Path, tmp_path: Path, capsys) -> None:
     assert "k=6:" in printed and "k=7:" not in printed
     config = load_head(out).config
     assert (config.num_layers, config.width) == (1, 4)
+
+
+def test_collections_combine_with_prompts_kept_apart(data_dir: Path, tmp_path: Path) -> None:
+    """Two collections for one pair train one head; their prompt 0s stay different prompts."""
+    other = write_data(tmp_path / "other", seed=1)
+    one = load_examples(data_dir, "sampling", law=True)
+    both = load_collections([data_dir, other], "sampling", law=True)
+    assert len(both.label) == 2 * len(one.label)
+    assert torch.unique(both.prompt_index).numel() == 2 * PROMPTS
+    assert torch.equal(both.hidden[len(one.label) :], load_examples(other, "sampling").hidden)
+    assert both.features is not None and both.features.shape == (2 * len(one.label), 3)
+    result = train_head([data_dir, other], tmp_path / "head", TrainConfig(**FAST), False)
+    assert result["data"]["examples"] == 2 * len(one.label)
+    assert result["data"]["prompts"] == 2 * PROMPTS
+    assert len(result["data"]["dirs"]) == 2
+
+    def variant(name: str, **meta) -> Path:
+        directory = write_data(tmp_path / name, seed=2)
+        (directory / "meta.json").write_text(json.dumps({**META, **meta}))
+        return directory
+
+    stranger = variant("stranger", drafter={"name": "other", "fingerprint": "e" * 16})
+    with pytest.raises(ValueError, match=r"drafter other.*a head is for one pair"):
+        load_collections([data_dir, stranger], "greedy")
+    hotter = variant("hotter", temperature=1.0)
+    with pytest.raises(ValueError, match=r"temperature 1\.0"):
+        load_collections([data_dir, hotter], "sampling")
+    assert len(load_collections([data_dir, hotter], "greedy").label) == 2 * len(one.label)
+    with pytest.raises(ValueError, match="no head data"):
+        load_collections([], "greedy")

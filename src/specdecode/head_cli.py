@@ -1,7 +1,7 @@
 """`specdecode head collect | train | replay`: make an acceptance head for a drafter/target pair.
 
     specdecode head collect --prompts humaneval --skip 40 --out DATA     # labelled drafter states
-    specdecode head train DATA --out HEAD                                # weighted BCE, calibration
+    specdecode head train DATA [DATA ...] --out HEAD                     # weighted BCE, calibration
     specdecode head collect --rounds 12 --limit 16 --out EVAL            # on evaluation prompts
     specdecode head replay EVAL --head HEAD                              # paired, by replay
     specdecode generate --length-policy head --head HEAD --prompt ...    # use it
@@ -32,8 +32,14 @@ _DEFAULTS = TrainConfig()
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `specdecode head train DATA_DIR --out HEAD_DIR ...`."""
-    parser.add_argument("data_dir", metavar="DATA_DIR", help="written by `specdecode head collect`")
+    """Arguments of `specdecode head train DATA_DIR [DATA_DIR ...] --out HEAD_DIR ...`."""
+    parser.add_argument(
+        "data_dir",
+        nargs="+",
+        metavar="DATA_DIR",
+        help="written by `specdecode head collect`; several (for the same pair, say code and "
+        "chat) train one head on all of them",
+    )
     parser.add_argument("--out", required=True, metavar="HEAD_DIR", help="where to save the head")
     parser.add_argument(
         "--rule",

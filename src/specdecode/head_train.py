@@ -37,6 +37,7 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,62 @@ def load_examples(
     )
 
 
+def load_collections(
+    data_dirs: Sequence[str | Path], rule: str, law: bool = False, drawn: bool = False
+) -> HeadData:
+    """`load_examples` of several collections for the same pair, as one: a code set and a chat
+    set, say, so one head serves both kinds of text.
+
+    Prompt indices are renumbered so that prompts of different collections never share an index
+    (the validation split keeps whole prompts, and the replay chains rounds per prompt). A
+    sampling head needs every collection drawn at the same temperature: the labels mean
+    acceptance under that law. Round and slot survive only if every collection has them.
+    """
+    if not data_dirs:
+        raise ValueError("no head data directories given")
+    parts = [load_examples(d, rule, law=law, drawn=drawn) for d in data_dirs]
+    first = parts[0]
+    for data_dir, part in zip(data_dirs[1:], parts[1:], strict=True):
+        for role in ("drafter", "target"):
+            if part.meta[role]["fingerprint"] != first.meta[role]["fingerprint"]:
+                raise ValueError(
+                    f"{data_dir} was collected with {role} {part.meta[role]['name']}, "
+                    f"{data_dirs[0]} with {first.meta[role]['name']}: a head is for one pair"
+                )
+        if part.hidden.shape[1] != first.hidden.shape[1]:
+            raise ValueError(f"{data_dir}: hidden size differs from {data_dirs[0]}")
+        if rule == "sampling" and float(part.meta["temperature"]) != float(
+            first.meta["temperature"]
+        ):
+            raise ValueError(
+                f"{data_dir} was sampled at temperature {part.meta['temperature']}, "
+                f"{data_dirs[0]} at {first.meta['temperature']}: sampling labels of one head "
+                "must share the drafting law"
+            )
+    if len(parts) == 1:
+        return first
+    offsets, offset = [], 0
+    for part in parts:  # [N_i] prompt indices, shifted past the previous collections'
+        offsets.append(part.prompt_index + offset)
+        offset += int(part.prompt_index.max()) + 1
+
+    def joined(name: str) -> torch.Tensor | None:
+        values = [getattr(part, name) for part in parts]
+        return None if any(v is None for v in values) else torch.cat(values)
+
+    return HeadData(
+        hidden=torch.cat([part.hidden for part in parts]),
+        label=torch.cat([part.label for part in parts]),
+        label_greedy=torch.cat([part.label_greedy for part in parts]),
+        prompt_index=torch.cat(offsets),
+        meta={**first.meta, "collections": [part.meta for part in parts]},
+        position=joined("position"),
+        features=joined("features"),
+        round=joined("round"),
+        slot=joined("slot") if joined("round") is not None else None,
+    )
+
+
 def split_by_prompt(
     prompt_index: torch.Tensor, val_fraction: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,14 +469,15 @@ def _nan_to_none(values: torch.Tensor) -> list[float | None]:
 
 
 def train_head(
-    data_dir: str | Path,
+    data_dir: str | Path | Sequence[str | Path],
     out_dir: str | Path,
     config: TrainConfig | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train an acceptance head; save the best epoch's head, training.json and reliability.png.
 
-    Returns the record written to training.json.
+    `data_dir` is one collection or several for the same pair (`load_collections`). Returns the
+    record written to training.json.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -427,7 +485,8 @@ def train_head(
     config = config or TrainConfig()
     started = time.perf_counter()
     drawn = config.learns_drawn
-    data = load_examples(data_dir, config.rule, law=config.law_features, drawn=drawn)
+    data_dirs = [data_dir] if isinstance(data_dir, str | Path) else list(data_dir)
+    data = load_collections(data_dirs, config.rule, law=config.law_features, drawn=drawn)
     train_rows, val_rows = split_by_prompt(data.prompt_index, config.val_fraction, config.seed)
     hidden_size = data.hidden.shape[1]
     temperature = float(data.meta["temperature"]) if config.rule == "sampling" else 0.0
@@ -543,7 +602,7 @@ def train_head(
     result: dict[str, Any] = {
         "config": asdict(config),
         "data": {
-            "dir": str(Path(data_dir).resolve()),
+            "dirs": [str(Path(d).resolve()) for d in data_dirs],
             "examples": int(data.hidden.shape[0]),
             "hidden_size": int(hidden_size),
             "prompts": int(torch.unique(data.prompt_index).numel()),
