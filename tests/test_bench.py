@@ -203,6 +203,29 @@ def test_bench_smoke_run(tiny_pair, tmp_path, capsys):
     assert "(3 after the first 1)" in (out / "table.md").read_text()
 
 
+def test_bench_coupled_sampling_pairs_the_policies(tiny_pair, tmp_path, capsys):
+    """--coupled: every method of one drafter commits the same sampled text on each prompt, so
+    the policies' per-prompt ratios are paired; the coupling's own passes are timed apart."""
+    target, draft, prompts = tiny_pair
+    out = tmp_path / "coupled"
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    args += ["--limit", "3", "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "5"]
+    args += ["--methods", "ar", "sd", "--num-draft-tokens", "1", "3"]
+    args += ["--length-policy", "constant", "heuristic", "--bound", "1", "4", "--coupled"]
+    assert main([*args, "--out", str(out), "--quiet", "--no-plots"]) == 0
+    record = json.loads((out / "record.json").read_text())
+    rows = {r["method"]: r for r in record["methods"]}
+    drafting = [r for label, r in rows.items() if label != "ar"]
+    assert len(drafting) == 3 and all(r["unpaired"] == [] for r in drafting)
+    assert len({r["drafted_per_round"] for r in drafting}) >= 2  # they did draft differently
+    assert all(r["coupling_seconds"] > 0 for r in drafting)
+    assert "| paired |" in (out / "table.md").read_text()
+    bad = ["--temperature", "0", "--out", str(tmp_path / "greedy")]
+    assert main([*args[:-1], *bad]) == 0  # the same run, greedy, without --coupled is fine
+    assert main([*args, *bad]) != 0
+    assert "--coupled pairs sampled text" in capsys.readouterr().err
+
+
 def test_cli_generate_on_local_model_dirs(tiny_pair, capsys):
     target, draft, _ = tiny_pair
     code = main(

@@ -133,6 +133,7 @@ class SpeculativeDecoder:
         length_policy: str = "constant",
         stop_threshold: float | None = None,
         bound: tuple[int, int] | None = None,
+        coupled: bool = False,
     ) -> DecodeConfig:
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
@@ -146,6 +147,7 @@ class SpeculativeDecoder:
             length_policy=length_policy,
             stop_threshold=stop_threshold,
             bound=tuple(bound) if bound is not None else None,
+            coupled=coupled,
         )
 
     def stream(

@@ -49,6 +49,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--head", default=None, help="acceptance head directory (head policy)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--coupled",
+        action="store_true",
+        help="sampling: key random numbers to positions and draw bonus tokens via the drafter, "
+        "so every length policy commits the same text for a seed (paired comparisons; one "
+        "extra drafter pass after a fully accepted round, timed apart)",
+    )
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
@@ -91,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         length_policy=args.length_policy,
         stop_threshold=args.stop_threshold,
         bound=tuple(args.bound) if args.bound else None,
+        coupled=args.coupled,
     )
     records = []
     for start in range(0, len(prompts), args.batch_size):

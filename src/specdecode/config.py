@@ -52,6 +52,9 @@ class DecodeConfig:
     length_policy: str = "constant"  # see `length_policies.POLICIES`
     stop_threshold: float | None = None  # confidence: least top probability; head: SpecDec++ h
     bound: tuple[int, int] | None = None  # (MIN, MAX) tokens per round of adaptive policies
+    # sampling only: numbers keyed to positions and the bonus token drawn via the drafter, so
+    # every length policy commits the same text for a seed (see `sampling.PositionRandom`)
+    coupled: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -62,6 +65,11 @@ class DecodeConfig:
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         if self.row_seeds is not None and any(not isinstance(s, int) for s in self.row_seeds):
             raise ValueError(f"row_seeds must be integers, got {self.row_seeds}")
+        if self.coupled and self.sampling.greedy:
+            raise ValueError(
+                "coupled randomness pairs sampled text across draft lengths; greedy decoding "
+                "commits the same text under every length policy already (use temperature > 0)"
+            )
         if self.length_policy not in POLICIES:
             known = ", ".join(POLICIES)
             raise ValueError(f"unknown length policy {self.length_policy!r}; known: {known}")

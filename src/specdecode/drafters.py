@@ -61,6 +61,16 @@ class Drafter(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
+    def next_law(
+        self,
+        sequences: torch.Tensor,  # [batch, capacity] committed tokens (and drafts past them)
+        seq_lens: torch.Tensor,  # [batch]
+        rows: torch.Tensor,  # [batch] bool, the rows that need it
+    ) -> torch.Tensor:
+        """[batch, vocab] the law the next drafted token would be drawn from (coupled
+        randomness draws bonus tokens through it)."""
+        ...
+
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bring drafter logits to the target's vocabulary size (families pad embeddings).
@@ -120,8 +130,7 @@ class ModelDrafter:
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [batch, vocab]
                 # only rows still drafting draw a number: a row's stream depends on it alone
-                draws = rng.uniform([int(a) for a in active_host], probs.device)
-                token = sample_from(probs, draws[:, 0])
+                token = sample_from(probs, rng.draft_uniforms(i, active_host, probs.device))
                 laws.append(probs)
             drafted.append(token)
             lengths = lengths + active
@@ -140,6 +149,17 @@ class ModelDrafter:
             active, tokens, valid = go_on, token[:, None], go_on[:, None]
         probs = torch.stack(laws, 1) if laws else None  # [batch, drafted, vocab]
         return Draft(torch.stack(drafted, 1), probs, lengths, len(drafted), invalid, policy_seconds)
+
+    @torch.no_grad()
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        """[batch, vocab]: the law this drafter would draft the next token from, for the `rows`
+        ([batch] bool) that ask; feeds their pending tokens, as the next round would."""
+        # a row that drafted nothing this round may have fed everything already: re-feed its
+        # last token (rolling the cache back one) so that every asking row has a position
+        self.lm.truncate(torch.where(rows, seq_lens - 1, self.lm.lengths))
+        tokens, valid = self.lm.pending(sequences, seq_lens)  # [batch, n_pending]
+        logits, _ = self.lm.forward(tokens, valid & rows[:, None], 1)
+        return logits_to_probs(align_vocab(logits[:, -1], self.vocab_size), self.sampling)
 
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
         self.lm.truncate(lengths)

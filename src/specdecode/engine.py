@@ -18,9 +18,16 @@ import torch
 from specdecode.config import DecodeConfig
 from specdecode.drafters import Draft, Drafter
 from specdecode.kv_cache import CachedModel
-from specdecode.sampling import InvalidLogitsError, RowRandom, bad_logits
+from specdecode.sampling import (
+    InvalidLogitsError,
+    PositionRandom,
+    RowRandom,
+    bad_logits,
+    row_seed_list,
+    sample_from,
+)
 from specdecode.stats import DecodeStats, RowStats
-from specdecode.verification import VerificationRule
+from specdecode.verification import Verdict, VerificationRule
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ def speculative_step(
 ):
     """One round for every running row: draft, verify in one target pass, roll back, commit."""
     t0 = time.perf_counter()
+    if rng is not None:
+        rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
     max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens)  # [batch]; +1 comes free
     draft = (
         drafter.propose(batch.sequences, batch.seq_lens, max_draft, rng)
@@ -106,7 +115,10 @@ def speculative_step(
     target.truncate(committed)
     if drafter is not None:
         drafter.rollback(committed, draft.lengths, verdict.num_accepted)
-    block, counts, done = batch.commit(draft, verdict.num_accepted, verdict.next_tokens)
+    next_tokens = verdict.next_tokens  # [batch]
+    if cfg.coupled and drafter is not None:
+        next_tokens = coupled_next_tokens(drafter, rule, batch, draft, verdict, logits, rng, stats)
+    block, counts, done = batch.commit(draft, verdict.num_accepted, next_tokens)
     stats.verify_seconds += time.perf_counter() - t1
     stats.draft_seconds += t1 - t0
     stats.policy_seconds += draft.policy_seconds
@@ -119,6 +131,46 @@ def speculative_step(
         )
     passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
     return block, counts, done, verdict.num_accepted, draft.lengths, passes
+
+
+def coupled_next_tokens(
+    drafter: Drafter,
+    rule: VerificationRule,
+    batch: Batch,
+    draft: Draft,
+    verdict: Verdict,
+    logits: torch.Tensor,  # [batch, k + 1, vocab] the target's, of this round
+    rng: RowRandom | None,
+    stats: DecodeStats,
+) -> torch.Tensor:
+    """The next token of every row, with the bonus token of a fully accepted row drawn the way
+    a drafted token at its position would be: from the drafter's law there, then accepted or
+    recovered against the target's. That law takes one more drafter pass (timed apart, in
+    `stats.coupling_seconds`). Together with `PositionRandom`, a row's text then depends on its
+    seed alone, whatever length any round drafted. The output law stays the target's: drafting
+    then verifying one token is itself an exact draw from it.
+    """
+    full = verdict.num_accepted == draft.lengths  # [batch] rows owed a bonus token
+    full_host = full.tolist()
+    if not any(full_host):
+        return verdict.next_tokens
+    t0 = time.perf_counter()
+    k = draft.tokens.shape[1]
+    slots = torch.arange(k, device=draft.tokens.device)  # [k]
+    index = (batch.seq_lens[:, None] + slots).clamp(max=batch.sequences.shape[1] - 1)  # [b, k]
+    sequences = batch.sequences.scatter(1, index, draft.tokens)  # drafts written past the end
+    committed = batch.seq_lens + verdict.num_accepted  # [batch]
+    law = drafter.next_law(sequences, committed, full)  # [batch, vocab]
+    law = torch.where(full[:, None], law, 1.0 / law.shape[-1])  # other rows' laws are unused
+    assert isinstance(rng, PositionRandom), "coupling needs position-keyed numbers"
+    rng.begin_round(committed)
+    token = sample_from(law, rng.draft_uniforms(0, full_host, law.device))  # [batch]
+    at = verdict.num_accepted[:, None, None].expand(-1, 2, logits.shape[-1])  # [batch, 2, vocab]
+    again = rule.verify(token[:, None], law[:, None], logits.gather(1, at), full.long(), rng)
+    drawn = torch.where(again.num_accepted > 0, token, again.next_tokens)  # [batch]
+    stats.coupling_seconds += time.perf_counter() - t0
+    stats.coupling_forwards += 1
+    return torch.where(full, drawn, verdict.next_tokens)
 
 
 @torch.inference_mode()  # generator-aware: on while the loop runs, off while its consumer does
@@ -142,9 +194,11 @@ def decode(
     device = target.device
     batch = Batch(prompts, cfg, device)
     stats = stats if stats is not None else DecodeStats([RowStats() for _ in prompts])
-    rng = (
-        None if cfg.sampling.greedy else RowRandom.for_batch(len(prompts), cfg.seed, cfg.row_seeds)
-    )
+    rng = None
+    if not cfg.sampling.greedy:
+        seeds = row_seed_list(len(prompts), cfg.seed, cfg.row_seeds)
+        capacity = batch.sequences.shape[1]
+        rng = PositionRandom(seeds, capacity) if cfg.coupled else RowRandom(seeds)
     target.reset(len(prompts))
     if drafter is not None:
         drafter.start(len(prompts))

@@ -8,6 +8,12 @@ distribution gets the same temperature, top-k and top-p. Both models therefore g
 Randomness is per row: each row owns a `torch.Generator` and draws a fixed number of uniforms per
 step, whatever the other rows do, so a row's output depends on its own seed alone and not on the
 batch it shares.
+
+`PositionRandom` keys every number to the position it decides instead of to the order of draws
+(common random numbers). With it, and the bonus token drawn the way a drafted token at its
+position would be (`engine.coupled_next_tokens`), a row's sampled text depends on its seed alone,
+not on how many tokens each round drafted: every length policy commits the same text, which
+makes wall-clock comparisons of policies under sampling paired rather than noisy.
 """
 
 from __future__ import annotations
@@ -74,6 +80,22 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(zero, probs.argmax(-1), tokens)
 
 
+def row_seed_list(
+    batch_size: int, seed: int | None, row_seeds: tuple[int, ...] | None
+) -> list[int]:
+    """One seed per row: `row_seeds` as given, else `seed` for all (a random one if None)."""
+    if row_seeds is not None:
+        if len(row_seeds) != batch_size:
+            raise ValueError(
+                f"row_seeds has {len(row_seeds)} seeds for {batch_size} prompts; give one "
+                "seed per prompt"
+            )
+        return list(row_seeds)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    return [seed] * batch_size
+
+
 class RowRandom:
     """One generator per row; draws are made row by row so batches do not mix streams."""
 
@@ -88,16 +110,7 @@ class RowRandom:
     def for_batch(
         cls, batch_size: int, seed: int | None, row_seeds: tuple[int, ...] | None
     ) -> RowRandom:
-        if row_seeds is not None:
-            if len(row_seeds) != batch_size:
-                raise ValueError(
-                    f"row_seeds has {len(row_seeds)} seeds for {batch_size} prompts; give one "
-                    "seed per prompt"
-                )
-            return cls(list(row_seeds))
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        return cls([seed] * batch_size)
+        return cls(row_seed_list(batch_size, seed, row_seeds))
 
     def uniform(self, counts: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
         """Row b draws counts[b] uniforms: [batch, max(counts)], zero-padded.
@@ -114,3 +127,65 @@ class RowRandom:
 
     def select(self, rows: list[int]) -> None:
         self.generators = [self.generators[i] for i in rows]
+
+    def begin_round(self, offsets: torch.Tensor) -> None:
+        """Stream draws do not depend on positions."""
+
+    def draft_uniforms(
+        self, index: int, active: list[bool], device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """[batch] numbers for drafting position `index` of the round; only active rows draw."""
+        return self.uniform([int(a) for a in active], device)[:, 0]
+
+    def verify_uniforms(self, num_drafted: torch.Tensor, k: int, device) -> torch.Tensor:
+        """[batch, k + 1]: the acceptance tests of the k drafted slots, then one for the
+        recovered or bonus token (a row draws num_drafted + 1 numbers, its own count)."""
+        uniforms = self.uniform((num_drafted + 1).tolist(), device)  # [batch, <= k + 1]
+        return torch.nn.functional.pad(uniforms, (0, k + 1 - uniforms.shape[1]))
+
+    def resample_uniforms(
+        self, uniforms: torch.Tensor, num_drafted: torch.Tensor, num_accepted: torch.Tensor
+    ) -> torch.Tensor:
+        """[batch] the number that draws the recovered or bonus token: the row's last."""
+        return uniforms.gather(1, num_drafted[:, None]).squeeze(1)
+
+
+DRAFT, ACCEPT, RESIDUAL = range(3)  # the three numbers of a position in `PositionRandom`
+
+
+class PositionRandom(RowRandom):
+    """Per row, three numbers per position of the sequence, fixed by the row's seed up front:
+    one draws the drafted token there, one tests its acceptance, one draws the recovered (or
+    bonus) token. What is decided at a position no longer depends on how the rounds fell.
+    """
+
+    def __init__(self, seeds: list[int], capacity: int) -> None:
+        super().__init__(seeds)
+        # [batch, capacity, 3]: drawn once from each row's generator
+        self.table = torch.stack([torch.rand(capacity, 3, generator=g) for g in self.generators])
+        self.offsets = torch.zeros(len(seeds), dtype=torch.long)
+
+    def select(self, rows: list[int]) -> None:
+        super().select(rows)
+        self.table = self.table[rows]
+        self.offsets = self.offsets[rows]
+
+    def begin_round(self, offsets: torch.Tensor) -> None:
+        """`offsets[b]`: the position of slot 0 of this round (row b's committed length)."""
+        self.offsets = offsets.cpu()
+
+    def at(self, slots: torch.Tensor, which: int, device) -> torch.Tensor:
+        """slots [batch, n] of this round -> [batch, n] numbers of kind `which` there."""
+        index = (self.offsets[:, None] + slots.cpu()).clamp(max=self.table.shape[1] - 1)
+        return self.table[..., which].gather(1, index).to(device)
+
+    def draft_uniforms(self, index, active, device="cpu") -> torch.Tensor:
+        slots = torch.full((len(active), 1), index, dtype=torch.long)
+        return self.at(slots, DRAFT, device)[:, 0]
+
+    def verify_uniforms(self, num_drafted, k, device) -> torch.Tensor:
+        slots = torch.arange(k + 1).expand(len(num_drafted), k + 1)
+        return self.at(slots, ACCEPT, device)
+
+    def resample_uniforms(self, uniforms, num_drafted, num_accepted) -> torch.Tensor:
+        return self.at(num_accepted[:, None], RESIDUAL, uniforms.device)[:, 0]

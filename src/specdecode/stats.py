@@ -104,6 +104,9 @@ class DecodeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     policy_seconds: float = 0.0  # inside drafting: the length policy's decisions (e.g. the head)
+    # coupled randomness only: the extra drafter pass for bonus tokens (not part of the method)
+    coupling_seconds: float = 0.0
+    coupling_forwards: int = 0
     wall_seconds: float = 0.0
     # the first round of a batch holds both prefills (prompt through target and drafter), the
     # same work for every method; the time and tokens after it are the decoding proper
@@ -126,6 +129,8 @@ class DecodeStats:
         self.draft_seconds += part.draft_seconds
         self.verify_seconds += part.verify_seconds
         self.policy_seconds += part.policy_seconds
+        self.coupling_seconds += part.coupling_seconds
+        self.coupling_forwards += part.coupling_forwards
         self.wall_seconds += part.wall_seconds
         self.first_round_seconds += part.first_round_seconds
         self.first_round_tokens += part.first_round_tokens
@@ -139,6 +144,8 @@ class DecodeStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "policy_seconds": self.policy_seconds,
+            "coupling_seconds": self.coupling_seconds,
+            "coupling_forwards": self.coupling_forwards,
             "wall_seconds": self.wall_seconds,
             "first_round_seconds": self.first_round_seconds,
             "first_round_tokens": self.first_round_tokens,

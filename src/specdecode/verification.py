@@ -118,8 +118,7 @@ class LosslessSamplingRule:
         drafted = drafted_mask(num_drafted, k)  # [batch, k]
         draft_probs = draft_probs.to(target_probs.dtype) * drafted[..., None]
         padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
-        uniforms = rng.uniform((num_drafted + 1).tolist(), target_probs.device)  # [batch, <=k+1]
-        uniforms = torch.nn.functional.pad(uniforms, (0, k + 1 - uniforms.shape[1]))
+        uniforms = rng.verify_uniforms(num_drafted, k, target_probs.device)  # [batch, k + 1]
         index = draft_tokens[..., None]  # [batch, k, 1]
         p_tok = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
         q_tok = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
@@ -129,7 +128,7 @@ class LosslessSamplingRule:
         at = num_accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
         # padded is zero from each row's num_drafted on: after a full acceptance, the target
         residual = residual_law(target_probs.gather(1, at), padded.gather(1, at)).squeeze(1)
-        resample_u = uniforms.gather(1, num_drafted[:, None]).squeeze(1)  # [batch]
+        resample_u = rng.resample_uniforms(uniforms, num_drafted, num_accepted)  # [batch]
         return Verdict(num_accepted, sample_from(residual, resample_u))
 
 

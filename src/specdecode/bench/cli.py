@@ -123,6 +123,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         confidence_thresholds=tuple(args.confidence_threshold),
         bounds=_bounds(args.bound),
         head=args.head,
+        coupled=args.coupled,
     )
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
     prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)

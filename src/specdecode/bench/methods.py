@@ -117,6 +117,7 @@ class Settings:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    coupled: bool = False
 
 
 @dataclass
@@ -168,8 +169,11 @@ def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Sett
         length_policy=method.policy,
         stop_threshold=method.threshold,
         bound=method.bound,
+        coupled=s.coupled,
     )
-    return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+    # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to the
+    # pairing, not to the method: the time they took, measured on their own, is left out.
+    return Result(out.new_tokens, out.stats.wall_seconds - out.stats.coupling_seconds, out.stats)
 
 
 def run_transformers(method: Method, models: Models, prompts: list[list[int]], s: Settings):

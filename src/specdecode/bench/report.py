@@ -55,6 +55,14 @@ def policy_comparison(record: dict) -> list[dict]:
     return out
 
 
+def _paired(row: dict) -> str:
+    """Sampled runs: n/a, or in a coupled run whether the text is the drafter's other methods'."""
+    if "unpaired" not in row:
+        return "n/a"
+    unpaired = row["unpaired"]
+    return "paired" if not unpaired else f"paired but {len(unpaired)} prompts"
+
+
 def _against_best(row: dict, constants: list[dict], speed: str, per_batch: str) -> dict:
     """`row` against the constant k fastest by `speed`, over the batches where both have a
     per-batch ratio (`per_batch`; None where undefined, see `runner.decode_ratios`)."""
@@ -102,7 +110,8 @@ def markdown_table(record: dict) -> str:
         "| after the first round (geomean) | tokens/call "
         "| drafted/round | alpha | c (calibrated / in run) | bound "
         "| efficiency (calibrated / in run) | verify cost in steps (in run) "
-        "| policy ms/drafted token | modelled speedup | weights GiB | output == ar |",
+        "| policy ms/drafted token | modelled speedup | weights GiB "
+        "| output == ar (greedy) or paired (coupled) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     greedy = cfg["temperature"] == 0
@@ -116,7 +125,7 @@ def markdown_table(record: dict) -> str:
         same = (
             ("yes" if not row["mismatches"] else f"NO ({len(row['mismatches'])})")
             if greedy
-            else "n/a"
+            else _paired(row)
         )
         decode = row.get("decode_speedup")  # absent from records made before it
         lines.append(

@@ -14,7 +14,7 @@ import os
 import platform
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -53,8 +53,13 @@ class BenchConfig:
     confidence_thresholds: tuple[float, ...] = (0.4,)
     bounds: tuple[tuple[int, int], ...] = ((1, 8),)  # adaptive policies' (MIN, MAX), a sweep
     head: str | None = None
+    coupled: bool = False  # sampling: every policy of a drafter commits the same text
 
     def __post_init__(self) -> None:
+        if self.coupled and self.temperature == 0:
+            raise ValueError(
+                "--coupled pairs sampled text; greedy methods commit the same text already"
+            )
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if any(k < 1 for k in self.num_draft_tokens):
@@ -103,6 +108,9 @@ class MethodRecord:
     drafter_forwards: int = 0
     target_forwards: int = 0
     mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
+    # coupled runs: prompt indices whose text differs from the first method of the same drafter
+    unpaired: list[int] = field(default_factory=list)
+    coupling_seconds: float = 0.0  # coupled runs: the extra drafter passes, not in `seconds`
     # per batch: the first round (both prefills) of the engine's methods; None for the others
     first_round_seconds: list[float | None] = field(default_factory=list)
     first_round_tokens: list[int | None] = field(default_factory=list)
@@ -176,10 +184,11 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
         cfg.top_p,
         cfg.seed,
         models.decoder("ar").default_stop_ids(),
+        cfg.coupled,
     )
     longest = max((m.bound[1] for m in methods if m.bound is not None), default=0)
     costs = calibrate(models, methods, prompt_ids[0], longest)
-    warm = Settings(8, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, settings.stop_token_ids)
+    warm = replace(settings, max_new_tokens=8)
     for method in methods:  # warm-up: first calls pay for allocation and lazy set-up
         run_method(method, models, prompt_ids[:1], warm)
     records: dict[tuple[str, int], MethodRecord] = {}
@@ -202,6 +211,7 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                 results[method] = run_method(method, models, batch, settings)
                 bar.update()
             reference = results[Method("ar")].new_tokens
+            paired_with: dict[str, list[list[int]]] = {}  # drafter kind -> its first text
             for method, result in results.items():
                 rec = records.setdefault(
                     (method.label, batch_size), MethodRecord(method.label, batch_size)
@@ -218,6 +228,12 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                     rec.policy_seconds += result.stats.policy_seconds
                     rec.drafter_forwards += result.stats.drafter_forwards
                     rec.target_forwards += result.stats.target_forwards
+                    rec.coupling_seconds += result.stats.coupling_seconds
+                if cfg.coupled and method.kind != "ar":
+                    first = paired_with.setdefault(method.kind, result.new_tokens)
+                    for j, (got, want) in enumerate(zip(result.new_tokens, first, strict=True)):
+                        if got != want:
+                            rec.unpaired.append(start + j)
                 if cfg.temperature == 0:
                     for j, (got, want) in enumerate(zip(result.new_tokens, reference, strict=True)):
                         if got != want:
@@ -347,6 +363,8 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
             "per_batch_seconds": rec.seconds,
             "mismatches": rec.mismatches,
         }
+        if cfg.coupled:
+            row.update(unpaired=rec.unpaired, coupling_seconds=rec.coupling_seconds)
         decode = decode_ratios(rec, base)
         if decode is not None:
             row["per_batch_decode_speedup"] = decode

@@ -1,0 +1,139 @@
+"""Coupled randomness: numbers keyed to positions, and bonus tokens drawn via the drafter.
+
+Its promise is that a seeded row's sampled text does not depend on how many tokens any round
+drafted, so every length policy commits the same text and wall-clock comparisons of policies are
+paired. Its duty is that of every sampling path: the output law is the target's, exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_length_policies import PROMPTS, drawn_head, noisy_copy
+from test_sampling_e2e import PROMPT as SAMPLE_PROMPT
+from test_sampling_e2e import SAMPLING, chi2, chi2_critical, exact_marginals
+from test_sampling_e2e import VOCAB as SMALL_VOCAB
+
+from specdecode import SpeculativeDecoder, engine
+from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.sampling import DRAFT, RESIDUAL, PositionRandom
+
+POLICIES = {
+    "k=1": dict(num_draft_tokens=1),
+    "k=3": dict(num_draft_tokens=3),
+    "k=7": dict(num_draft_tokens=7),
+    "heuristic": dict(length_policy="heuristic", num_draft_tokens=2, bound=(1, 6)),
+    "confidence": dict(length_policy="confidence", stop_threshold=0.6, bound=(1, 6)),
+    "head": dict(length_policy="head", stop_threshold=0.5, bound=(1, 6)),
+}
+SEEDS = [11, 22, 33, 44, 55]
+
+
+@pytest.fixture(scope="module")
+def decoder() -> SpeculativeDecoder:
+    target = tiny_llama(seed=0, init=0.3)
+    return SpeculativeDecoder(
+        target, drafter=noisy_copy(target, 0.1), acceptance_head=drawn_head(32)
+    )
+
+
+def generate(decoder: SpeculativeDecoder, coupled: bool, seeds=SEEDS, **policy):
+    return decoder.generate(
+        PROMPTS,
+        max_new_tokens=24,
+        temperature=0.9,
+        top_k=40,
+        top_p=0.95,
+        row_seeds=seeds,
+        stop_token_ids=[],
+        coupled=coupled,
+        **policy,
+    )
+
+
+def test_every_policy_commits_the_same_text(decoder: SpeculativeDecoder) -> None:
+    outputs = {name: generate(decoder, True, **policy) for name, policy in POLICIES.items()}
+    texts = {name: out.new_tokens for name, out in outputs.items()}
+    assert all(text == texts["k=1"] for text in texts.values()), texts
+    # ... although the policies drafted differently and some drafts were rejected
+    drafted = {name: out.stats.total.drafted for name, out in outputs.items()}
+    assert len(set(drafted.values())) == len(POLICIES), drafted
+    assert 0.2 < outputs["k=3"].stats.total.acceptance_rate < 0.95
+    assert all(out.stats.coupling_forwards > 0 for out in outputs.values())
+    # the control: stream randomness, the default, pairs nothing
+    streams = [generate(decoder, False, **POLICIES[name]).new_tokens for name in ("k=1", "k=7")]
+    assert streams[0] != streams[1]
+
+
+def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder) -> None:
+    batched = generate(decoder, True, **POLICIES["head"]).new_tokens
+    alone = [
+        decoder.generate(
+            [prompt],
+            max_new_tokens=24,
+            temperature=0.9,
+            top_k=40,
+            top_p=0.95,
+            row_seeds=[seed],
+            stop_token_ids=[],
+            coupled=True,
+            num_draft_tokens=5,
+        ).new_tokens[0]
+        for prompt, seed in zip(PROMPTS, SEEDS, strict=True)
+    ]
+    assert batched == alone
+    assert generate(decoder, True, [s + 1 for s in SEEDS], **POLICIES["head"]).new_tokens != alone
+
+
+@pytest.mark.parametrize("policy", ["k=1", "k=3", "head"])
+def test_sampled_law_equals_target(policy: str) -> None:
+    """The first three tokens of thousands of seeded rows follow the target's exact law."""
+    target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
+    drafter = tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1)
+    decoder = SpeculativeDecoder(target, drafter=drafter, acceptance_head=drawn_head(32))
+    rows = 2000
+    out = decoder.generate(
+        [SAMPLE_PROMPT] * rows,
+        max_new_tokens=4,
+        temperature=SAMPLING.temperature,
+        top_k=SAMPLING.top_k,
+        top_p=SAMPLING.top_p,
+        row_seeds=range(rows),
+        stop_token_ids=[],
+        coupled=True,
+        **POLICIES[policy],
+    )
+    assert out.stats.total.bonus > 0 and out.stats.total.recovered > 0
+    tokens = torch.tensor(out.new_tokens)  # [rows, 4]
+    for position, law in enumerate(exact_marginals(target)):
+        stat, df = chi2(torch.bincount(tokens[:, position], minlength=SMALL_VOCAB).float(), law)
+        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+
+
+def test_numbers_are_keyed_to_positions() -> None:
+    rng = PositionRandom([7, 8], capacity=10)
+    rng.begin_round(torch.tensor([2, 5]))
+    first = rng.at(torch.tensor([[1], [0]]), DRAFT, "cpu")  # positions 3 and 5
+    rng.begin_round(torch.tensor([3, 4]))
+    again = rng.at(torch.tensor([[0], [1]]), DRAFT, "cpu")  # the same positions
+    assert torch.equal(first, again)
+    assert not torch.equal(first, rng.at(torch.tensor([[0], [1]]), RESIDUAL, "cpu"))
+    rng.select([1])
+    rng.begin_round(torch.tensor([5]))
+    assert rng.at(torch.tensor([[0]]), DRAFT, "cpu").item() == first[1, 0].item()
+
+
+def test_coupled_greedy_is_refused() -> None:
+    with pytest.raises(ValueError, match="coupled randomness pairs sampled text"):
+        DecodeConfig(sampling=SamplingConfig(temperature=0.0), coupled=True)
+
+
+def test_position_keys_alone_do_not_pair(
+    decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the bonus drawn via the drafter, the same numbers give k=1 and k=7 other texts:
+    a bonus token drawn from the target is another function of them than a drafted one."""
+    monkeypatch.setattr(engine, "coupled_next_tokens", lambda *a: a[4].next_tokens)
+    texts = [generate(decoder, True, **POLICIES[name]).new_tokens for name in ("k=1", "k=7")]
+    assert texts[0] != texts[1]
