@@ -304,6 +304,23 @@ def test_collections_combine_with_prompts_kept_apart(data_dir: Path, tmp_path: P
     assert result["data"]["prompts"] == 2 * PROMPTS
     assert len(result["data"]["dirs"]) == 2
 
+    # collections recorded inside rounds: round ids, like prompts, stay apart
+    rounds = []
+    for directory in (data_dir, other):
+        tensors = load_file(directory / "examples.safetensors")
+        tensors["round"] = torch.arange(PROMPTS * PER_PROMPT) // 4  # rounds of 4 drafts
+        tensors["slot"] = torch.arange(PROMPTS * PER_PROMPT) % 4
+        copy = tmp_path / f"{directory.name}-rounds"
+        copy.mkdir()
+        save_file(tensors, copy / "examples.safetensors")
+        (copy / "meta.json").write_text((directory / "meta.json").read_text())
+        rounds.append(copy)
+    joined = load_collections(rounds, "greedy")
+    assert joined.round is not None and joined.slot is not None
+    assert torch.unique(joined.round).numel() == 2 * PROMPTS * PER_PROMPT // 4
+    assert torch.equal(joined.slot, torch.arange(2 * PROMPTS * PER_PROMPT) % 4)
+    assert load_collections([rounds[0], other], "greedy").round is None  # not all have rounds
+
     def variant(name: str, **meta) -> Path:
         directory = write_data(tmp_path / name, seed=2)
         (directory / "meta.json").write_text(json.dumps({**META, **meta}))

@@ -379,8 +379,8 @@ def load_collections(
     """`load_examples` of several collections for the same pair, as one: a code set and a chat
     set, say, so one head serves both kinds of text.
 
-    Prompt indices are renumbered so that prompts of different collections never share an index
-    (the validation split keeps whole prompts, and the replay chains rounds per prompt). A
+    Prompt indices and round ids are renumbered so that those of different collections never
+    meet (the validation split keeps whole prompts, and the replay chains rounds by id). A
     sampling head needs every collection drawn at the same temperature: the labels mean
     acceptance under that law. Round and slot survive only if every collection has them.
     """
@@ -407,24 +407,24 @@ def load_collections(
             )
     if len(parts) == 1:
         return first
-    offsets, offset = [], 0
-    for part in parts:  # [N_i] prompt indices, shifted past the previous collections'
-        offsets.append(part.prompt_index + offset)
-        offset += int(part.prompt_index.max()) + 1
 
-    def joined(name: str) -> torch.Tensor | None:
+    def joined(name: str, apart: bool = False) -> torch.Tensor | None:
+        """One tensor of all parts; `apart`: ids shifted past the previous parts' ids."""
         values = [getattr(part, name) for part in parts]
-        return None if any(v is None for v in values) else torch.cat(values)
+        if any(v is None for v in values):
+            return None
+        shifts = torch.tensor([0] + [int(v.max()) + 1 for v in values[:-1]]).cumsum(0)
+        return torch.cat([v + int(shift) * apart for v, shift in zip(values, shifts, strict=True)])
 
     return HeadData(
         hidden=torch.cat([part.hidden for part in parts]),
         label=torch.cat([part.label for part in parts]),
         label_greedy=torch.cat([part.label_greedy for part in parts]),
-        prompt_index=torch.cat(offsets),
+        prompt_index=joined("prompt_index", apart=True),
         meta={**first.meta, "collections": [part.meta for part in parts]},
         position=joined("position"),
         features=joined("features"),
-        round=joined("round"),
+        round=joined("round", apart=True),  # round ids are a collection's own, like prompts
         slot=joined("slot") if joined("round") is not None else None,
     )
 

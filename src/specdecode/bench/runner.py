@@ -363,7 +363,7 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
             "per_batch_seconds": rec.seconds,
             "mismatches": rec.mismatches,
         }
-        if cfg.coupled:
+        if cfg.coupled and label != "ar":  # ar has no drafter to pair with
             row.update(unpaired=rec.unpaired, coupling_seconds=rec.coupling_seconds)
         decode = decode_ratios(rec, base)
         if decode is not None:
