@@ -146,3 +146,26 @@ specdecode bench --prompts humaneval --limit 6 --max-new-tokens 64 --temperature
 specdecode bench --prompts mtbench --limit 4 --max-new-tokens 64 --temperature 0 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 3 5 --length-policy constant heuristic head \
   --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out benchmarks/specdecpp-mtbench-greedy-epyc --quiet
+# A head for chat as well: MT-Bench questions 91-160 recorded inside rounds, trained with the
+# HumanEval collection into one head (not shipped), replayed on both evaluation sets
+data="$HOME/.cache/specdecode/heads"
+specdecode head collect --prompts mtbench --chat --skip 10 --limit 70 --max-new-tokens 96 \
+  --temperature 0.7 --rounds 12 --batch-size 8 --no-progress --out "$data/data-rounds12-mtbench-10-80"
+specdecode head train "$data/data-rounds12-humaneval-40-104" "$data/data-rounds12-mtbench-10-80" \
+  --rule sampling --out runs/head-sampling-mixed --preview-costs 0.1375 0.056 --no-progress \
+  | tee benchmarks/specdecpp-train-sampling-mixed.txt
+for set in "mtbench-10-t07 mtbench-t07-10" "humaneval-0-16 humaneval-t07-16"; do
+  read -r eval name <<< "$set"
+  specdecode head replay "$data/eval-rounds12-$eval" --head "$heads/qwen2.5-coder-0.5b-for-1.5b-sampling" \
+    --head runs/head-sampling-mixed --costs 0.1375 0.056 \
+    --json "benchmarks/specdecpp-replay-$name-mixed.json" | tee "benchmarks/specdecpp-replay-$name-mixed.txt"
+done
+# Paired wall-clock benches under sampling: --coupled makes every policy commit the same text
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant heuristic head \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled \
+  --out benchmarks/specdecpp-humaneval-t07-16-coupled --quiet
+specdecode bench --prompts mtbench --limit 10 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 --length-policy constant heuristic head \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled \
+  --out benchmarks/specdecpp-mtbench-t07-10-coupled --quiet
