@@ -150,6 +150,7 @@ def coupled_next_tokens(
     seed alone, whatever length any round drafted. The output law stays the target's: drafting
     then verifying one token is itself an exact draw from it.
     """
+    assert isinstance(rng, PositionRandom), "coupling needs position-keyed numbers"
     full = verdict.num_accepted == draft.lengths  # [batch] rows owed a bonus token
     full_host = full.tolist()
     if not any(full_host):
@@ -161,8 +162,9 @@ def coupled_next_tokens(
     sequences = batch.sequences.scatter(1, index, draft.tokens)  # drafts written past the end
     committed = batch.seq_lens + verdict.num_accepted  # [batch]
     law = drafter.next_law(sequences, committed, full)  # [batch, vocab]
+    if not bool(torch.isfinite(law[full]).all()):
+        raise InvalidLogitsError("the drafter produced NaN or +inf logits at a bonus position")
     law = torch.where(full[:, None], law, 1.0 / law.shape[-1])  # other rows' laws are unused
-    assert isinstance(rng, PositionRandom), "coupling needs position-keyed numbers"
     rng.begin_round(committed)
     token = sample_from(law, rng.draft_uniforms(0, full_host, law.device))  # [batch]
     at = verdict.num_accepted[:, None, None].expand(-1, 2, logits.shape[-1])  # [batch, 2, vocab]
