@@ -169,3 +169,7 @@ specdecode bench --prompts mtbench --limit 10 --max-new-tokens 64 --temperature 
   --methods ar sd-int8 --num-draft-tokens 2 3 --length-policy constant heuristic head \
   --stop-threshold 0.8 0.9 --bound 1 12 --coupled \
   --out benchmarks/specdecpp-mtbench-t07-10-coupled --quiet
+specdecode bench --prompts humaneval --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
+  --seed 0 --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant head \
+  --stop-threshold 0.9 --bound 1 12 --coupled \
+  --out benchmarks/specdecpp-humaneval-t07-16-31-coupled --quiet
