@@ -114,14 +114,14 @@ def test_sampled_law_equals_target(policy: str) -> None:
 def test_numbers_are_keyed_to_positions() -> None:
     rng = PositionRandom([7, 8], capacity=10)
     rng.begin_round(torch.tensor([2, 5]))
-    first = rng.at(torch.tensor([[1], [0]]), DRAFT, "cpu")  # positions 3 and 5
+    first = rng.at(torch.tensor([[1], [0]]), DRAFT)  # positions 3 and 5
     rng.begin_round(torch.tensor([3, 4]))
-    again = rng.at(torch.tensor([[0], [1]]), DRAFT, "cpu")  # the same positions
+    again = rng.at(torch.tensor([[0], [1]]), DRAFT)  # the same positions
     assert torch.equal(first, again)
-    assert not torch.equal(first, rng.at(torch.tensor([[0], [1]]), RESIDUAL, "cpu"))
+    assert not torch.equal(first, rng.at(torch.tensor([[0], [1]]), RESIDUAL))
     rng.select([1])
     rng.begin_round(torch.tensor([5]))
-    assert rng.at(torch.tensor([[0]]), DRAFT, "cpu").item() == first[1, 0].item()
+    assert rng.at(torch.tensor([[0]]), DRAFT).item() == first[1, 0].item()
 
 
 def test_coupled_greedy_is_refused() -> None:

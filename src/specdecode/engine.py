@@ -200,7 +200,7 @@ def decode(
     if not cfg.sampling.greedy:
         seeds = row_seed_list(len(prompts), cfg.seed, cfg.row_seeds)
         capacity = batch.sequences.shape[1]
-        rng = PositionRandom(seeds, capacity) if cfg.coupled else RowRandom(seeds)
+        rng = PositionRandom(seeds, capacity, device) if cfg.coupled else RowRandom(seeds)
     target.reset(len(prompts))
     if drafter is not None:
         drafter.start(len(prompts))

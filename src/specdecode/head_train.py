@@ -409,23 +409,27 @@ def load_collections(
         return first
 
     def joined(name: str, apart: bool = False) -> torch.Tensor | None:
-        """One tensor of all parts; `apart`: ids shifted past the previous parts' ids."""
+        """One tensor of all parts (None if a part lacks it); `apart`: each part's ids shifted
+        past those of the parts before it."""
         values = [getattr(part, name) for part in parts]
         if any(v is None for v in values):
             return None
-        shifts = torch.tensor([0] + [int(v.max()) + 1 for v in values[:-1]]).cumsum(0)
-        return torch.cat([v + int(shift) * apart for v, shift in zip(values, shifts, strict=True)])
+        if apart:
+            shifts = itertools.accumulate([0] + [int(v.max()) + 1 for v in values[:-1]])
+            values = [v + shift for v, shift in zip(values, shifts, strict=True)]
+        return torch.cat(values)
 
+    rounds = joined("round", apart=True)  # round ids are a collection's own, like prompts
     return HeadData(
-        hidden=torch.cat([part.hidden for part in parts]),
-        label=torch.cat([part.label for part in parts]),
-        label_greedy=torch.cat([part.label_greedy for part in parts]),
+        hidden=joined("hidden"),
+        label=joined("label"),
+        label_greedy=joined("label_greedy"),
         prompt_index=joined("prompt_index", apart=True),
         meta={**first.meta, "collections": [part.meta for part in parts]},
         position=joined("position"),
         features=joined("features"),
-        round=joined("round", apart=True),  # round ids are a collection's own, like prompts
-        slot=joined("slot") if joined("round") is not None else None,
+        round=rounds,
+        slot=joined("slot") if rounds is not None else None,
     )
 
 

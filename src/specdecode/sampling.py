@@ -159,33 +159,36 @@ class PositionRandom(RowRandom):
     bonus) token. What is decided at a position no longer depends on how the rounds fell.
     """
 
-    def __init__(self, seeds: list[int], capacity: int) -> None:
+    def __init__(self, seeds: list[int], capacity: int, device: torch.device | str = "cpu") -> None:
         super().__init__(seeds)
-        # [batch, capacity, 3]: drawn once from each row's generator
-        self.table = torch.stack([torch.rand(capacity, 3, generator=g) for g in self.generators])
-        self.offsets = torch.zeros(len(seeds), dtype=torch.long)
+        # [batch, capacity, 3]: drawn once from each row's generator, kept where decoding runs
+        # so that a round's look-ups need no transfer
+        table = torch.stack([torch.rand(capacity, 3, generator=g) for g in self.generators])
+        self.table = table.to(device)
+        self.offsets = torch.zeros(len(seeds), dtype=torch.long, device=device)
 
     def select(self, rows: list[int]) -> None:
         super().select(rows)
-        self.table = self.table[rows]
-        self.offsets = self.offsets[rows]
+        index = torch.tensor(rows, dtype=torch.long, device=self.table.device)
+        self.table = self.table.index_select(0, index)
+        self.offsets = self.offsets.index_select(0, index)
 
     def begin_round(self, offsets: torch.Tensor) -> None:
         """`offsets[b]`: the position of slot 0 of this round (row b's committed length)."""
-        self.offsets = offsets.cpu()
+        self.offsets = offsets.to(self.table.device)
 
-    def at(self, slots: torch.Tensor, which: int, device) -> torch.Tensor:
+    def at(self, slots: torch.Tensor, which: int) -> torch.Tensor:
         """slots [batch, n] of this round -> [batch, n] numbers of kind `which` there."""
-        index = (self.offsets[:, None] + slots.cpu()).clamp(max=self.table.shape[1] - 1)
-        return self.table[..., which].gather(1, index).to(device)
+        index = self.offsets[:, None] + slots.to(self.table.device)
+        return self.table[..., which].gather(1, index.clamp(max=self.table.shape[1] - 1))
 
     def draft_uniforms(self, index, active, device="cpu") -> torch.Tensor:
         slots = torch.full((len(active), 1), index, dtype=torch.long)
-        return self.at(slots, DRAFT, device)[:, 0]
+        return self.at(slots, DRAFT)[:, 0].to(device)
 
     def verify_uniforms(self, num_drafted, k, device) -> torch.Tensor:
         slots = torch.arange(k + 1).expand(len(num_drafted), k + 1)
-        return self.at(slots, ACCEPT, device)
+        return self.at(slots, ACCEPT).to(device)
 
     def resample_uniforms(self, uniforms, num_drafted, num_accepted) -> torch.Tensor:
-        return self.at(num_accepted[:, None], RESIDUAL, uniforms.device)[:, 0]
+        return self.at(num_accepted[:, None], RESIDUAL)[:, 0].to(uniforms.device)

@@ -60,7 +60,7 @@ def _paired(row: dict) -> str:
     if "unpaired" not in row:
         return "n/a"
     unpaired = row["unpaired"]
-    return "paired" if not unpaired else f"paired but {len(unpaired)} prompts"
+    return "paired" if not unpaired else f"NO ({len(unpaired)} prompts differ)"
 
 
 def _against_best(row: dict, constants: list[dict], speed: str, per_batch: str) -> dict:

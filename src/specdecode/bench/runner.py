@@ -231,16 +231,11 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                     rec.coupling_seconds += result.stats.coupling_seconds
                 if cfg.coupled and method.kind != "ar":
                     first = paired_with.setdefault(method.kind, result.new_tokens)
-                    for j, (got, want) in enumerate(zip(result.new_tokens, first, strict=True)):
-                        if got != want:
-                            rec.unpaired.append(start + j)
+                    rec.unpaired += differing(result.new_tokens, first, start)
                 if cfg.temperature == 0:
-                    for j, (got, want) in enumerate(zip(result.new_tokens, reference, strict=True)):
-                        if got != want:
-                            rec.mismatches.append(start + j)
-                            tqdm.write(
-                                f"MISMATCH: {method.label} differs from ar on prompt {start + j}"
-                            )
+                    for index in differing(result.new_tokens, reference, start):
+                        rec.mismatches.append(index)
+                        tqdm.write(f"MISMATCH: {method.label} differs from ar on prompt {index}")
     bar.close()
     memory = {}
     for kind in {m.kind for m in methods}:
@@ -248,6 +243,11 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
         size = model_bytes(models.target) + (model_bytes(drafter) if drafter is not None else 0)
         memory[kind] = size / 2**30
     return summarise_run(cfg, methods, records, costs, skipped, memory)
+
+
+def differing(got: list[list[int]], want: list[list[int]], start: int) -> list[int]:
+    """Indices (in the prompt set; the batch starts at `start`) of prompts whose texts differ."""
+    return [start + j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
 
 
 def draft_figures(method: Method, rec: MethodRecord, costs: dict) -> dict:
