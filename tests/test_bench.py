@@ -273,3 +273,23 @@ def test_cli_bad_input_message(tiny_pair, capsys):
     code = main(["bench", "--target", "nowhere", "--prompts", str(prompts), "--skip", "4"])
     assert code == 2
     assert "no prompts to run" in capsys.readouterr().err
+
+
+def test_seq2seq_bench_dense_variants_and_their_errors():
+    from specdecode.bench.seq2seq import Seq2SeqBenchConfig
+
+    cfg = Seq2SeqBenchConfig(
+        pair="unused", methods=("ar", "ar+dense", "specdec", "specdec+dense"), block_sizes=(2, 3),
+        relaxed=((5, 3.0),),
+    )  # fmt: skip
+    methods = cfg.method_list()
+    packed = ["ar", "specdec[k=2]", "specdec[k=3]", "specdec[k=2,b=5,t=3]", "specdec[k=3,b=5,t=3]"]
+    assert [m.label for m in methods] == packed + [f"{label}+dense" for label in packed]
+    assert [m.dense for m in methods] == [False] * 5 + [True] * 5
+    assert [m.exact for m in methods] == [True, True, True, False, False] * 2
+    with pytest.raises(ValueError, match=r"unknown seq2seq methods \['sd\+dense'\]"):
+        Seq2SeqBenchConfig(pair="unused", methods=("ar", "sd+dense"))
+    with pytest.raises(ValueError, match="must include 'ar'"):
+        Seq2SeqBenchConfig(pair="unused", methods=("ar+dense", "specdec"))
+    with pytest.raises(ValueError, match=r"\+dense compares with packed kernels"):
+        Seq2SeqBenchConfig(pair="unused", methods=("ar", "ar+dense"), prepack=False)

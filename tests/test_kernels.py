@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.kernels import PrepackedLinear, prepack_available, prepack_linears, use_prepacked
+from specdecode.kernels import (
+    PackedTiedOutput,
+    PrepackedLinear,
+    prepack_available,
+    prepack_linears,
+    use_prepacked,
+)
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear kernels")
 
@@ -42,3 +48,32 @@ def test_rows_from_min_rows_up_take_the_packed_copy():
 def test_min_rows_below_one_is_refused():
     with pytest.raises(ValueError, match="min_rows must be >= 1"):
         prepack_linears(_model(), min_rows=0)
+
+
+def test_tied_output_is_packed_without_a_second_parameter():
+    """A weight applied with `F.linear` by its owner (a tied table) gets a packed copy whose
+    results match, whose rows switch as a linear's do, and which adds nothing to the owner's
+    state dict (saved drafters stay loadable)."""
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(50, 16)
+    bias = torch.nn.Parameter(torch.randn(50))
+    owner = torch.nn.Module()
+    owner.table, owner.bias = table, bias
+    keys = set(owner.state_dict())
+    owner.out = PackedTiedOutput(table.weight, bias, min_rows=2)
+    assert set(owner.state_dict()) == keys
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(1, rows, 16)
+            dense = torch.nn.functional.linear(x, table.weight, bias)
+            assert torch.allclose(owner.out(x), dense, atol=1e-5, rtol=1e-5)
+        owner.out.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(50, 16))
+        x = torch.randn(3, 16) + 1.0
+        assert torch.allclose(owner.out(x), bias.expand(3, 50))  # 3 rows: the packed copy
+        assert not torch.allclose(owner.out(x[:1]), bias.expand(1, 50))  # 1 row: dense
+        use_prepacked(owner, False)
+        assert not torch.allclose(owner.out(x), bias.expand(3, 50))
+    with torch.enable_grad():  # training takes the dense weight, which has gradients
+        owner.out.enabled = True
+        owner.out(torch.randn(4, 16)).sum().backward()
+    assert table.weight.grad is not None and bias.grad is not None

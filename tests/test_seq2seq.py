@@ -17,8 +17,10 @@ from transformers import (
 
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.engine import decode
+from specdecode.kernels import kernel_summary, prepack_available
 from specdecode.kv_cache import UnsupportedModelError
 from specdecode.sampling import InvalidLogitsError
+from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
@@ -523,3 +525,35 @@ def test_block_too_long_for_positions_is_refused():
     with pytest.raises(ValueError, match="positions"):
         drafter(torch.zeros(1, 5, dtype=torch.long), torch.tensor([5]), torch.zeros(1, 2, 32),
                 torch.ones(1, 2), 4)  # fmt: skip
+
+
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear kernels")
+@pytest.mark.parametrize("family", [tiny_marian, tiny_bart])
+def test_prepacked_pair_keeps_greedy_output_and_the_drafters_weights(family):
+    """Packed kernels for multi-row products (verify passes, block queries) change no token of
+    the greedy output, and the drafter's logits and state dict are those of the dense one."""
+    model = family()
+    src, mask = sources()
+    expected = reference(model, src, mask)
+    drafter = tiny_drafter(model, 3, copy=family is tiny_marian)
+    dense = tiny_drafter(model, 3, copy=family is tiny_marian)
+    keys = set(drafter.state_dict())
+    pair = TranslationPair(model, None, drafter).prepack()
+    assert kernel_summary(model)["prepacked"] and drafter.packed_output is not None
+    assert set(drafter.state_dict()) == keys
+    states = encoded(model, src, mask)
+    ids, pos = torch.full((3, 4), MASK), torch.arange(4).expand(3, 4)
+    allowed = torch.ones(3, 4, 4, dtype=torch.bool)
+    with torch.inference_mode():
+        got = drafter.logits(drafter.run(ids, pos, allowed, None, states, mask)[0])
+        want = dense.logits(dense.run(ids, pos, allowed, None, states, mask)[0])
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    with torch.inference_mode():
+        assert run(pair.verifier, src, mask, drafter, 3) == expected
+        assert run(pair.verifier, src, mask) == expected
+
+
+def test_prepacking_refuses_a_half_precision_verifier():
+    pair = TranslationPair(tiny_marian().half(), None)
+    with pytest.raises(ValueError, match="fp32 models on the CPU"):
+        pair.prepack()

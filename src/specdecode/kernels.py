@@ -34,30 +34,56 @@ import warnings
 import torch
 
 
-class PrepackedLinear(torch.nn.Module):
-    """`nn.Linear` with a oneDNN-prepacked copy of its weight for multi-row products."""
+class _Packed(torch.nn.Module):
+    """A oneDNN-prepacked copy of a weight, used for products of at least `min_rows` rows."""
 
-    def __init__(self, linear: torch.nn.Linear, min_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, min_rows: int) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
         self.min_rows = min_rows
         self.enabled = True
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """x @ weight.T + bias, by the packed copy when there are enough rows (inference only)."""
+        rows = x.numel() // weight.shape[1]
+        if not self.enabled or rows < self.min_rows or torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, weight, bias)
+        bias = None if bias is None else bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class PrepackedLinear(_Packed):
+    """`nn.Linear` with a oneDNN-prepacked copy of its weight for multi-row products."""
+
+    def __init__(self, linear: torch.nn.Linear, min_rows: int) -> None:
+        super().__init__(linear.weight, min_rows)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if not self.enabled or rows < self.min_rows or torch.is_grad_enabled():
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return self.product(x, self.weight, self.bias)
+
+
+class PackedTiedOutput(_Packed):
+    """A packed copy of a weight a model applies with `F.linear` itself (a tied output table).
+
+    The weight and bias stay the owner's parameters, held in a tuple so that they are not
+    registered twice: the owner's state dict is unchanged.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> None:
+        super().__init__(weight, min_rows)
+        self._tied = (weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, *self._tied)
 
 
 def kernel_summary(model: torch.nn.Module) -> dict:
     """Which fp32 kernels a model runs: the verify cost of short rounds depends on it."""
-    packed = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
+    packed = [m for m in model.modules() if isinstance(m, _Packed)]
     return {"prepacked": bool(packed), "packed_from_rows": packed[0].min_rows if packed else None}
 
 
@@ -91,8 +117,8 @@ def model_bytes(model: torch.nn.Module) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
     total = sum(t.numel() * t.element_size() for t in tensors)
     for module in model.modules():
-        if isinstance(module, PrepackedLinear):
-            total += module.packed.numel() * module.weight.element_size()
+        if isinstance(module, _Packed):
+            total += module.packed.numel() * module.packed.element_size()
         elif isinstance(module, torch.ao.nn.quantized.dynamic.Linear):  # int8 weights
             bias = module.bias()
             total += module.weight().numel() + (0 if bias is None else bias.numel() * 4)
@@ -101,7 +127,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 def use_prepacked(model: torch.nn.Module, enabled: bool) -> None:
     for module in model.modules():
-        if isinstance(module, PrepackedLinear):
+        if isinstance(module, _Packed):
             module.enabled = enabled
 
 

@@ -55,6 +55,7 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         threads=args.threads,
         repeats=args.repeats,
+        prepack=not args.no_prepack,
     )
     record = run_seq2seq_bench(cfg, progress=not args.quiet)
     out = Path(args.out)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from specdecode.bench.metrics import summarize
 from specdecode.bench.runner import machine_info
+from specdecode.kernels import kernel_summary, model_bytes, prepack_linears, use_prepacked
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.verification import TopBetaTau
 
@@ -41,13 +42,15 @@ class Seq2SeqMethod:
     kind: str  # ar, hf, hf-beam5, hf-assisted, specdec
     k: int | None = None
     relaxed: TopBetaTau | None = None
+    dense: bool = False  # default PyTorch kernels where the run prepacks (`+dense`)
 
     @property
     def label(self) -> str:
+        suffix = "+dense" if self.dense else ""
         if self.kind != "specdec":
-            return self.kind
+            return self.kind + suffix
         extra = f",{self.relaxed.label}" if self.relaxed is not None else ""
-        return f"specdec[k={self.k}{extra}]"
+        return f"specdec[k={self.k}{extra}]{suffix}"
 
     @property
     def exact(self) -> bool:
@@ -68,35 +71,56 @@ class Seq2SeqBenchConfig:
     max_new_tokens: int = 200
     threads: int | None = None
     repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest time kept
+    prepack: bool = True  # oneDNN-packed kernels for multi-row products (`kernels`), all models
 
     def __post_init__(self) -> None:
         known = ("ar", "hf", "hf-beam5", "hf-assisted", "specdec", "specdec-relaxed")
-        unknown = [m for m in self.methods if m not in known]
+        unknown = [m for m in self.methods if m.removesuffix("+dense") not in known]
         if unknown:
-            raise ValueError(f"unknown seq2seq methods {unknown}; known: {', '.join(known)}")
+            raise ValueError(
+                f"unknown seq2seq methods {unknown}; known: {', '.join(known)} (each may end in "
+                "+dense: default kernels)"
+            )
         if "ar" not in self.methods:
             raise ValueError("the methods must include 'ar', the baseline of every ratio")
+        if not self.prepack and any(m.endswith("+dense") for m in self.methods):
+            raise ValueError("+dense compares with packed kernels; drop it or --no-prepack")
         if any(k < 1 for k in self.block_sizes):
             raise ValueError(f"block sizes must be >= 1, got {self.block_sizes}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
     def method_list(self) -> list[Seq2SeqMethod]:
-        out = [Seq2SeqMethod(m) for m in self.methods if not m.startswith("specdec")]
-        if "specdec" in self.methods:
-            out += [Seq2SeqMethod("specdec", k) for k in self.block_sizes]
-        if "specdec-relaxed" in self.methods or "specdec" in self.methods:
-            out += [
-                Seq2SeqMethod("specdec", k, TopBetaTau(beta, tau))
-                for k in self.block_sizes
-                for beta, tau in self.relaxed
-                if beta > 1
-            ]
+        out = []
+        for dense in (False, True):
+            suffixed = [m for m in self.methods if m.endswith("+dense") is dense]
+            names = [m.removesuffix("+dense") for m in suffixed]
+            out += [Seq2SeqMethod(m, dense=dense) for m in names if not m.startswith("specdec")]
+            if "specdec" in names:
+                out += [Seq2SeqMethod("specdec", k, dense=dense) for k in self.block_sizes]
+            if "specdec-relaxed" in names or "specdec" in names:
+                out += [
+                    Seq2SeqMethod("specdec", k, TopBetaTau(beta, tau), dense)
+                    for k in self.block_sizes
+                    for beta, tau in self.relaxed
+                    if beta > 1
+                ]
         return out
 
 
 def run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources, cfg):
     """-> (token ids per sentence without </s>, seconds, DecodeStats or None)."""
+    models = [m for m in (pair.verifier, pair.drafter, assistant) if m is not None]
+    for model in models:
+        use_prepacked(model, not method.dense)
+    try:
+        return _run_method(method, pair, assistant, sources, cfg)
+    finally:
+        for model in models:
+            use_prepacked(model, True)
+
+
+def _run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources, cfg):
     if method.kind in ("ar", "specdec"):
         relaxed = method.relaxed or TopBetaTau(1)
         start = time.perf_counter()
@@ -151,7 +175,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
     if cfg.limit:
         verses = verses[: cfg.limit]
     sources = [v.src for v in verses]
-    pair = TranslationPair.from_dir(cfg.pair)
+    pair = TranslationPair.from_dir(cfg.pair, prepack=cfg.prepack)
     methods = cfg.method_list()
     if any(m.kind == "specdec" for m in methods) and pair.drafter is None:
         raise ValueError(f"{cfg.pair} has no drafter; drop the specdec methods")
@@ -164,6 +188,8 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
             )
         assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
         assistant.eval()
+        if cfg.prepack:
+            prepack_linears(assistant)
     for method in methods:  # warm-up
         run_method(method, pair, assistant, sources[:1], cfg)
     runs: list[dict] = []
@@ -227,6 +253,10 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
             if assistant is not None
             else None
         ),
+        # with the packed weight copies (`prepack`), which double the linear weights
+        "verifier_mib_in_memory": model_bytes(pair.verifier) / 2**20,
+        "drafter_mib_in_memory": model_bytes(pair.drafter) / 2**20 if pair.drafter else 0.0,
+        "kernels": kernel_summary(pair.verifier),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "runs": runs,
         "ok": not any(r["mismatches"] for run in runs for r in run["methods"] if r["exact"]),
@@ -244,6 +274,8 @@ def summarise(cfg, methods, batch_size, outputs, seconds, stats, verses, pair) -
         same = [a == b for a, b in zip(ids, base_ids, strict=True)]
         row = {
             "method": m.label,
+            "k": m.k,
+            "dense": m.dense,
             "exact": m.exact,
             "approximate": not m.exact and m.kind == "specdec",
             "batch_size": batch_size,
@@ -320,6 +352,13 @@ def markdown_table(record: dict) -> str:
         + (f", assistant {record['assistant_mib']:.1f} MiB" if record["assistant_mib"] else "")
         + " (fp32 parameters as loaded)"
     )
+    if record.get("kernels", {}).get("prepacked"):
+        lines.append(
+            f"Kernels: oneDNN-packed copies for products of "
+            f"{record['kernels']['packed_from_rows']}+ rows (`+dense`: default kernels); with "
+            f"the copies, verifier {record['verifier_mib_in_memory']:.1f} MiB and drafter "
+            f"{record['drafter_mib_in_memory']:.1f} MiB in memory."
+        )
     return "\n".join(lines)
 
 
@@ -335,10 +374,13 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
         if not rows:
             continue
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        exact = sorted((int(r["method"].split("k=")[1].rstrip("]")), r) for r in rows if r["exact"])
-        if exact:
-            ax1.plot([k for k, _ in exact], [r["speedup"]["geomean"] for _, r in exact], "o-",
-                     label="beta = 1 (exact)")  # fmt: skip
+        for dense in (False, True):  # records before `+dense` have no "dense"
+            picked = [r for r in rows if r["exact"] and r.get("dense", False) is dense]
+            exact = sorted(((r["k"], r) for r in picked), key=lambda kr: kr[0])
+            label = "beta = 1 (exact)" + (", default kernels" if dense else "")
+            speed = [r["speedup"]["geomean"] for _, r in exact]
+            if exact:
+                ax1.plot([k for k, _ in exact], speed, "o-", label=label)
         ax1.set_xlabel("block size k")
         ax1.set_ylabel("speedup vs ar (time ratio)")
         ax1.set_title(f"SpecDec, batch {run['batch_size']}")

@@ -219,7 +219,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if not sources:
         raise ValueError("nothing to translate: give sentences as arguments or --file")
     pair_dir = Path(args.pair) if args.pair else SHIPPED_PAIR
-    pair = TranslationPair.from_dir(pair_dir)
+    from specdecode.kernels import prepack_available
+
+    # packed kernels where this torch build has them; the default ones otherwise (same output)
+    pair = TranslationPair.from_dir(pair_dir, prepack=not args.no_prepack and prepack_available())
     out = pair.translate(
         sources,
         block_size=args.block_size,
@@ -327,4 +330,7 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
+    p.add_argument(
+        "--no-prepack", action="store_true", help="default PyTorch kernels (no oneDNN packing)"
+    )
     p.set_defaults(func=cmd_translate)
