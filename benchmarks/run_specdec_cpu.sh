@@ -128,3 +128,11 @@ specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
 specdecode bench --pair --limit 0 --max-new-tokens 100 --batch-sizes 32 \
   --methods ar hf specdec --block-sizes 2 3 --relaxed 2,1.0 5,3.0 \
   --threads 2 --out benchmarks/specdec-bible-b32-shipped --quiet
+# eighth session: packed kernels for the verifier and the drafter (default now), with +dense
+# variants for the A/B in the same run: batch 1 (about 16 minutes), batch 32 (about 12)
+specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
+  --methods ar ar+dense hf hf-beam5 hf-assisted specdec specdec+dense --block-sizes 2 3 4 \
+  --relaxed 2,1.0 5,3.0 --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-packed --quiet
+specdecode bench --pair --limit 0 --max-new-tokens 100 --batch-sizes 32 \
+  --methods ar ar+dense hf specdec specdec+dense --block-sizes 2 3 --relaxed 2,1.0 5,3.0 \
+  --threads 2 --out benchmarks/specdec-bible-b32-packed --quiet

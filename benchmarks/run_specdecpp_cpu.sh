@@ -173,3 +173,15 @@ specdecode bench --prompts humaneval --skip 16 --limit 16 --max-new-tokens 64 --
   --seed 0 --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant head \
   --stop-threshold 0.9 --bound 1 12 --coupled \
   --out benchmarks/specdecpp-humaneval-t07-16-31-coupled --quiet
+# eighth session: heads trained on the chat collection alone, replayed on MT-Bench 81-90
+# (benchmarks/specdecpp-replay-mtbench-t07-10-chat-heads.txt), and the history feature offline
+D=~/.cache/specdecode/heads
+for cfg in "rw6:--reject-weight 6" "rw2:--reject-weight 2" "rw12:--reject-weight 12" \
+  "n128:--width 128 --layers 2" "exp:--expected-label"; do
+  specdecode head train $D/data-rounds12-mtbench-10-80 --rule sampling --no-progress \
+    --preview-costs 0.1375 0.056 --out runs/heads/chat-${cfg%%:*} ${cfg#*:}
+done
+specdecode head replay $D/eval-rounds12-mtbench-10-t07 --costs 0.1375 0.056 \
+  $(for n in rw6 rw2 rw12 n128 exp; do echo --head runs/heads/chat-$n; done) \
+  --head runs/head-sampling-mixed
+python benchmarks/specdecpp_history_feature.py > benchmarks/specdecpp-history-feature.txt

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from specdecode.bench.methods import Method
 from specdecode.bench.metrics import (
@@ -293,3 +294,29 @@ def test_seq2seq_bench_dense_variants_and_their_errors():
         Seq2SeqBenchConfig(pair="unused", methods=("ar+dense", "specdec"))
     with pytest.raises(ValueError, match=r"\+dense compares with packed kernels"):
         Seq2SeqBenchConfig(pair="unused", methods=("ar", "ar+dense"), prepack=False)
+
+
+def test_from_pretrained_packs_the_target_and_can_draft_in_int8(tiny_pair):
+    """On the CPU in fp32 the target gets packed kernels by default (verify passes cost about a
+    step), and neither the packing nor an int8 drafter changes greedy output."""
+    from specdecode.api import SpeculativeDecoder
+    from specdecode.kernels import kernel_summary, prepack_available
+
+    target, draft, _ = tiny_pair
+    plain = SpeculativeDecoder.from_pretrained(str(target), str(draft), prepack=False)
+    assert not kernel_summary(plain.target)["prepacked"]
+    packed = SpeculativeDecoder.from_pretrained(str(target), str(draft), drafter_int8=True)
+    assert kernel_summary(packed.target)["prepacked"] == prepack_available()
+    assert any(
+        isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in packed.drafter.modules()
+    )
+    prompts = [[5, 6, 7], [9]]
+    alone = SpeculativeDecoder.from_pretrained(str(target), None, prepack=False)
+    ar = alone.generate(prompts, max_new_tokens=12)
+    for decoder in (plain, packed):
+        out = decoder.generate(prompts, max_new_tokens=12, num_draft_tokens=3)
+        assert out.new_tokens == ar.new_tokens
+    with pytest.raises(ValueError, match="drafter_int8 needs a drafter"):
+        SpeculativeDecoder.from_pretrained(str(target), None, drafter_int8=True)
+    with pytest.raises(ValueError, match="prepack needs float32 on the CPU"):
+        SpeculativeDecoder.from_pretrained(str(target), None, torch.bfloat16, prepack=True)

@@ -78,14 +78,40 @@ class SpeculativeDecoder:
         drafter: str | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        prepack: bool | None = None,
+        drafter_int8: bool = False,
     ) -> SpeculativeDecoder:
-        """Load local model directories (or known model names) offline."""
+        """Load local model directories (or known model names) offline.
+
+        `prepack` gives the target's linear layers oneDNN-packed copies for products of 2+ rows
+        (`kernels.prepack_linears`): on CPUs where the default fp32 kernel runs a few rows at
+        two to three times the cost of one, a verify pass otherwise costs that much more than
+        a decoding step, which eats most of the speedup. None (the default): on for fp32 on
+        the CPU where this torch build has the kernels. It doubles the target's linear weights
+        in memory. `drafter_int8` drafts with an int8 dynamically quantized copy of the
+        drafter (CPU): cheaper drafts, the same output law (every token is verified).
+        """
+        from specdecode.kernels import prepack_available, prepack_linears, quantize_int8
         from specdecode.model_store import load_causal_lm
 
+        fits = device == "cpu" and dtype == torch.float32
+        if prepack and not (fits and prepack_available()):
+            raise ValueError(
+                "prepack needs float32 on the CPU and a torch build with oneDNN kernels; got "
+                f"{dtype} on {device}"
+            )
+        if drafter_int8 and device != "cpu":
+            raise ValueError(f"an int8 drafter runs on the CPU only; got device {device}")
+        if drafter_int8 and drafter is None:
+            raise ValueError("drafter_int8 needs a drafter")
         target_model, tokenizer = load_causal_lm(target, dtype=dtype, device=device)
+        if prepack or (prepack is None and fits and prepack_available()):
+            prepack_linears(target_model)
         if drafter is None:
             return cls(target_model, tokenizer)
         draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
+        if drafter_int8:
+            draft_model = quantize_int8(draft_model)
         return cls(target_model, tokenizer, draft_model, draft_tokenizer)
 
     def load_head(self, path: str | Path) -> torch.nn.Module:

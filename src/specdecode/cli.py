@@ -85,7 +85,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     draft = None if args.no_draft else args.draft
     dtype = DTYPES[args.dtype]
-    decoder = SpeculativeDecoder.from_pretrained(args.target, draft, dtype, args.device)
+    decoder = SpeculativeDecoder.from_pretrained(
+        args.target,
+        draft,
+        dtype,
+        args.device,
+        prepack=False if args.no_prepack else None,
+        drafter_int8=args.int8_draft,
+    )
     if args.head is not None:
         decoder.load_head(args.head)
     settings = dict(
@@ -138,6 +145,18 @@ def add_generate(subparsers) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="drafter directory or known name")
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
+    p.add_argument(
+        "--int8-draft",
+        action="store_true",
+        help="draft with an int8 copy of the drafter (CPU; the bench's sd-int8): cheaper drafts, "
+        "the same output law",
+    )
+    p.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="default PyTorch kernels for the target (saves a copy of its linear weights; "
+        "verify passes then cost more on many CPUs)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     src.add_argument("--prompts", help="a prompt file (.jsonl/.txt) or set (humaneval, mtbench)")
