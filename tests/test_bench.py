@@ -288,6 +288,14 @@ def test_seq2seq_bench_dense_variants_and_their_errors():
     assert [m.label for m in methods] == packed + [f"{label}+dense" for label in packed]
     assert [m.dense for m in methods] == [False] * 5 + [True] * 5
     assert [m.exact for m in methods] == [True, True, True, False, False] * 2
+    int8 = Seq2SeqBenchConfig(
+        pair="unused", methods=("ar", "specdec-int8", "specdec-relaxed"), block_sizes=(3,),
+        relaxed=((5, 3.0),),
+    ).method_list()  # fmt: skip
+    assert [m.label for m in int8] == [
+        "ar", "specdec[k=3,b=5,t=3]", "specdec-int8[k=3]", "specdec-int8[k=3,b=5,t=3]",
+    ]  # fmt: skip
+    assert [m.exact for m in int8] == [True, False, True, False]
     with pytest.raises(ValueError, match=r"unknown seq2seq methods \['sd\+dense'\]"):
         Seq2SeqBenchConfig(pair="unused", methods=("ar", "sd+dense"))
     with pytest.raises(ValueError, match="must include 'ar'"):

@@ -17,7 +17,7 @@ from transformers import (
 
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.engine import decode
-from specdecode.kernels import kernel_summary, prepack_available
+from specdecode.kernels import PackedTiedOutput, kernel_summary, prepack_available
 from specdecode.kv_cache import UnsupportedModelError
 from specdecode.sampling import InvalidLogitsError
 from specdecode.seq2seq.api import TranslationPair
@@ -539,7 +539,8 @@ def test_prepacked_pair_keeps_greedy_output_and_the_drafters_weights(family):
     dense = tiny_drafter(model, 3, copy=family is tiny_marian)
     keys = set(drafter.state_dict())
     pair = TranslationPair(model, None, drafter).prepack()
-    assert kernel_summary(model)["prepacked"] and drafter.packed_output is not None
+    assert kernel_summary(model)["prepacked"]
+    assert isinstance(drafter.output_kernel, PackedTiedOutput)
     assert set(drafter.state_dict()) == keys
     states = encoded(model, src, mask)
     ids, pos = torch.full((3, 4), MASK), torch.arange(4).expand(3, 4)
@@ -557,3 +558,33 @@ def test_prepacking_refuses_a_half_precision_verifier():
     pair = TranslationPair(tiny_marian().half(), None)
     with pytest.raises(ValueError, match="fp32 models on the CPU"):
         pair.prepack()
+
+
+@pytest.mark.parametrize("packed_first", [False, True])
+def test_int8_drafter_keeps_greedy_output(packed_first):
+    """An int8 copy of the drafter (from a dense or a packed one) drafts differently at most;
+    the verifier's greedy output stays exact, and the original drafter is untouched."""
+    model = tiny_marian()
+    src, mask = sources()
+    expected = reference(model, src, mask)
+    drafter = tiny_drafter(model, 3)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    pair = TranslationPair(model, None, drafter)
+    if packed_first and prepack_available():
+        pair.prepack()
+    int8 = drafter.int8()
+    assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in int8.modules())
+    assert isinstance(int8.output_kernel, torch.ao.nn.quantized.dynamic.Linear)
+    states = encoded(model, src, mask)
+    ids, pos = torch.full((3, 4), MASK), torch.arange(4).expand(3, 4)
+    allowed = torch.ones(3, 4, 4, dtype=torch.bool)
+    with torch.inference_mode():
+        got = int8.logits(int8.run(ids, pos, allowed, None, states, mask)[0])
+        want = drafter.logits(drafter.run(ids, pos, allowed, None, states, mask)[0])
+    assert got.shape == want.shape and (got - want).abs().max() < 0.1 * want.abs().max()
+    with torch.inference_mode():
+        assert run(pair.with_drafter(int8).verifier, src, mask, int8, 3) == expected
+    for key, value in drafter.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    with pytest.raises(ValueError, match="already int8"):
+        int8.int8()

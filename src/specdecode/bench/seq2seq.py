@@ -35,11 +35,12 @@ from specdecode.seq2seq.api import TranslationPair
 from specdecode.verification import TopBetaTau
 
 BATCH1_ONLY = ("hf-assisted",)
+SPECDEC_KINDS = ("specdec", "specdec-int8")
 
 
 @dataclass(frozen=True)
 class Seq2SeqMethod:
-    kind: str  # ar, hf, hf-beam5, hf-assisted, specdec
+    kind: str  # ar, hf, hf-beam5, hf-assisted, specdec, specdec-int8 (an int8 drafter copy)
     k: int | None = None
     relaxed: TopBetaTau | None = None
     dense: bool = False  # default PyTorch kernels where the run prepacks (`+dense`)
@@ -47,15 +48,19 @@ class Seq2SeqMethod:
     @property
     def label(self) -> str:
         suffix = "+dense" if self.dense else ""
-        if self.kind != "specdec":
+        if not self.speculative:
             return self.kind + suffix
         extra = f",{self.relaxed.label}" if self.relaxed is not None else ""
-        return f"specdec[k={self.k}{extra}]{suffix}"
+        return f"{self.kind}[k={self.k}{extra}]{suffix}"
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind in SPECDEC_KINDS
 
     @property
     def exact(self) -> bool:
         return self.kind in ("ar", "hf", "hf-assisted") or (
-            self.kind == "specdec" and self.relaxed is None
+            self.speculative and self.relaxed is None
         )
 
 
@@ -74,7 +79,7 @@ class Seq2SeqBenchConfig:
     prepack: bool = True  # oneDNN-packed kernels for multi-row products (`kernels`), all models
 
     def __post_init__(self) -> None:
-        known = ("ar", "hf", "hf-beam5", "hf-assisted", "specdec", "specdec-relaxed")
+        known = ("ar", "hf", "hf-beam5", "hf-assisted", *SPECDEC_KINDS, "specdec-relaxed")
         unknown = [m for m in self.methods if m.removesuffix("+dense") not in known]
         if unknown:
             raise ValueError(
@@ -96,15 +101,17 @@ class Seq2SeqBenchConfig:
             suffixed = [m for m in self.methods if m.endswith("+dense") is dense]
             names = [m.removesuffix("+dense") for m in suffixed]
             out += [Seq2SeqMethod(m, dense=dense) for m in names if not m.startswith("specdec")]
-            if "specdec" in names:
-                out += [Seq2SeqMethod("specdec", k, dense=dense) for k in self.block_sizes]
-            if "specdec-relaxed" in names or "specdec" in names:
-                out += [
-                    Seq2SeqMethod("specdec", k, TopBetaTau(beta, tau), dense)
-                    for k in self.block_sizes
-                    for beta, tau in self.relaxed
-                    if beta > 1
-                ]
+            for kind in SPECDEC_KINDS:  # each with its relaxed runs
+                relaxed_only = kind == "specdec" and "specdec-relaxed" in names
+                if kind in names:
+                    out += [Seq2SeqMethod(kind, k, dense=dense) for k in self.block_sizes]
+                if kind in names or relaxed_only:
+                    out += [
+                        Seq2SeqMethod(kind, k, TopBetaTau(beta, tau), dense)
+                        for k in self.block_sizes
+                        for beta, tau in self.relaxed
+                        if beta > 1
+                    ]
         return out
 
 
@@ -121,7 +128,7 @@ def run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources,
 
 
 def _run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources, cfg):
-    if method.kind in ("ar", "specdec"):
+    if method.kind == "ar" or method.speculative:
         relaxed = method.relaxed or TopBetaTau(1)
         start = time.perf_counter()
         out = pair.translate(
@@ -129,7 +136,7 @@ def _run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources
             block_size=method.k or 1,
             beta=relaxed.beta,
             tau=relaxed.tau,
-            use_drafter=method.kind == "specdec",
+            use_drafter=method.speculative,
             batch_size=len(sources),
             max_new_tokens=cfg.max_new_tokens,
         )
@@ -177,7 +184,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
     sources = [v.src for v in verses]
     pair = TranslationPair.from_dir(cfg.pair, prepack=cfg.prepack)
     methods = cfg.method_list()
-    if any(m.kind == "specdec" for m in methods) and pair.drafter is None:
+    if any(m.speculative for m in methods) and pair.drafter is None:
         raise ValueError(f"{cfg.pair} has no drafter; drop the specdec methods")
     assistant = None
     if any(m.kind == "hf-assisted" for m in methods):
@@ -190,8 +197,11 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         assistant.eval()
         if cfg.prepack:
             prepack_linears(assistant)
+    pairs = {}  # kind -> the pair it runs, where not `pair` itself
+    if any(m.kind == "specdec-int8" for m in methods):
+        pairs["specdec-int8"] = pair.with_drafter(pair.drafter.int8())
     for method in methods:  # warm-up
-        run_method(method, pair, assistant, sources[:1], cfg)
+        run_method(method, pairs.get(method.kind, pair), assistant, sources[:1], cfg)
     runs: list[dict] = []
     for batch_size in cfg.batch_sizes:
         runnable = [m for m in methods if batch_size == 1 or m.kind not in BATCH1_ONLY]
@@ -208,7 +218,9 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
             fastest = {m.label: float("inf") for m in runnable}
             for repeat in range(cfg.repeats):
                 for method in order:
-                    ids, secs, st = run_method(method, pair, assistant, part, cfg)
+                    ids, secs, st = run_method(
+                        method, pairs.get(method.kind, pair), assistant, part, cfg
+                    )
                     fastest[method.label] = min(fastest[method.label], secs)
                     bar.update()
                     if repeat:  # the output and counts of a repeat are the first one's again
@@ -256,6 +268,9 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         # with the packed weight copies (`prepack`), which double the linear weights
         "verifier_mib_in_memory": model_bytes(pair.verifier) / 2**20,
         "drafter_mib_in_memory": model_bytes(pair.drafter) / 2**20 if pair.drafter else 0.0,
+        "drafter_int8_mib": (
+            model_bytes(pairs["specdec-int8"].drafter) / 2**20 if "specdec-int8" in pairs else None
+        ),
         "kernels": kernel_summary(pair.verifier),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "runs": runs,
@@ -277,7 +292,7 @@ def summarise(cfg, methods, batch_size, outputs, seconds, stats, verses, pair) -
             "k": m.k,
             "dense": m.dense,
             "exact": m.exact,
-            "approximate": not m.exact and m.kind == "specdec",
+            "approximate": not m.exact and m.speculative,
             "batch_size": batch_size,
             "sentences": len(ids),
             "tokens": sum(map(len, ids)),
@@ -359,6 +374,10 @@ def markdown_table(record: dict) -> str:
             f"the copies, verifier {record['verifier_mib_in_memory']:.1f} MiB and drafter "
             f"{record['drafter_mib_in_memory']:.1f} MiB in memory."
         )
+    if record.get("drafter_int8_mib"):
+        lines.append(
+            f"The int8 drafter copy (`specdec-int8`): {record['drafter_int8_mib']:.1f} MiB."
+        )
     return "\n".join(lines)
 
 
@@ -374,13 +393,15 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
         if not rows:
             continue
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for dense in (False, True):  # records before `+dense` have no "dense"
-            picked = [r for r in rows if r["exact"] and r.get("dense", False) is dense]
-            exact = sorted(((r["k"], r) for r in picked), key=lambda kr: kr[0])
-            label = "beta = 1 (exact)" + (", default kernels" if dense else "")
-            speed = [r["speedup"]["geomean"] for _, r in exact]
-            if exact:
-                ax1.plot([k for k, _ in exact], speed, "o-", label=label)
+        lines: dict[str, list] = {}  # drafter kind and kernels -> exact rows
+        for r in rows:
+            if r["exact"]:
+                kind = r["method"].split("[")[0] + (", default kernels" if r.get("dense") else "")
+                lines.setdefault(kind, []).append(r)
+        for kind, exact in lines.items():
+            exact.sort(key=lambda r: r["k"])
+            ax1.plot([r["k"] for r in exact], [r["speedup"]["geomean"] for r in exact], "o-",
+                     label=f"{kind}, beta = 1 (exact)")  # fmt: skip
         ax1.set_xlabel("block size k")
         ax1.set_ylabel("speedup vs ar (time ratio)")
         ax1.set_title(f"SpecDec, batch {run['batch_size']}")

@@ -67,17 +67,26 @@ class TranslationPair:
                 f"{self.verifier.dtype} on {self.verifier.device}"
             )
         prepack_linears(self.verifier, min_rows)
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.output_kernel is None:  # not int8 already
             self.drafter.prepack(min_rows)
         return self
 
+    def with_drafter(self, drafter: BlockDrafter | None) -> TranslationPair:
+        """The same verifier (and kernels) and tokenizer with another drafter, e.g. `int8()`."""
+        return TranslationPair(self.verifier, self.tokenizer, drafter)
+
     @classmethod
     def from_dir(
-        cls, directory: str | Path, dtype: torch.dtype = torch.float32, prepack: bool = False
+        cls,
+        directory: str | Path,
+        dtype: torch.dtype = torch.float32,
+        prepack: bool = False,
+        drafter_int8: bool = False,
     ) -> TranslationPair:
         """`<dir>/verifier` (a `save_pretrained` model + tokenizer) and optional `<dir>/drafter`.
 
         `prepack`: packed CPU kernels for multi-row products (`prepack`), fp32 only.
+        `drafter_int8`: draft with an int8 copy of the drafter (`BlockDrafter.int8`, CPU).
         """
         from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
@@ -89,6 +98,10 @@ class TranslationPair:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(verifier_dir))
         drafter_dir = directory / "drafter"
         drafter = BlockDrafter.load(drafter_dir).to(dtype) if drafter_dir.exists() else None
+        if drafter_int8:
+            if drafter is None:
+                raise ValueError(f"{directory} has no drafter to quantize")
+            drafter = drafter.int8()
         pair = cls(verifier, tokenizer, drafter)
         return pair.prepack() if prepack else pair
 

@@ -222,7 +222,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from specdecode.kernels import prepack_available
 
     # packed kernels where this torch build has them; the default ones otherwise (same output)
-    pair = TranslationPair.from_dir(pair_dir, prepack=not args.no_prepack and prepack_available())
+    pair = TranslationPair.from_dir(
+        pair_dir, prepack=not args.no_prepack and prepack_available(), drafter_int8=args.int8_draft
+    )
     out = pair.translate(
         sources,
         block_size=args.block_size,
@@ -332,5 +334,10 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--stats", action="store_true", help="print decoding statistics to stderr")
     p.add_argument(
         "--no-prepack", action="store_true", help="default PyTorch kernels (no oneDNN packing)"
+    )
+    p.add_argument(
+        "--int8-draft",
+        action="store_true",
+        help="an int8 copy of the drafter (CPU): cheaper drafts",
     )
     p.set_defaults(func=cmd_translate)
