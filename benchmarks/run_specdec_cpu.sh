@@ -136,3 +136,7 @@ specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
 specdecode bench --pair --limit 0 --max-new-tokens 100 --batch-sizes 32 \
   --methods ar ar+dense hf specdec specdec+dense --block-sizes 2 3 --relaxed 2,1.0 5,3.0 \
   --threads 2 --out benchmarks/specdec-bible-b32-packed --quiet
+# the int8 drafter against the packed fp32 one, batch 1 (about 14 minutes)
+specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
+  --methods ar hf specdec specdec-int8 --block-sizes 2 3 4 5 --relaxed 2,1.0 5,3.0 \
+  --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-int8 --quiet

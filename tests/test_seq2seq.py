@@ -527,6 +527,15 @@ def test_block_too_long_for_positions_is_refused():
                 torch.ones(1, 2), 4)  # fmt: skip
 
 
+@torch.inference_mode()
+def query_logits(drafter: BlockDrafter, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits for 4 mask queries per row, no prefix: [batch, 4, vocab]."""
+    batch = states.shape[0]
+    ids, pos = torch.full((batch, 4), MASK), torch.arange(4).expand(batch, 4)
+    allowed = torch.ones(batch, 4, 4, dtype=torch.bool)
+    return drafter.logits(drafter.run(ids, pos, allowed, None, states, mask)[0])
+
+
 @pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear kernels")
 @pytest.mark.parametrize("family", [tiny_marian, tiny_bart])
 def test_prepacked_pair_keeps_greedy_output_and_the_drafters_weights(family):
@@ -542,12 +551,7 @@ def test_prepacked_pair_keeps_greedy_output_and_the_drafters_weights(family):
     assert kernel_summary(model)["prepacked"]
     assert isinstance(drafter.output_kernel, PackedTiedOutput)
     assert set(drafter.state_dict()) == keys
-    states = encoded(model, src, mask)
-    ids, pos = torch.full((3, 4), MASK), torch.arange(4).expand(3, 4)
-    allowed = torch.ones(3, 4, 4, dtype=torch.bool)
-    with torch.inference_mode():
-        got = drafter.logits(drafter.run(ids, pos, allowed, None, states, mask)[0])
-        want = dense.logits(dense.run(ids, pos, allowed, None, states, mask)[0])
+    got, want = (query_logits(d, encoded(model, src, mask), mask) for d in (drafter, dense))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     with torch.inference_mode():
         assert run(pair.verifier, src, mask, drafter, 3) == expected
@@ -575,12 +579,7 @@ def test_int8_drafter_keeps_greedy_output(packed_first):
     int8 = drafter.int8()
     assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in int8.modules())
     assert isinstance(int8.output_kernel, torch.ao.nn.quantized.dynamic.Linear)
-    states = encoded(model, src, mask)
-    ids, pos = torch.full((3, 4), MASK), torch.arange(4).expand(3, 4)
-    allowed = torch.ones(3, 4, 4, dtype=torch.bool)
-    with torch.inference_mode():
-        got = int8.logits(int8.run(ids, pos, allowed, None, states, mask)[0])
-        want = drafter.logits(drafter.run(ids, pos, allowed, None, states, mask)[0])
+    got, want = (query_logits(d, encoded(model, src, mask), mask) for d in (int8, drafter))
     assert got.shape == want.shape and (got - want).abs().max() < 0.1 * want.abs().max()
     with torch.inference_mode():
         assert run(pair.with_drafter(int8).verifier, src, mask, int8, 3) == expected
