@@ -191,7 +191,8 @@ def add_subcommands(subparsers) -> None:
         default=None,
         help="ar hf hf-assisted hf-assisted-k sd sd-int8 (default all but hf-assisted-k); suffix "
         "+dense for default kernels. With --pair: ar hf hf-beam5 hf-assisted specdec "
-        "specdec-relaxed (default all; specdec includes the relaxed runs)",
+        "specdec-int8 specdec-relaxed (default: all but specdec-int8; specdec and specdec-int8 "
+        "include the relaxed runs; specdec-int8 drafts with an int8 copy of the drafter)",
     )
     p.add_argument(
         "--pair",
