@@ -950,9 +950,13 @@ def replay_heads(
     if not loaded:
         raise ValueError("name at least one head to replay (--head DIR)")
     result: dict[str, Any] = {"heads": {}}
+    collections: dict[tuple, HeadData] = {}  # heads that read the same columns share one load
     for name, head in loaded:
-        rule = head.config.rule
-        data = load_examples(data_dir, rule, law=head.reads_law, drawn=head.reads_drawn)
+        reads = (head.config.rule, head.reads_law, head.reads_drawn)
+        if reads not in collections:
+            rule, law, drawn = reads
+            collections[reads] = load_examples(data_dir, rule, law=law, drawn=drawn)
+        data = collections[reads]
         if data.round is None or data.slot is None:
             raise ValueError(
                 f"{data_dir} was collected along mixed sequences; replaying needs a collection "
