@@ -8,6 +8,7 @@ import torch
 from specdecode.kernels import (
     PackedTiedOutput,
     PrepackedLinear,
+    int8_draft_wanted,
     prepack_available,
     prepack_linears,
     use_prepacked,
@@ -77,3 +78,16 @@ def test_tied_output_is_packed_without_a_second_parameter():
         owner.out.enabled = True
         owner.out(torch.randn(4, 16)).sum().backward()
     assert table.weight.grad is not None and bias.grad is not None
+
+
+def test_draft_precision_choice():
+    """auto drafts in int8 exactly where an int8 drafter runs (fp32 on the CPU)."""
+    assert int8_draft_wanted("auto", "cpu", torch.float32)
+    assert not int8_draft_wanted("auto", "cuda", torch.float32)
+    assert not int8_draft_wanted("auto", "cpu", torch.bfloat16)
+    assert not int8_draft_wanted("fp32", "cpu", torch.float32)
+    assert int8_draft_wanted("int8", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="int8 drafter needs float32 models on the CPU"):
+        int8_draft_wanted("int8", "cuda", torch.float32)
+    with pytest.raises(ValueError, match="draft precision must be one of"):
+        int8_draft_wanted("fp16", "cpu", torch.float32)

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from specdecode.config import POLICIES
+from specdecode.kernels import DRAFT_PRECISIONS, int8_draft_wanted
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -91,7 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype,
         args.device,
         prepack=False if args.no_prepack else None,
-        drafter_int8=args.int8_draft,
+        drafter_int8=draft is not None
+        and int8_draft_wanted(args.draft_precision, args.device, dtype),
     )
     if args.head is not None:
         decoder.load_head(args.head)
@@ -146,10 +148,11 @@ def add_generate(subparsers) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="drafter directory or known name")
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
     p.add_argument(
-        "--int8-draft",
-        action="store_true",
-        help="draft with an int8 copy of the drafter (CPU; the bench's sd-int8): cheaper drafts, "
-        "the same output law",
+        "--draft-precision",
+        choices=DRAFT_PRECISIONS,
+        default="auto",
+        help="int8: draft with an int8 copy of the drafter (the bench's sd-int8; cheaper drafts, "
+        "the same output law); auto (default): int8 for float32 on the CPU, else as loaded",
     )
     p.add_argument(
         "--no-prepack",

@@ -138,3 +138,19 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         from torch.ao.quantization import quantize_dynamic
 
         return quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+DRAFT_PRECISIONS = ("auto", "int8", "fp32")
+
+
+def int8_draft_wanted(choice: str, device: str, dtype: torch.dtype) -> bool:
+    """The command lines' `--draft-precision`: "auto" drafts in int8 where it runs (fp32 models
+    on the CPU), the fastest setting measured on CPU for both pairs; "int8" insists on it."""
+    if choice not in DRAFT_PRECISIONS:
+        raise ValueError(f"draft precision must be one of {DRAFT_PRECISIONS}, got {choice!r}")
+    fits = device == "cpu" and dtype == torch.float32
+    if choice == "int8" and not fits:
+        raise ValueError(
+            f"an int8 drafter needs float32 models on the CPU; got {dtype} on {device}"
+        )
+    return choice == "int8" or (choice == "auto" and fits)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.kernels import DRAFT_PRECISIONS
 from specdecode.packages import cache_root
 from specdecode.seq2seq.training import LoopConfig
 
@@ -219,11 +220,14 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if not sources:
         raise ValueError("nothing to translate: give sentences as arguments or --file")
     pair_dir = Path(args.pair) if args.pair else SHIPPED_PAIR
-    from specdecode.kernels import prepack_available
+    from specdecode.kernels import int8_draft_wanted, prepack_available
 
     # packed kernels where this torch build has them; the default ones otherwise (same output)
     pair = TranslationPair.from_dir(
-        pair_dir, prepack=not args.no_prepack and prepack_available(), drafter_int8=args.int8_draft
+        pair_dir,
+        prepack=not args.no_prepack and prepack_available(),
+        drafter_int8=args.method == "specdec"
+        and int8_draft_wanted(args.draft_precision, "cpu", torch.float32),
     )
     out = pair.translate(
         sources,
@@ -339,8 +343,10 @@ def add_subcommands(subparsers) -> None:
         "--no-prepack", action="store_true", help="default PyTorch kernels (no oneDNN packing)"
     )
     p.add_argument(
-        "--int8-draft",
-        action="store_true",
-        help="an int8 copy of the drafter (CPU): cheaper drafts",
+        "--draft-precision",
+        choices=DRAFT_PRECISIONS,
+        default="auto",
+        help="int8 (auto's choice here): an int8 copy of the drafter, cheaper drafts and the "
+        "same output; fp32: the drafter as shipped",
     )
     p.set_defaults(func=cmd_translate)
