@@ -185,3 +185,11 @@ specdecode head replay $D/eval-rounds12-mtbench-10-t07 --costs 0.1375 0.056 \
   $(for n in rw6 rw2 rw12 n128 exp; do echo --head runs/heads/chat-$n; done) \
   --head runs/head-sampling-mixed
 python benchmarks/specdecpp_history_feature.py > benchmarks/specdecpp-history-feature.txt
+# MT-Bench questions 91-110 at T = 0.7, coupled (37 minutes)
+specdecode bench --prompts mtbench --skip 10 --limit 20 --max-new-tokens 64 --temperature 0.7 \
+  --seed 0 --methods ar sd-int8 --num-draft-tokens 2 3 --length-policy constant head \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled \
+  --out benchmarks/specdecpp-mtbench-t07-10-30-coupled --quiet
+for h in 0.8 0.9; do python benchmarks/pool_runs.py "sd-int8[k=2]" "sd-int8[head t=$h 1..12]" \
+  benchmarks/specdecpp-mtbench-t07-10-coupled benchmarks/specdecpp-mtbench-t07-10-30-coupled
+done > benchmarks/specdecpp-mtbench-t07-81-110-pooled.txt
