@@ -134,6 +134,23 @@ def test_position_keys_alone_do_not_pair(
 ) -> None:
     """Without the bonus drawn via the drafter, the same numbers give k=1 and k=7 other texts:
     a bonus token drawn from the target is another function of them than a drafted one."""
-    monkeypatch.setattr(engine, "coupled_next_tokens", lambda *a: a[4].next_tokens)
+    monkeypatch.setattr(engine, "coupled_next_tokens", lambda *a: (a[4].next_tokens, False))
     texts = [generate(decoder, True, **POLICIES[name]).new_tokens for name in ("k=1", "k=7")]
     assert texts[0] != texts[1]
+
+
+def test_unusable_drafter_law_at_a_bonus_position_is_refused(
+    decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN law read for a bonus token stops decoding with the step's logit error."""
+    from specdecode.drafters import ModelDrafter
+    from specdecode.sampling import InvalidLogitsError
+
+    real = ModelDrafter.next_law
+
+    def nan_law(self, sequences, seq_lens, rows):
+        return real(self, sequences, seq_lens, rows) * float("nan")
+
+    monkeypatch.setattr(ModelDrafter, "next_law", nan_law)
+    with pytest.raises(InvalidLogitsError, match="NaN"):
+        generate(decoder, True, **POLICIES["k=1"])

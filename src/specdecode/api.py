@@ -91,17 +91,17 @@ class SpeculativeDecoder:
         in memory. `drafter_int8` drafts with an int8 dynamically quantized copy of the
         drafter (CPU): cheaper drafts, the same output law (every token is verified).
         """
-        from specdecode.kernels import prepack_available, prepack_linears, quantize_int8
+        from specdecode.kernels import cpu_fp32, prepack_available, prepack_linears, quantize_int8
         from specdecode.model_store import load_causal_lm
 
-        fits = device == "cpu" and dtype == torch.float32
+        fits = cpu_fp32(device, dtype)
         if prepack and not (fits and prepack_available()):
             raise ValueError(
                 "prepack needs float32 on the CPU and a torch build with oneDNN kernels; got "
                 f"{dtype} on {device}"
             )
-        if drafter_int8 and device != "cpu":
-            raise ValueError(f"an int8 drafter runs on the CPU only; got device {device}")
+        if drafter_int8 and not fits:
+            raise ValueError(f"an int8 drafter needs float32 on the CPU; got {dtype} on {device}")
         if drafter_int8 and drafter is None:
             raise ValueError("drafter_int8 needs a drafter")
         target_model, tokenizer = load_causal_lm(target, dtype=dtype, device=device)

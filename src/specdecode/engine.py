@@ -117,7 +117,9 @@ def speculative_step(
         drafter.rollback(committed, draft.lengths, verdict.num_accepted)
     next_tokens = verdict.next_tokens  # [batch]
     if cfg.coupled and drafter is not None:
-        next_tokens = coupled_next_tokens(drafter, rule, batch, draft, verdict, logits, rng, stats)
+        next_tokens, bad = coupled_next_tokens(drafter, rule, batch, draft, verdict, logits, rng,
+                                               stats)  # fmt: skip
+        invalid = invalid | bad
     block, counts, done = batch.commit(draft, verdict.num_accepted, next_tokens)
     stats.verify_seconds += time.perf_counter() - t1
     stats.draft_seconds += t1 - t0
@@ -142,19 +144,20 @@ def coupled_next_tokens(
     logits: torch.Tensor,  # [batch, k + 1, vocab] the target's, of this round
     rng: RowRandom | None,
     stats: DecodeStats,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | bool]:
     """The next token of every row, with the bonus token of a fully accepted row drawn the way
     a drafted token at its position would be: from the drafter's law there, then accepted or
     recovered against the target's. That law takes one more drafter pass (timed apart, in
     `stats.coupling_seconds`). Together with `PositionRandom`, a row's text then depends on its
     seed alone, whatever length any round drafted. The output law stays the target's: drafting
-    then verifying one token is itself an exact draw from it.
+    then verifying one token is itself an exact draw from it. Also returns whether the law
+    read at a bonus position was unusable (NaN or +inf), for the step's one check.
     """
     assert isinstance(rng, PositionRandom), "coupling needs position-keyed numbers"
     full = verdict.num_accepted == draft.lengths  # [batch] rows owed a bonus token
     full_host = full.tolist()
     if not any(full_host):
-        return verdict.next_tokens
+        return verdict.next_tokens, False
     t0 = time.perf_counter()
     k = draft.tokens.shape[1]
     slots = torch.arange(k, device=draft.tokens.device)  # [k]
@@ -162,8 +165,7 @@ def coupled_next_tokens(
     sequences = batch.sequences.scatter(1, index, draft.tokens)  # drafts written past the end
     committed = batch.seq_lens + verdict.num_accepted  # [batch]
     law = drafter.next_law(sequences, committed, full)  # [batch, vocab]
-    if not bool(torch.isfinite(law[full]).all()):
-        raise InvalidLogitsError("the drafter produced NaN or +inf logits at a bonus position")
+    bad = (~torch.isfinite(law).all(-1) & full).any()  # no host sync: the step checks it
     law = torch.where(full[:, None], law, 1.0 / law.shape[-1])  # other rows' laws are unused
     rng.begin_round(committed)
     token = sample_from(law, rng.draft_uniforms(0, full_host, law.device))  # [batch]
@@ -172,7 +174,7 @@ def coupled_next_tokens(
     drawn = torch.where(again.num_accepted > 0, token, again.next_tokens)  # [batch]
     stats.coupling_seconds += time.perf_counter() - t0
     stats.coupling_forwards += 1
-    return torch.where(full, drawn, verdict.next_tokens)
+    return torch.where(full, drawn, verdict.next_tokens), bad
 
 
 @torch.inference_mode()  # generator-aware: on while the loop runs, off while its consumer does

@@ -179,15 +179,15 @@ class PositionRandom(RowRandom):
 
     def at(self, slots: torch.Tensor, which: int) -> torch.Tensor:
         """slots [batch, n] of this round -> [batch, n] numbers of kind `which` there."""
-        index = self.offsets[:, None] + slots.to(self.table.device)
+        index = self.offsets[:, None] + slots.to(self.table.device)  # no-op for own slots
         return self.table[..., which].gather(1, index.clamp(max=self.table.shape[1] - 1))
 
     def draft_uniforms(self, index, active, device="cpu") -> torch.Tensor:
-        slots = torch.full((len(active), 1), index, dtype=torch.long)
+        slots = torch.full((len(active), 1), index, dtype=torch.long, device=self.table.device)
         return self.at(slots, DRAFT)[:, 0].to(device)
 
     def verify_uniforms(self, num_drafted, k, device) -> torch.Tensor:
-        slots = torch.arange(k + 1).expand(len(num_drafted), k + 1)
+        slots = torch.arange(k + 1, device=self.table.device).expand(len(num_drafted), k + 1)
         return self.at(slots, ACCEPT).to(device)
 
     def resample_uniforms(self, uniforms, num_drafted, num_accepted) -> torch.Tensor:

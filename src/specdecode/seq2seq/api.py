@@ -57,11 +57,9 @@ class TranslationPair:
         kernel, so `ar` loses nothing; the encoder's pass over the source is packed for every
         method alike. Results agree with the default kernels to fp32 rounding.
         """
-        from specdecode.kernels import prepack_available, prepack_linears
+        from specdecode.kernels import cpu_fp32, prepack_linears
 
-        if not prepack_available():
-            raise RuntimeError("this torch build has no oneDNN (mkldnn) kernels to prepack for")
-        if self.verifier.device.type != "cpu" or self.verifier.dtype != torch.float32:
+        if not cpu_fp32(self.verifier.device, self.verifier.dtype):
             raise ValueError(
                 f"prepacking is for fp32 models on the CPU; the verifier is "
                 f"{self.verifier.dtype} on {self.verifier.device}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.kernels import DRAFT_PRECISIONS
+from specdecode.kernels import DRAFT_PRECISIONS, int8_draft_wanted, prepack_available
 from specdecode.packages import cache_root
 from specdecode.seq2seq.training import LoopConfig
 
@@ -220,8 +220,6 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if not sources:
         raise ValueError("nothing to translate: give sentences as arguments or --file")
     pair_dir = Path(args.pair) if args.pair else SHIPPED_PAIR
-    from specdecode.kernels import int8_draft_wanted, prepack_available
-
     # packed kernels where this torch build has them; the default ones otherwise (same output)
     pair = TranslationPair.from_dir(
         pair_dir,
