@@ -587,3 +587,89 @@ def test_int8_drafter_keeps_greedy_output(packed_first):
         assert torch.equal(value, before[key]), key
     with pytest.raises(ValueError, match="already int8"):
         int8.int8()
+
+
+def state_drafter(model, k: int = 4, seed: int = 5) -> BlockDrafter:
+    """A drafter reading the verifier's states, its projection randomised (not the zero start)."""
+    drafter = tiny_drafter(model, k).reading_target_states(model.config.d_model).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        drafter.feature_proj.weight.normal_(0, 0.5)
+        drafter.feature_proj.bias.normal_(0, 0.5)
+    return drafter
+
+
+def test_reading_target_states_starts_as_the_same_drafter():
+    """A projection added at zero changes no logit; removing it again gives the same weights."""
+    model = tiny_marian()
+    plain = tiny_drafter(model, 3)
+    reading = plain.reading_target_states(32)
+    assert reading.cfg.target_features == 32 and plain.cfg.target_features == 0
+    src, mask = sources(batch=2)
+    enc = encoded(model, src, mask)
+    prefix, lens = torch.tensor([[0, 5, 6], [0, 7, 0]]), torch.tensor([3, 2])
+    features = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        assert torch.equal(reading(prefix, lens, enc, mask, 3, features=features),
+                           plain(prefix, lens, enc, mask, 3))  # fmt: skip
+    with pytest.raises(ValueError, match="reads the verifier's states"):
+        reading(prefix, lens, enc, mask, 3)  # no features given
+    back = reading.reading_target_states(0).state_dict()
+    assert back.keys() == plain.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_target_state_drafter_exact_and_fed_as_in_training(k):
+    """Decoding with a drafter that reads the verifier's states stays exact, and every proposal
+    equals a full pass fed the teacher-forced states of `verifier_states` (the training layout),
+    for ragged rows that finish at different rounds."""
+    from specdecode.seq2seq.drafter_train import verifier_states
+
+    model = tiny_marian()
+    src, mask = sources(batch=3)
+    drafter = state_drafter(model, k)
+    seen = []
+
+    class Recording(NARDrafter):
+        def propose(self, sequences, seq_lens, max_tokens, rng):
+            before = self.state.propose
+
+            def record(seqs, lens, enc, enc_mask, kk, states_by_pos):
+                logits = before(seqs, lens, enc, enc_mask, kk, states_by_pos)
+                seen.append((seqs.clone(), lens.clone(), enc, enc_mask, kk, logits))
+                return logits
+
+            self.state.propose = record
+            try:
+                return super().propose(sequences, seq_lens, max_tokens, rng)
+            finally:
+                self.state.propose = before
+
+    cached = CachedSeq2Seq(model)
+    cached.encode(src, mask)
+    cfg = DecodeConfig(max_new_tokens=20, num_draft_tokens=k, stop_token_ids=(EOS,))
+    out: list[list[int]] = [[] for _ in range(3)]
+    rounds = decode(cached, Recording(drafter, cached, k), make_rule(None, cfg.sampling),
+                    [[START]] * 3, cfg)  # fmt: skip
+    for event in rounds:
+        for row, tokens in zip(event.rows, event.new_tokens, strict=True):
+            out[row].extend(tokens)
+    gen = model.generate(input_ids=src, attention_mask=mask, do_sample=False, num_beams=1,
+                         max_new_tokens=20, eos_token_id=EOS)  # fmt: skip
+    expected = [row[1:] for row in gen.tolist()]  # cut after the first EOS: padding follows
+    assert out == [row[: row.index(EOS) + 1] if EOS in row else row for row in expected]
+    assert len(seen) > 3
+    for seqs, lens, enc, enc_mask, kk, logits in seen:
+        prefix = seqs[:, : int(lens.max())]
+        with torch.no_grad():
+            feats = verifier_states(model, enc, enc_mask, prefix)
+            want = drafter(prefix, lens, enc, enc_mask, kk, features=feats)
+        assert torch.allclose(logits, want, atol=1e-4), lens
+
+
+def test_target_state_drafter_refuses_another_verifier_width():
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 3).reading_target_states(16)
+    with pytest.raises(ValueError, match="width 16"):
+        NARDrafter(drafter, CachedSeq2Seq(model), 3)

@@ -120,6 +120,17 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert switched.cfg.first_from_prefix
     after = switched.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # the same, switched to reading the verifier's states: a zero projection is added, and a
+    # pair with it decodes exactly
+    reading = replace(frozen, out=tmp_path / "states", first_from_prefix=False, lm_weight=0.0,
+                      target_features=True)  # fmt: skip
+    summary = train_drafter(reading, progress=False)
+    states = BlockDrafter.load(tmp_path / "states" / "last")
+    assert states.cfg.target_features == model.d_model
+    assert not states.feature_proj.weight.any() and not states.feature_proj.bias.any()
+    assert all(torch.equal(before[k], v) for k, v in states.state_dict().items() if k in before)
+    first = summary["history"][0]["valid_tokens_per_verifier_call"]
+    assert summary["best_valid_tokens_per_verifier_call"] >= first >= 1.0
 
     args = ["seq2seq", "train-assistant", "--max-steps", "1", "--max-tokens", "256",
             "--threads", "1", "--quiet", "--valid-limit", "2"]  # fmt: skip

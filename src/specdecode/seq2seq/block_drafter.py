@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -55,8 +55,13 @@ class BlockDrafterConfig:
     # the block's first token from the last committed token's state (a causal LM's next-token
     # prediction) rather than from a mask query; the k - 1 others from queries, as before
     first_from_prefix: bool = False
+    # > 0: every committed slot also reads the verifier's last decoder state at the position
+    # before it (the state whose logits chose that token), through a projection from this width
+    target_features: int = 0
 
     def __post_init__(self) -> None:
+        if self.target_features < 0:
+            raise ValueError(f"target_features must be >= 0, got {self.target_features}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.d_model % self.heads:
@@ -115,6 +120,13 @@ class BlockDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.layers))
         self.final_logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+        # zero at initialisation, so a drafter given the verifier's states starts as the same
+        # drafter without them and training can only add what the states tell
+        self.feature_proj: nn.Linear | None = None
+        if cfg.target_features:
+            self.feature_proj = nn.Linear(cfg.target_features, cfg.d_model)
+            nn.init.zeros_(self.feature_proj.weight)
+            nn.init.zeros_(self.feature_proj.bias)
         # a faster module for the tied output projection at inference (`prepack`, `int8`)
         self.output_kernel: nn.Module | None = None
 
@@ -126,14 +138,24 @@ class BlockDrafter(nn.Module):
             for layer in self.layers
         ]  # fmt: skip
 
-    def run(self, ids, positions, allowed, past, encoder_states, encoder_mask, cross=None):
+    def run(
+        self, ids, positions, allowed, past, encoder_states, encoder_mask, cross=None,
+        features=None,
+    ):  # fmt: skip
         """Layers over slots `ids` [b, n] given cached keys/values `past` (per layer, or None).
 
-        allowed: [b, n, past_len + n]; returns hidden [b, n, d] and per-layer new (keys, values)
+        allowed: [b, n, past_len + n]; features: [b, n', target_features] for the first n' <= n
+        slots (the verifier's states; the slots after them, queries, get none).
+        returns hidden [b, n, d] and per-layer new (keys, values)
         """
         cross = cross if cross is not None else self.cross_kv(encoder_states)
         cross_allowed = (encoder_mask != 0)[:, None, :].expand(-1, ids.shape[1], -1)
         h = self.embed(ids) * self.embed_scale + self.positions(positions)  # [b, n, d]
+        if self.feature_proj is not None:
+            if features is None:
+                raise ValueError("this drafter reads the verifier's states: pass `features`")
+            fed = self.feature_proj(features)  # [b, n', d]
+            h = torch.cat([h[:, : fed.shape[1]] + fed, h[:, fed.shape[1] :]], 1)
         h = F.dropout(h, self.cfg.dropout, self.training)
         new_kv = []
         for i, layer in enumerate(self.layers):
@@ -212,6 +234,7 @@ class BlockDrafter(nn.Module):
         given: torch.Tensor | None = None,  # [batch, k] tokens placed in query slots (training)
         starts: torch.Tensor | None = None,  # [batch, B]: training blocks, see `forward_blocks`
         prefix_logits: bool = False,  # with starts: also the prefix slots' logits
+        features: torch.Tensor | None = None,  # [batch, P or T, F] verifier states per slot
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits of the k tokens after each row's prefix, in one pass: [batch, k, vocab].
 
@@ -222,7 +245,7 @@ class BlockDrafter(nn.Module):
         if starts is not None:
             return self.forward_blocks(
                 prefix, prefix_lens, starts, encoder_states, encoder_mask, k, given,
-                prefix_logits,
+                prefix_logits, features,
             )  # fmt: skip
         self._check_positions(int(prefix_lens.max()), k)
         lead = int(self.cfg.first_from_prefix)  # tokens read from the prefix: 0 or 1
@@ -239,7 +262,10 @@ class BlockDrafter(nn.Module):
             width, dtype=torch.bool, device=ids.device
         )
         positions = slots[None] + lead * ~in_prefix  # queries one position on when lead = 1
-        h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
+        if features is not None:  # query slots inside the padded prefix read no state
+            features = features * in_prefix[:, : features.shape[1], None]
+        h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask,
+                        features=features)  # fmt: skip
         if lead:  # the last prefix slot comes first, then the queries
             query = torch.cat([prefix_lens[:, None] - 1, query], 1)
         h = h.gather(1, query[..., None].expand(-1, -1, h.shape[-1]))  # [batch, k, d]
@@ -255,6 +281,7 @@ class BlockDrafter(nn.Module):
         k: int,
         given: torch.Tensor | None = None,  # [batch, B, k] glancing tokens (mask_id elsewhere)
         prefix_logits: bool = False,
+        features: torch.Tensor | None = None,  # [batch, T, F]: slot i reads the state at i - 1
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Training: B blocks per sentence in one pass, the causal prefix computed once.
 
@@ -291,7 +318,8 @@ class BlockDrafter(nn.Module):
         )  # fmt: skip
         allowed = torch.cat([prefix_rows, query_rows], 1)
         allowed = allowed | torch.eye(t + n_blocks * k_q, dtype=torch.bool, device=ids.device)
-        h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask)
+        h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask,
+                        features=features)  # fmt: skip
         d = h.shape[-1]
         blocks = h[:, t:].reshape(b, n_blocks, k_q, d)
         if lead:  # each block's first token from its last prefix slot
@@ -330,6 +358,17 @@ class BlockDrafter(nn.Module):
         state = load_file(str(directory / "drafter.safetensors"))
         model.load_state_dict({k: v.float() for k, v in state.items()})
         return model.eval()
+
+    def reading_target_states(self, target_features: int) -> BlockDrafter:
+        """The same weights, plus (zero-initialised) or minus the verifier-state projection."""
+        if target_features == self.cfg.target_features:
+            return self
+        model = BlockDrafter(replace(self.cfg, target_features=target_features))
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("feature_proj.")}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any(not k.startswith("feature_proj.") for k in missing):
+            raise ValueError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
+        return model.train(self.training)
 
     def reading_first_from_prefix(self, first_from_prefix: bool) -> BlockDrafter:
         """The same weights with the first token read from the prefix or not (no new weights)."""
@@ -379,8 +418,14 @@ class DrafterState(CachedModel):
         super().select_rows(rows)
 
     @torch.no_grad()
-    def propose(self, sequences, seq_lens, encoder_states, encoder_mask, k: int) -> torch.Tensor:
-        """Logits of the next k tokens of every row: [batch, k, vocab]."""
+    def propose(
+        self, sequences, seq_lens, encoder_states, encoder_mask, k: int, states_by_pos=None
+    ) -> torch.Tensor:
+        """Logits of the next k tokens of every row: [batch, k, vocab].
+
+        states_by_pos [batch, positions, F]: the verifier's last decoder state at each position,
+        for a drafter that reads them (the token at position p reads the state at p - 1).
+        """
         drafter = self.drafter
         drafter._check_positions(int(seq_lens.max()), k)
         if not self.cross:
@@ -416,8 +461,12 @@ class DrafterState(CachedModel):
         past = [(layer.keys, layer.values) for layer in self.layers]
         if past[0][0] is None:
             past = None
+        features = None
+        if states_by_pos is not None:  # [b, n, F]; the first token (position 0) reads none
+            before = (new_pos - 1).clamp(min=0)[..., None].expand(-1, -1, states_by_pos.shape[-1])
+            features = states_by_pos.gather(1, before) * (valid & (new_pos > 0))[..., None]
         h, new_kv = drafter.run(ids, positions, allowed, past, encoder_states, encoder_mask,
-                                self.cross)  # fmt: skip
+                                self.cross, features)  # fmt: skip
         for layer, (keys, values) in zip(self.layers, new_kv, strict=True):
             keys, values = keys[:, :, :n], values[:, :, :n]  # queries are not cached
             layer.keys = keys if layer.keys is None else torch.cat([layer.keys, keys], 2)

@@ -110,6 +110,11 @@ class CachedSeq2Seq(CachedModel):
         )
         self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        # a drafter that reads the verifier's decoder states sets this after each reset (so a
+        # plain decode never pays for it): each forward then keeps its last layer's states and
+        # their logical positions (`last_states`)
+        self.keep_states = False
+        self.last_states: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rollback_layers(self) -> list:
         return self.cache.self_attention_cache.layers
@@ -130,13 +135,15 @@ class CachedSeq2Seq(CachedModel):
                 decoder_attention_mask=mask,
                 past_key_values=self.cache,
                 use_cache=True,
-                output_hidden_states=want_hidden,
+                output_hidden_states=want_hidden or self.keep_states,
             )
         finally:
             if self.row_positions is not None:
                 self.row_positions.position_ids = None
         self.slot_pos = torch.cat([self.slot_pos, new_pos], dim=1)
         self.lengths = self.lengths + valid.sum(1)
+        if self.keep_states:  # [batch, n, d_model] and [batch, n] (HOLE where not valid)
+            self.last_states = (out.decoder_hidden_states[-1], new_pos)
         hidden = out.decoder_hidden_states[-1][:, -logits_to_keep:] if want_hidden else None
         return out.logits[:, -logits_to_keep:], hidden
 

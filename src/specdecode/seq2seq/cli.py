@@ -168,6 +168,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         init_drafter=args.init_drafter,
         first_from_prefix=args.first_from_prefix,
         lm_weight=args.lm_weight,
+        target_features=args.target_features,
         valid_sentences=args.valid_sentences,
         loop=loop_config(args, lr=5e-4, warmup=300, weight_decay=0.01),
     )
@@ -301,6 +302,11 @@ def add_subcommands(subparsers) -> None:
     )
     p.add_argument(
         "--lm-weight", type=float, default=0.0, help="weight of a next-token loss on the prefix"
+    )
+    p.add_argument(
+        "--target-features",
+        action="store_true",
+        help="feed each committed token the verifier's last decoder state before it (EAGLE-style)",
     )
     p.add_argument("--valid-sentences", type=int, default=100)
     p.set_defaults(func=cmd_train_drafter)

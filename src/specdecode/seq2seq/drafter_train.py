@@ -61,6 +61,7 @@ class TrainDrafterConfig:
     init_drafter: Path | None = None  # start from this drafter (e.g. one for an older verifier)
     first_from_prefix: bool = False  # the block's first token from the last prefix slot
     lm_weight: float = 0.0  # > 0: plus a next-token loss at every prefix slot, this weighted
+    target_features: bool = False  # the drafter also reads the verifier's last decoder states
     label_smoothing: float = 0.1
     valid_sentences: int = 100
     loop: LoopConfig = field(
@@ -162,6 +163,37 @@ def next_token_loss(
     )
 
 
+def verifier_states(
+    verifier: torch.nn.Module,
+    encoder_states: torch.Tensor,  # [b, S, d]
+    encoder_mask: torch.Tensor,  # [b, S]
+    targets: torch.Tensor,  # [b, T]: decoder start token, then the sentence, right-padded
+) -> torch.Tensor:
+    """The verifier's last decoder states, teacher-forced, one slot on: [b, T, d].
+
+    Slot i holds the state at i - 1, whose logits chose token i (slot 0, the start token, holds
+    zeros), the layout the drafter meets at inference (`NARDrafter`). Right padding is harmless:
+    the decoder is causal, so padded slots change no state before them. Slots past the
+    verifier's position table (which no output of it reaches) hold zeros too.
+    """
+    t = targets.shape[1]
+    reach = min(t - 1, getattr(verifier.config, "max_position_embeddings", t))
+    if reach == 0:  # the start token alone: no state precedes it
+        return encoder_states.new_zeros(targets.shape[0], t, verifier.config.d_model)
+    with torch.no_grad():
+        out = verifier(
+            encoder_outputs=(encoder_states,),
+            attention_mask=encoder_mask,
+            decoder_input_ids=targets[:, :reach],
+            output_hidden_states=True,
+            use_cache=False,
+        )
+    states = out.decoder_hidden_states[-1]  # [b, reach, d]
+    before = torch.zeros_like(states[:, :1])
+    after = states.new_zeros(states.shape[0], t - 1 - reach, states.shape[2])
+    return torch.cat([before, states, after], 1)  # [b, T, d]
+
+
 def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     from accelerate import Accelerator
     from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
@@ -200,13 +232,15 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         mask_id=mask_id,
         scale_embedding=bool(getattr(verifier.config, "scale_embedding", True)),
         first_from_prefix=cfg.first_from_prefix,
+        target_features=verifier.config.d_model if cfg.target_features else 0,
     )
     resuming = ckpt.exists()
     if resuming:
         drafter = BlockDrafter.load(ckpt.last).train()
     elif cfg.init_drafter is not None:
         drafter = BlockDrafter.load(cfg.init_drafter)
-        drafter = drafter.reading_first_from_prefix(cfg.first_from_prefix).train()
+        drafter = drafter.reading_first_from_prefix(cfg.first_from_prefix)
+        drafter = drafter.reading_target_states(model_cfg.target_features).train()
         if (
             drafter.cfg.vocab_size != model_cfg.vocab_size
             or drafter.cfg.d_model != model_cfg.d_model
@@ -280,20 +314,25 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         starts_t = torch.tensor(starts, device=accelerator.device)  # [b, B]
         labels_t = torch.tensor(labels, device=accelerator.device)  # [b, B, k]
         blocks = (targets, lens, enc, src_mask, k_step)
+        features = (
+            verifier_states(verifier, enc, src_mask, targets) if cfg.target_features else None
+        )
         if cfg.glance > 0:
             with torch.no_grad():
-                first = drafter(*blocks, starts=starts_t)  # [b, B, k, vocab]
+                first = drafter(*blocks, starts=starts_t, features=features)  # [b, B, k, V]
             reveal, loss_labels = glance_inputs(
                 first.flatten(0, 1), labels_t.flatten(0, 1), cfg.glance, generator
             )
             given = labels_t.flatten(0, 1).masked_fill(~reveal, mask_id)  # reference if revealed
-            logits = drafter(*blocks, given.view_as(labels_t), starts=starts_t)
+            logits = drafter(*blocks, given.view_as(labels_t), starts=starts_t, features=features)
         elif cfg.lm_weight > 0:
             loss_labels = labels_t
-            logits, prefix_logits = drafter(*blocks, starts=starts_t, prefix_logits=True)
+            logits, prefix_logits = drafter(
+                *blocks, starts=starts_t, prefix_logits=True, features=features
+            )
         else:
             loss_labels = labels_t
-            logits = drafter(*blocks, starts=starts_t)  # [b, B, k, vocab]
+            logits = drafter(*blocks, starts=starts_t, features=features)  # [b, B, k, vocab]
         loss = block_loss(logits, loss_labels, cfg.position_decay, cfg.label_smoothing)
         if cfg.lm_weight > 0:
             loss = loss + cfg.lm_weight * next_token_loss(
