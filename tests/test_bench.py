@@ -296,6 +296,14 @@ def test_seq2seq_bench_dense_variants_and_their_errors():
         "ar", "specdec[k=3,b=5,t=3]", "specdec-int8[k=3]", "specdec-int8[k=3,b=5,t=3]",
     ]  # fmt: skip
     assert [m.exact for m in int8] == [True, False, True, False]
+    alt = Seq2SeqBenchConfig(
+        pair="unused", methods=("ar", "specdec-alt", "specdec-alt-int8"), block_sizes=(3,),
+        relaxed=(), alt_drafter="elsewhere",
+    ).method_list()  # fmt: skip
+    assert [m.label for m in alt] == ["ar", "specdec-alt[k=3]", "specdec-alt-int8[k=3]"]
+    assert all(m.exact and (m.kind == "ar") != m.speculative for m in alt)
+    with pytest.raises(ValueError, match=r"need a second drafter: give --alt-drafter"):
+        Seq2SeqBenchConfig(pair="unused", methods=("ar", "specdec-alt-int8+dense"))
     with pytest.raises(ValueError, match=r"unknown seq2seq methods \['sd\+dense'\]"):
         Seq2SeqBenchConfig(pair="unused", methods=("ar", "sd+dense"))
     with pytest.raises(ValueError, match="must include 'ar'"):

@@ -165,6 +165,24 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert rows["specdec[k=4]"]["identical_to_ar"] == 1.0 and rows["hf"]["identical_to_ar"] == 1.0
     assert rows["specdec[k=4,b=3,t=2]"]["approximate"] and not rows["specdec[k=2]"]["approximate"]
     assert record["ok"] and "(approx.)" in (out / "table.md").read_text()
+    # a second drafter (the one reading the verifier's states) beside the pair's own, one run
+    alt = [
+        *args[:-3],
+        "--methods",
+        "ar",
+        "specdec",
+        "specdec-alt",
+        "specdec-alt-int8",
+        "--alt-drafter",
+        str(tmp_path / "states" / "last"),
+        "--relaxed",
+        "--no-plots",
+    ]
+    assert main(alt) == 0
+    record = json.loads((out / "record.json").read_text())
+    rows = {r["method"]: r for r in record["runs"][0]["methods"]}
+    assert {"specdec-alt[k=4]", "specdec-alt-int8[k=2]"} <= set(rows)
+    assert all(r["identical_to_ar"] == 1.0 for r in rows.values())
     assert main([*args, "--relaxed", "five"]) == 2  # not BETA,TAU
     assert main([*args, "--repeats", "0"]) == 2
 

@@ -56,6 +56,7 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
         threads=args.threads,
         repeats=args.repeats,
         prepack=not args.no_prepack,
+        alt_drafter=args.alt_drafter,
     )
     record = run_seq2seq_bench(cfg, progress=not args.quiet)
     out = Path(args.out)
@@ -191,8 +192,9 @@ def add_subcommands(subparsers) -> None:
         default=None,
         help="ar hf hf-assisted hf-assisted-k sd sd-int8 (default all but hf-assisted-k); suffix "
         "+dense for default kernels. With --pair: ar hf hf-beam5 hf-assisted specdec "
-        "specdec-int8 specdec-relaxed (default: all but specdec-int8; specdec and specdec-int8 "
-        "include the relaxed runs; specdec-int8 drafts with an int8 copy of the drafter)",
+        "specdec-int8 specdec-alt specdec-alt-int8 specdec-relaxed (default: all but the int8 and "
+        "alt ones; each specdec kind includes its relaxed runs; -int8 drafts with an int8 copy "
+        "of the drafter, -alt with --alt-drafter)",
     )
     p.add_argument(
         "--pair",
@@ -203,6 +205,13 @@ def add_subcommands(subparsers) -> None:
         "Bible es-en pair) instead of --target/--draft",
     )
     p.add_argument("--split", default="test", help="with --pair: corpus split (test, valid)")
+    p.add_argument(
+        "--alt-drafter",
+        default=None,
+        metavar="DIR",
+        help="with --pair: a second block drafter for the same verifier, run as the methods "
+        "specdec-alt and specdec-alt-int8 beside the pair's own",
+    )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[25], help="with --pair: k sweep")
     p.add_argument(
         "--relaxed",

@@ -8,7 +8,10 @@ Methods, all on the same verifier:
   assistant (the verifier's encoder and one decoder layer, trained on the same distilled data);
   its defaults (heuristic schedule from 20 tokens, confidence 0.4); batch size 1 only;
 * `specdec[k=K]`: the block drafter with exact greedy verification (beta = 1);
-* `specdec[k=K,b=B,t=T]`: the relaxed top-beta/tau rule; approximate, marked so everywhere.
+* `specdec[k=K,b=B,t=T]`: the relaxed top-beta/tau rule; approximate, marked so everywhere;
+* `specdec-int8`: the same with an int8 copy of the drafter; `specdec-alt` and
+  `specdec-alt-int8`: with another drafter for the same verifier (`alt_drafter`), so that two
+  drafters are compared in one interleaved run rather than across runs on a noisy machine.
 
 Measurement as in the causal bench: one process, a warm-up, the methods interleaved batch by
 batch in a rotated order, speedups as per-batch time ratios against `ar`. With `repeats` > 1 the
@@ -32,15 +35,16 @@ from specdecode.bench.metrics import summarize
 from specdecode.bench.runner import machine_info
 from specdecode.kernels import kernel_summary, model_bytes, prepack_linears, use_prepacked
 from specdecode.seq2seq.api import TranslationPair
+from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.verification import TopBetaTau
 
 BATCH1_ONLY = ("hf-assisted",)
-SPECDEC_KINDS = ("specdec", "specdec-int8")
+SPECDEC_KINDS = ("specdec", "specdec-int8", "specdec-alt", "specdec-alt-int8")
 
 
 @dataclass(frozen=True)
 class Seq2SeqMethod:
-    kind: str  # ar, hf, hf-beam5, hf-assisted, specdec, specdec-int8 (an int8 drafter copy)
+    kind: str  # ar, hf, hf-beam5, hf-assisted, or one of SPECDEC_KINDS
     k: int | None = None
     relaxed: TopBetaTau | None = None
     dense: bool = False  # default PyTorch kernels where the run prepacks (`+dense`)
@@ -77,6 +81,7 @@ class Seq2SeqBenchConfig:
     threads: int | None = None
     repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest time kept
     prepack: bool = True  # oneDNN-packed kernels for multi-row products (`kernels`), all models
+    alt_drafter: str | None = None  # a second block drafter directory (`specdec-alt*` methods)
 
     def __post_init__(self) -> None:
         known = ("ar", "hf", "hf-beam5", "hf-assisted", *SPECDEC_KINDS, "specdec-relaxed")
@@ -86,6 +91,9 @@ class Seq2SeqBenchConfig:
                 f"unknown seq2seq methods {unknown}; known: {', '.join(known)} (each may end in "
                 "+dense: default kernels)"
             )
+        alt = [m for m in self.methods if m.removesuffix("+dense").startswith("specdec-alt")]
+        if alt and self.alt_drafter is None:
+            raise ValueError(f"methods {alt} need a second drafter: give --alt-drafter DIR")
         if "ar" not in self.methods:
             raise ValueError("the methods must include 'ar', the baseline of every ratio")
         if not self.prepack and any(m.endswith("+dense") for m in self.methods):
@@ -198,8 +206,13 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         if cfg.prepack:
             prepack_linears(assistant)
     pairs = {}  # kind -> the pair it runs, where not `pair` itself
-    if any(m.kind == "specdec-int8" for m in methods):
+    kinds = {m.kind for m in methods}
+    if "specdec-int8" in kinds:
         pairs["specdec-int8"] = pair.with_drafter(pair.drafter.int8())
+    if kinds & {"specdec-alt", "specdec-alt-int8"}:
+        alt = BlockDrafter.load(Path(cfg.alt_drafter))
+        pairs["specdec-alt-int8"] = pair.with_drafter(alt.int8())
+        pairs["specdec-alt"] = pair.with_drafter(alt.prepack() if cfg.prepack else alt)
     for method in methods:  # warm-up
         run_method(method, pairs.get(method.kind, pair), assistant, sources[:1], cfg)
     runs: list[dict] = []
