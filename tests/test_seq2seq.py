@@ -673,3 +673,15 @@ def test_target_state_drafter_refuses_another_verifier_width():
     drafter = tiny_drafter(model, 3).reading_target_states(16)
     with pytest.raises(ValueError, match="width 16"):
         NARDrafter(drafter, CachedSeq2Seq(model), 3)
+
+
+def test_keeping_layers_cuts_the_drafter_and_refuses_more():
+    model = tiny_marian()
+    drafter = tiny_drafter(model, 3)
+    one = drafter.keeping_layers(1)
+    assert one.cfg.layers == 1 and len(one.layers) == 1
+    assert torch.equal(one.layers[0].fc1.weight, drafter.layers[0].fc1.weight)
+    assert torch.equal(one.embed.weight, drafter.embed.weight)
+    assert drafter.keeping_layers(2) is drafter
+    with pytest.raises(ValueError, match="can keep 1 to 2 layers of this drafter, not 3"):
+        drafter.keeping_layers(3)

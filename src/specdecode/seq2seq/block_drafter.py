@@ -370,6 +370,22 @@ class BlockDrafter(nn.Module):
             raise ValueError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
         return model.train(self.training)
 
+    def keeping_layers(self, layers: int) -> BlockDrafter:
+        """The same drafter cut to its first `layers` layers (a cheaper pass to train on)."""
+        if not 1 <= layers <= self.cfg.layers:
+            raise ValueError(
+                f"can keep 1 to {self.cfg.layers} layers of this drafter, not {layers}"
+            )
+        if layers == self.cfg.layers:
+            return self
+        model = BlockDrafter(replace(self.cfg, layers=layers))
+        kept = {
+            k: v for k, v in self.state_dict().items()
+            if not k.startswith("layers.") or int(k.split(".")[1]) < layers
+        }  # fmt: skip
+        model.load_state_dict(kept)
+        return model.train(self.training)
+
     def reading_first_from_prefix(self, first_from_prefix: bool) -> BlockDrafter:
         """The same weights with the first token read from the prefix or not (no new weights)."""
         if first_from_prefix == self.cfg.first_from_prefix:

@@ -58,7 +58,8 @@ class TrainDrafterConfig:
     blocks_per_sentence: int = 4
     glance: float = 0.0  # GLAT glancing ratio; 0 disables
     position_decay: float = 1.0  # loss weight decay**j on block position j; 1: all equal
-    init_drafter: Path | None = None  # start from this drafter (e.g. one for an older verifier)
+    # start from this drafter (e.g. one for an older verifier); its first `layers` layers
+    init_drafter: Path | None = None
     first_from_prefix: bool = False  # the block's first token from the last prefix slot
     lm_weight: float = 0.0  # > 0: plus a next-token loss at every prefix slot, this weighted
     target_features: bool = False  # the drafter also reads the verifier's last decoder states
@@ -240,7 +241,8 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
     elif cfg.init_drafter is not None:
         drafter = BlockDrafter.load(cfg.init_drafter)
         drafter = drafter.reading_first_from_prefix(cfg.first_from_prefix)
-        drafter = drafter.reading_target_states(model_cfg.target_features).train()
+        drafter = drafter.reading_target_states(model_cfg.target_features)
+        drafter = drafter.keeping_layers(cfg.layers).train()
         if (
             drafter.cfg.vocab_size != model_cfg.vocab_size
             or drafter.cfg.d_model != model_cfg.d_model
