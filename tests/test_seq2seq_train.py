@@ -123,7 +123,7 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     # the same, switched to reading the verifier's states: a zero projection is added, and a
     # pair with it decodes exactly
     reading = replace(frozen, out=tmp_path / "states", first_from_prefix=False, lm_weight=0.0,
-                      target_features=True)  # fmt: skip
+                      target_features=True, extra_train_files=(distilled,))  # fmt: skip
     summary = train_drafter(reading, progress=False)
     states = BlockDrafter.load(tmp_path / "states" / "last")
     assert states.cfg.target_features == model.d_model
@@ -302,3 +302,25 @@ def test_average_snapshots_means_weights_and_refuses_mismatch(tmp_path):
         average_snapshots(dirs, tmp_path / "bad")
     with pytest.raises(ValueError, match="no snapshots"):
         average_snapshots([], tmp_path / "none")
+
+
+def test_augmented_sources_join_cut_and_drop_words():
+    from specdecode.seq2seq.distill import augmented_sources
+
+    verses = [
+        "Y dijo Dios: Sea la luz, y fué la luz en la tierra.",
+        "Y vió Dios que la luz era buena: y apartó Dios la luz de las tinieblas.",
+        "Y llamó Dios á la luz Día, y á las tinieblas llamó Noche en aquel día.",
+        "Estas son las generaciones de los cielos y de la tierra cuando fueron creados.",
+    ]
+    out = augmented_sources(verses, seed=1)
+    assert out == augmented_sources(verses, seed=1) and len(out) == len(verses)
+    assert out[0] == f"{verses[0]} {verses[1]}"  # joined with the next verse
+    assert out[1] in verses[1] and out[1] != verses[1]  # one of its clauses
+    assert out[1] in ("Y vió Dios que la luz era buena:", "y apartó Dios la luz de las tinieblas.")
+    for i in (2, 3):  # words dropped, the rest in order (the last verse has none to join)
+        words, kept = verses[i].split(), out[i].split()
+        assert 2 <= len(kept) <= len(words)
+        it = iter(words)
+        assert all(w in it for w in kept)
+    assert out[3] != verses[3]  # this seed drops some of its words

@@ -142,6 +142,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         args.out or work_dir(args) / "distilled.jsonl",
         limit=args.limit,
         batch_size=args.batch_size,
+        augment=args.augment,
         progress=not args.quiet,
     )
     print(out)
@@ -158,6 +159,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     cfg = TrainDrafterConfig(
         verifier=verifier,
         train_file=train_file,
+        extra_train_files=tuple(args.extra_train_file),
         out=args.out or work_dir(args) / "drafter",
         block_size=args.block_size,
         min_block=args.min_block,
@@ -274,6 +276,13 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--verifier", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--limit", type=int, default=0, help="first N training verses (0: all)")
+    p.add_argument(
+        "--augment",
+        action="store_true",
+        help="translate new sources made from the training verses (joined, cut at a clause, a "
+        "word dropped) rather than the verses: the verifier's behaviour on inputs it has not "
+        "learnt by heart, for the drafter",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cache-dir", default=None)
@@ -284,6 +293,13 @@ def add_subcommands(subparsers) -> None:
     add_loop_arguments(p, minutes=30)
     p.add_argument("--verifier", type=Path, default=None)
     p.add_argument("--train-file", type=Path, default=None)
+    p.add_argument(
+        "--extra-train-file",
+        type=Path,
+        action="append",
+        default=[],
+        help="another distilled jsonl to train on too (repeatable), e.g. `distill --augment`'s",
+    )
     p.add_argument("--block-size", type=int, default=25, help="k (the largest, with --min-block)")
     p.add_argument("--min-block", type=int, default=0, help="draw k per step from [MIN, k]")
     p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")

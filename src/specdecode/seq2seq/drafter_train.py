@@ -52,6 +52,7 @@ class TrainDrafterConfig:
     verifier: Path  # a save_pretrained verifier directory (with its tokenizer)
     train_file: Path  # distilled jsonl of {"src", "tgt"}
     out: Path
+    extra_train_files: tuple[Path, ...] = ()  # more distilled jsonl (`distill --augment`'s)
     block_size: int = 25
     min_block: int = 0  # > 0: each step draws its k from [min_block, block_size]
     layers: int = 2
@@ -210,6 +211,9 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         p.requires_grad_(False)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cfg.verifier))
     src_texts, tgt_texts = read_pairs(cfg.train_file)
+    for extra in cfg.extra_train_files:
+        more_src, more_tgt = read_pairs(extra)
+        src_texts, tgt_texts = src_texts + more_src, tgt_texts + more_tgt
     src_ids = [ids[:200] for ids in tokenizer(src_texts)["input_ids"]]
     tgt_ids = [ids[:200] for ids in tokenizer(tgt_texts)["input_ids"]]
     valid_src = [v.src for v in read_split("valid")[: cfg.valid_sentences]]

@@ -265,6 +265,8 @@ def start_run(loop: LoopConfig, out: Path, config) -> Path:
 def jsonable(obj):
     if isinstance(obj, dict):
         return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
     if isinstance(obj, Path):
         return str(obj)
     return obj
