@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.verifier_train import translate
 
-
 _CLAUSE = re.compile(r"(?<=[,;:])\s+")
 
 
