@@ -140,3 +140,33 @@ specdecode bench --pair --limit 0 --max-new-tokens 100 --batch-sizes 32 \
 specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
   --methods ar hf specdec specdec-int8 --block-sizes 2 3 4 5 --relaxed 2,1.0 5,3.0 \
   --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-int8 --quiet
+# tenth session (2026-11-24): drafter A/Bs from the shipped drafter on the first 12,288 training
+# verses, two arms side by side on one thread each, 21 minutes (specdec-drafter-states-ab.txt,
+# specdec-drafter-augment-ab.txt); the shipped drafter was not replaced
+S=src/specdecode/pairs/bible-es-en
+specdecode seq2seq distill --verifier $S/verifier --limit 12288 --out "$W/distilled-shipped.jsonl"
+specdecode seq2seq distill --verifier $S/verifier --limit 12288 --augment \
+  --out "$W/distilled-augmented.jsonl"
+AB=(--verifier $S/verifier --init-drafter $S/drafter --block-size 5 --min-block 2
+    --blocks-per-sentence 16 --position-decay 0.5 --lr 3e-4 --warmup 50 --minutes 21
+    --eval-minutes 7 --threads 1 --quiet)
+D=(--train-file "$W/distilled-shipped.jsonl")
+specdecode seq2seq train-drafter "${AB[@]}" "${D[@]}" --out "$W/ab-plain" &
+specdecode seq2seq train-drafter "${AB[@]}" "${D[@]}" --target-features --out "$W/ab-states"
+wait
+specdecode seq2seq train-drafter "${AB[@]}" "${D[@]}" --layers 1 --out "$W/ab1-plain" &
+specdecode seq2seq train-drafter "${AB[@]}" "${D[@]}" --layers 1 --target-features \
+  --out "$W/ab1-states"
+wait
+specdecode seq2seq train-drafter "${AB[@]}" "${D[@]}" \
+  --extra-train-file "$W/distilled-augmented.jsonl" --out "$W/ab-mixed" &
+specdecode seq2seq train-drafter "${AB[@]}" --train-file "$W/distilled-augmented.jsonl" \
+  --out "$W/ab-aug"
+wait
+# plain decoding packed from one row against two, and what a round costs at Transformer-base size
+python benchmarks/specdec_kernel_rows.py 100 > benchmarks/specdec-kernel-rows.txt
+python benchmarks/specdec_round_cost.py > benchmarks/specdec-round-cost.txt
+# the pair packed from one row (the new default), batch 1 (about 11 minutes)
+specdecode bench --pair --limit 100 --max-new-tokens 100 --batch-sizes 1 \
+  --methods ar hf hf-assisted specdec-int8 --block-sizes 3 4 5 --relaxed 2,1.0 5,3.0 \
+  --threads 2 --repeats 2 --out benchmarks/specdec-bible-b1-100-rows1 --quiet

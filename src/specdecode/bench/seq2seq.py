@@ -204,7 +204,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
         assistant.eval()
         if cfg.prepack:
-            prepack_linears(assistant)
+            prepack_linears(assistant, 1)  # one row up, as the pair (`TranslationPair.prepack`)
     pairs = {}  # kind -> the pair it runs, where not `pair` itself
     kinds = {m.kind for m in methods}
     if "specdec-int8" in kinds:

@@ -175,7 +175,7 @@ class BlockDrafter(nn.Module):
             return self.output_kernel(h)
         return F.linear(h, self.embed.weight, self.final_logits_bias)
 
-    def prepack(self, min_rows: int = 2) -> BlockDrafter:
+    def prepack(self, min_rows: int = 1) -> BlockDrafter:
         """Inference on the CPU with oneDNN-packed weights, the tied output table included.
 
         A block pass multiplies k or more rows, which MKL's default fp32 path runs at two to
