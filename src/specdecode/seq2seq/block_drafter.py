@@ -363,12 +363,9 @@ class BlockDrafter(nn.Module):
         """The same weights, plus (zero-initialised) or minus the verifier-state projection."""
         if target_features == self.cfg.target_features:
             return self
-        model = BlockDrafter(replace(self.cfg, target_features=target_features))
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("feature_proj.")}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if unexpected or any(not k.startswith("feature_proj.") for k in missing):
-            raise ValueError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
-        return model.train(self.training)
+        return self._rebuilt(
+            lambda key: not key.startswith("feature_proj."), target_features=target_features
+        )
 
     def keeping_layers(self, layers: int) -> BlockDrafter:
         """The same drafter cut to its first `layers` layers (a cheaper pass to train on)."""
@@ -378,21 +375,25 @@ class BlockDrafter(nn.Module):
             )
         if layers == self.cfg.layers:
             return self
-        model = BlockDrafter(replace(self.cfg, layers=layers))
-        kept = {
-            k: v for k, v in self.state_dict().items()
-            if not k.startswith("layers.") or int(k.split(".")[1]) < layers
-        }  # fmt: skip
-        model.load_state_dict(kept)
-        return model.train(self.training)
+        return self._rebuilt(
+            lambda key: not key.startswith("layers.") or int(key.split(".")[1]) < layers,
+            layers=layers,
+        )
 
     def reading_first_from_prefix(self, first_from_prefix: bool) -> BlockDrafter:
         """The same weights with the first token read from the prefix or not (no new weights)."""
         if first_from_prefix == self.cfg.first_from_prefix:
             return self
-        cfg = BlockDrafterConfig(**{**asdict(self.cfg), "first_from_prefix": first_from_prefix})
-        model = BlockDrafter(cfg)
-        model.load_state_dict(self.state_dict())
+        return self._rebuilt(first_from_prefix=first_from_prefix)
+
+    def _rebuilt(self, keep=lambda key: True, **changes) -> BlockDrafter:
+        """A drafter of the changed config holding the weights `keep` passes; only a new
+        verifier-state projection may be missing from them (it starts at zero)."""
+        model = BlockDrafter(replace(self.cfg, **changes))
+        state = {k: v for k, v in self.state_dict().items() if keep(k)}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any(not k.startswith("feature_proj.") for k in missing):
+            raise ValueError(f"weights do not fit: missing {missing}, unexpected {unexpected}")
         return model.train(self.training)
 
 
