@@ -33,7 +33,7 @@ def test_prepacked_model_matches_the_dense_one(rows):
 
 def test_rows_from_min_rows_up_take_the_packed_copy():
     """The packed copy is swapped for zeros: a row count it serves then gives the bias alone."""
-    model = prepack_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)))
+    model = prepack_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), min_rows=2)
     layer = model[0]
     assert isinstance(layer, PrepackedLinear) and layer.min_rows == 2
     layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16))
@@ -91,3 +91,32 @@ def test_draft_precision_choice():
         int8_draft_wanted("int8", "cuda", torch.float32)
     with pytest.raises(ValueError, match="draft precision must be one of"):
         int8_draft_wanted("fp16", "cpu", torch.float32)
+
+
+def test_fastest_picks_the_cheaper_callable_on_a_clock():
+    from specdecode.kernels import fastest
+
+    now = [0.0]
+    costs = {1: 5.0, 2: 3.0}
+
+    def spend(key):
+        return lambda: now.__setitem__(0, now[0] + costs[key])
+
+    candidates = {key: spend(key) for key in costs}
+    assert fastest(candidates, 3, clock=lambda: now[0]) == 2
+    costs[1] = 1.0
+    assert fastest(candidates, 3, clock=lambda: now[0]) == 1
+
+
+def test_default_switch_is_timed_once_and_shared_by_every_linear(monkeypatch):
+    from specdecode import kernels
+
+    assert kernels.one_row_switch(_model()[0].weight) in (1, 2)
+    seen = []
+    for switch in (1, 2):
+        monkeypatch.setattr(kernels, "one_row_switch", lambda w, s=switch: seen.append(w) or s)
+        model = kernels.prepack_linears(_model())
+        rows = {m.min_rows for m in model.modules() if isinstance(m, PrepackedLinear)}
+        assert rows == {switch}
+    biggest = max(p.numel() for p in _model().parameters() if p.dim() == 2)
+    assert [w.numel() for w in seen] == [biggest, biggest]  # the largest weight, once a model

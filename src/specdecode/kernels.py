@@ -8,9 +8,11 @@ ms for four, 1160 ms for eight), which caps every speedup. Weights reordered onc
 five, 590 ms for eight), but a single row a little slower than MKL (465 ms).
 
 `prepack_linears` therefore gives every `nn.Linear` both paths: products of fewer than
-`min_rows` rows use the original weight, larger ones the prepacked copy. The switch is at 2 rows:
-MKL's cost grows with every row from the second on, while the packed copy's 2-3 rows cost what
-one does. Measured on a 2-core AMD EPYC, on the 1.5B target's shapes (ms for 1 / 2 / 3 / 4 rows):
+`min_rows` rows use the original weight, larger ones the prepacked copy. The switch is at 2 rows
+at most: MKL's cost grows with every row from the second on, while the packed copy's 2-3 rows
+cost what one does. Whether one row is faster on MKL or packed depends on the CPU, so by default
+it is timed once at load (`one_row_switch`). Measured on a 2-core AMD EPYC, on the 1.5B
+target's shapes (ms for 1 / 2 / 3 / 4 rows):
 output layer 1536 x 151936, MKL 65 / 130 / 183 / 203, packed 57 / 53 / 57 / 66; MLP 1536 x 8960,
 MKL 3.7 / 8.0 / 11.1 / 11.0, packed 3.5 / 3.6 / 3.0 / 3.8. With the switch at 4 rows, as before,
 a verify pass of 1 or 2 drafted tokens cost 1.9 and 2.8 target steps on that machine, against
@@ -29,6 +31,7 @@ little, never the target's output, since every token is verified by the target.
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 
 import torch
@@ -95,19 +98,65 @@ def prepack_available() -> bool:
     )
 
 
-def prepack_linears(model: torch.nn.Module, min_rows: int = 2) -> torch.nn.Module:
-    """Give every fp32 CPU `nn.Linear` of `model` a prepacked path, in place; returns `model`."""
-    if min_rows < 1:
+def _packable(module: torch.nn.Module) -> bool:
+    return (
+        type(module) is torch.nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+    )
+
+
+def one_row_switch(weight: torch.Tensor, repeats: int = 5) -> int:
+    """1 if the packed copy multiplies one row by `weight` at least as fast as MKL here, else 2.
+
+    Which kernel is faster for one row depends on the CPU: on the 2-core Intel Xeon the
+    project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
+    on the 2-core AMD EPYC, the packed copy (whole decodes 1.40x faster for the 1.5B target and
+    1.21x for the seq2seq verifier, `benchmarks/kernel_rows_causal.py`, `specdec_kernel_rows.py`).
+    Plain decoding is the baseline of every speedup, so it gets the faster one. Timed on the
+    model's largest weight (its output layer), the product that decides a step's cost:
+    interleaved, the fastest of `repeats` each.
+    """
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    x = torch.randn(1, weight.shape[1])
+    with torch.inference_mode():
+        return fastest(
+            {
+                1: lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                2: lambda: torch.nn.functional.linear(x, weight),
+            },
+            repeats,
+        )
+
+
+def fastest(candidates: dict, repeats: int, clock=time.perf_counter):
+    """The key of the fastest callable: interleaved, the best of `repeats` after a warm-up."""
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(repeats + 1):  # the first round warms each up
+        for key, run in candidates.items():
+            start = clock()
+            run()
+            best[key] = min(best[key], clock() - start)
+    return min(best, key=best.get)
+
+
+def prepack_linears(model: torch.nn.Module, min_rows: int | None = None) -> torch.nn.Module:
+    """Give every fp32 CPU `nn.Linear` of `model` a prepacked path, in place; returns `model`.
+
+    The packed copy serves products of `min_rows` rows or more; None: from 2 rows, or from 1
+    where it multiplies one row faster on this machine (`one_row_switch`).
+    """
+    if min_rows is not None and min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if not prepack_available():
         raise RuntimeError("this torch build has no oneDNN (mkldnn) linear kernels to prepack for")
+    linears = [m for m in model.modules() if _packable(m)]
+    if min_rows is None:
+        largest = max(linears, key=lambda m: m.weight.numel(), default=None)
+        min_rows = one_row_switch(largest.weight) if largest is not None else 2
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (
-                type(child) is torch.nn.Linear
-                and child.weight.device.type == "cpu"
-                and child.weight.dtype == torch.float32
-            ):
+            if _packable(child):
                 setattr(module, name, PrepackedLinear(child, min_rows))
     return model
 

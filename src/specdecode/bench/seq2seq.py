@@ -204,7 +204,8 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
         assistant.eval()
         if cfg.prepack:
-            prepack_linears(assistant, 1)  # one row up, as the pair (`TranslationPair.prepack`)
+            # the switch the verifier got, so that both decode plain steps on one kernel
+            prepack_linears(assistant, kernel_summary(pair.verifier)["packed_from_rows"])
     pairs = {}  # kind -> the pair it runs, where not `pair` itself
     kinds = {m.kind for m in methods}
     if "specdec-int8" in kinds:

@@ -47,20 +47,21 @@ class TranslationPair:
                 f"({verifier.config.vocab_size}); they must share the tokenizer"
             )
 
-    def prepack(self, min_rows: int = 1) -> TranslationPair:
+    def prepack(self, min_rows: int | None = None) -> TranslationPair:
         """oneDNN-packed fp32 weights for products of `min_rows` rows or more, in place.
 
         A verify pass scores k + 1 positions and a drafter pass k queries; on CPUs where MKL's
         default kernel runs a few rows at two to four times the cost of one (the output table
         of 8k entries: 0.85 ms for 3 rows against 0.21 packed), this is most of what a SpecDec
         round costs beyond a plain step. One-row products (every step of plain decoding) are
-        packed too by default: isolated timings favoured MKL for the 256-wide projections, but
-        in place, whole translations of the shipped pair ran 1.21x faster packed from one row
-        than from two (`benchmarks/specdec_kernel_rows.py`), so plain decoding, the baseline of
-        every speedup, gets the faster kernel as well. Results agree with the default kernels
-        to fp32 rounding.
+        packed too where that is faster on this machine (`kernels.one_row_switch`, on the
+        verifier's output layer; None): on the 2-core AMD EPYC whole translations of the
+        shipped pair ran 1.21x faster packed from one row than from two
+        (`benchmarks/specdec_kernel_rows.py`), so plain decoding, the baseline of every
+        speedup, gets the faster kernel as well. Results agree with the default kernels to
+        fp32 rounding.
         """
-        from specdecode.kernels import cpu_fp32, prepack_linears
+        from specdecode.kernels import cpu_fp32, kernel_summary, prepack_linears
 
         if not cpu_fp32(self.verifier.device, self.verifier.dtype):
             raise ValueError(
@@ -69,7 +70,7 @@ class TranslationPair:
             )
         prepack_linears(self.verifier, min_rows)
         if self.drafter is not None and self.drafter.output_kernel is None:  # not int8 already
-            self.drafter.prepack(min_rows)
+            self.drafter.prepack(kernel_summary(self.verifier)["packed_from_rows"])
         return self
 
     def with_drafter(self, drafter: BlockDrafter | None) -> TranslationPair:
