@@ -111,12 +111,14 @@ def test_fastest_picks_the_cheaper_callable_on_a_clock():
 def test_default_switch_is_timed_once_and_shared_by_every_linear(monkeypatch):
     from specdecode import kernels
 
-    assert kernels.one_row_switch(_model()[0].weight) in (1, 2)
+    assert kernels.one_row_switch(prepack_linears(_model(), 2)[0]) in (1, 2)
     seen = []
     for switch in (1, 2):
-        monkeypatch.setattr(kernels, "one_row_switch", lambda w, s=switch: seen.append(w) or s)
+        monkeypatch.setattr(kernels, "one_row_switch", lambda m, s=switch: seen.append(m) or s)
         model = kernels.prepack_linears(_model())
         rows = {m.min_rows for m in model.modules() if isinstance(m, PrepackedLinear)}
         assert rows == {switch}
     biggest = max(p.numel() for p in _model().parameters() if p.dim() == 2)
-    assert [w.numel() for w in seen] == [biggest, biggest]  # the largest weight, once a model
+    # timed once a model, on the largest weight's own packed copy (no second copy made)
+    assert [m.weight.numel() for m in seen] == [biggest, biggest]
+    assert all(isinstance(m, PrepackedLinear) for m in seen)

@@ -550,6 +550,10 @@ def test_prepacked_pair_keeps_greedy_output_and_the_drafters_weights(family):
     pair = TranslationPair(model, None, drafter).prepack()
     assert kernel_summary(model)["prepacked"]
     assert isinstance(drafter.output_kernel, PackedTiedOutput)
+    switch = kernel_summary(model)["packed_from_rows"]  # timed once, shared by the drafter
+    assert {m.min_rows for m in drafter.modules() if hasattr(m, "min_rows")} == {switch}
+    alone = tiny_drafter(model, 3).prepack()  # its own switch, timed on its output table
+    assert len({m.min_rows for m in alone.modules() if hasattr(m, "min_rows")}) == 1
     assert set(drafter.state_dict()) == keys
     got, want = (query_logits(d, encoded(model, src, mask), mask) for d in (drafter, dense))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)

@@ -80,6 +80,10 @@ class PackedTiedOutput(_Packed):
         super().__init__(weight, min_rows)
         self._tied = (weight, bias)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._tied[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, *self._tied)
 
@@ -106,27 +110,40 @@ def _packable(module: torch.nn.Module) -> bool:
     )
 
 
-def one_row_switch(weight: torch.Tensor, repeats: int = 5) -> int:
-    """1 if the packed copy multiplies one row by `weight` at least as fast as MKL here, else 2.
+def one_row_switch(module: _Packed, repeats: int = 5) -> int:
+    """1 if `module`'s packed copy multiplies one row at least as fast as MKL here, else 2.
 
     Which kernel is faster for one row depends on the CPU: on the 2-core Intel Xeon the
     project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
     on the 2-core AMD EPYC, the packed copy (whole decodes 1.40x faster for the 1.5B target and
     1.21x for the seq2seq verifier, `benchmarks/kernel_rows_causal.py`, `specdec_kernel_rows.py`).
-    Plain decoding is the baseline of every speedup, so it gets the faster one. Timed on the
-    model's largest weight (its output layer), the product that decides a step's cost:
-    interleaved, the fastest of `repeats` each.
+    Plain decoding is the baseline of every speedup, so it gets the faster one. Timed with the
+    copy the module already holds: interleaved, the fastest of `repeats` each.
     """
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    weight = module.weight
     x = torch.randn(1, weight.shape[1])
     with torch.inference_mode():
         return fastest(
             {
-                1: lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                1: lambda: torch.ops.mkldnn._linear_pointwise(
+                    x, module.packed, None, "none", [], ""
+                ),
                 2: lambda: torch.nn.functional.linear(x, weight),
             },
             repeats,
         )
+
+
+def choose_one_row_switch(model: torch.nn.Module) -> int:
+    """Time `one_row_switch` on the model's largest packed weight (its output layer, the product
+    that decides a step's cost) and give every packed module of the model that switch."""
+    packed = [m for m in model.modules() if isinstance(m, _Packed)]
+    if not packed:
+        return 2
+    switch = one_row_switch(max(packed, key=lambda m: m.weight.numel()))
+    for module in packed:
+        module.min_rows = switch
+    return switch
 
 
 def fastest(candidates: dict, repeats: int, clock=time.perf_counter):
@@ -150,14 +167,12 @@ def prepack_linears(model: torch.nn.Module, min_rows: int | None = None) -> torc
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if not prepack_available():
         raise RuntimeError("this torch build has no oneDNN (mkldnn) linear kernels to prepack for")
-    linears = [m for m in model.modules() if _packable(m)]
-    if min_rows is None:
-        largest = max(linears, key=lambda m: m.weight.numel(), default=None)
-        min_rows = one_row_switch(largest.weight) if largest is not None else 2
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if _packable(child):
-                setattr(module, name, PrepackedLinear(child, min_rows))
+                setattr(module, name, PrepackedLinear(child, min_rows or 2))
+    if min_rows is None:
+        choose_one_row_switch(model)
     return model
 
 

@@ -35,7 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kernels import PackedTiedOutput, one_row_switch, prepack_linears, quantize_int8
+from specdecode.kernels import (
+    PackedTiedOutput,
+    choose_one_row_switch,
+    prepack_linears,
+    quantize_int8,
+)
 from specdecode.kv_cache import HOLE, CachedModel
 
 
@@ -181,14 +186,16 @@ class BlockDrafter(nn.Module):
         A block pass multiplies k or more rows, which MKL's default fp32 path runs at two to
         four times the cost of one row on some CPUs (`kernels`): the output table alone took
         0.86 ms for 3 rows against 0.21 packed. Training (grad enabled) keeps the dense path.
-        None: packed from 1 or 2 rows as `one_row_switch` finds on the output table.
+        None: packed from 1 or 2 rows as `choose_one_row_switch` finds on the output table.
         """
         if self.output_kernel is not None:
             raise ValueError("this drafter's output is already packed or quantized")
+        prepack_linears(self, min_rows or 2)
+        self.output_kernel = PackedTiedOutput(
+            self.embed.weight, self.final_logits_bias, min_rows or 2
+        )
         if min_rows is None:
-            min_rows = one_row_switch(self.embed.weight)
-        prepack_linears(self, min_rows)
-        self.output_kernel = PackedTiedOutput(self.embed.weight, self.final_logits_bias, min_rows)
+            choose_one_row_switch(self)
         return self
 
     def int8(self) -> BlockDrafter:
