@@ -326,10 +326,14 @@ def test_from_pretrained_packs_the_target_and_can_draft_in_int8(tiny_pair):
     assert any(
         isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in packed.drafter.modules()
     )
+    assert not kernel_summary(packed.drafter)["prepacked"]  # int8 instead
+    fp32 = SpeculativeDecoder.from_pretrained(str(target), str(draft))  # drafter packed too
+    assert kernel_summary(fp32.drafter)["prepacked"] == prepack_available()
+    assert not kernel_summary(plain.drafter)["prepacked"]
     prompts = [[5, 6, 7], [9]]
     alone = SpeculativeDecoder.from_pretrained(str(target), None, prepack=False)
     ar = alone.generate(prompts, max_new_tokens=12)
-    for decoder in (plain, packed):
+    for decoder in (plain, packed, fp32):
         out = decoder.generate(prompts, max_new_tokens=12, num_draft_tokens=3)
         assert out.new_tokens == ar.new_tokens
     with pytest.raises(ValueError, match="drafter_int8 needs a drafter"):

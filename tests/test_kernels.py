@@ -11,6 +11,7 @@ from specdecode.kernels import (
     int8_draft_wanted,
     prepack_available,
     prepack_linears,
+    quantize_int8,
     use_prepacked,
 )
 
@@ -122,3 +123,25 @@ def test_default_switch_is_timed_once_and_shared_by_every_linear(monkeypatch):
     # timed once a model, on the largest weight's own packed copy (no second copy made)
     assert [m.weight.numel() for m in seen] == [biggest, biggest]
     assert all(isinstance(m, PrepackedLinear) for m in seen)
+
+
+def test_int8_copy_of_a_packed_model_is_int8_and_leaves_the_model_alone():
+    """A packed model quantizes like its dense self: left packed, its layers would have stayed
+    fp32 without a word. The packed original keeps its packed layers and its results."""
+    dense, packed = _model(), prepack_linears(_model())
+    int8 = quantize_int8(packed)
+    layers = [m for m in int8.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert len(layers) == 2 and not any(isinstance(m, PrepackedLinear) for m in int8.modules())
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.equal(int8(x), quantize_int8(dense)(x))
+        assert isinstance(packed[0], PrepackedLinear)
+        assert torch.allclose(packed(x), dense(x), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_copy_refuses_a_packed_tied_table():
+    owner = torch.nn.Module()
+    table = torch.nn.Embedding(50, 16)
+    owner.table, owner.out = table, PackedTiedOutput(table.weight, None, 1)
+    with pytest.raises(ValueError, match="tied output table"):
+        quantize_int8(owner)

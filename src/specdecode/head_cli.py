@@ -240,10 +240,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
     prompts = require_prompts(args.prompts, limit=args.limit, skip=args.skip)
     target, tokenizer = load_causal_lm(args.target)
     drafter, draft_tokenizer = load_causal_lm(args.draft)
-    if not args.no_prepack:
-        prepack_linears(target)
     if not args.fp32_drafter:
         drafter = quantize_int8(drafter)
+    if not args.no_prepack:
+        prepack_linears(target)
+        if args.fp32_drafter:
+            prepack_linears(drafter)
     # the decoder runs the same compatibility checks as decoding does, and encodes the prompts
     decoder = SpeculativeDecoder(target, tokenizer, drafter, draft_tokenizer)
     ids = decoder.encode([p.text for p in prompts], chat=args.chat)

@@ -196,12 +196,39 @@ def use_prepacked(model: torch.nn.Module, enabled: bool) -> None:
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """An int8 dynamically quantized copy (Linear layers), for drafting on the CPU."""
+    """An int8 dynamically quantized copy (Linear layers), for drafting on the CPU.
+
+    A prepacked model is quantized from its dense weights: its `PrepackedLinear`s become int8
+    like plain ones (left packed, they would silently stay fp32), and the packed copies are
+    not copied on the way.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.ao.quantization import quantize_dynamic
 
-        return quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+        return quantize_dynamic(
+            unpacked_copy(model), {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+        )
+
+
+def unpacked_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` with a plain `nn.Linear` for each `PrepackedLinear`."""
+    packed = [m for m in model.modules() if isinstance(m, _Packed)]
+    if any(not isinstance(m, PrepackedLinear) for m in packed):
+        raise ValueError(
+            "this model applies a packed copy of a weight itself (a tied output table); "
+            "give it a copy method of its own, as BlockDrafter.int8 does"
+        )
+    clone = copy.deepcopy(model, {id(m.packed): None for m in packed})  # packed: not copied
+    for module in list(clone.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, PrepackedLinear):
+                linear = torch.nn.Linear(
+                    child.in_features, child.out_features, child.bias is not None, device="meta"
+                )
+                linear.weight, linear.bias = child.weight, child.bias
+                setattr(module, name, linear)
+    return clone
 
 
 DRAFT_PRECISIONS = ("auto", "int8", "fp32")

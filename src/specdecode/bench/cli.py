@@ -131,8 +131,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
     target, tokenizer = load_causal_lm(cfg.target)
     drafter, _ = load_causal_lm(cfg.draft)
-    if cfg.prepack:
+    if cfg.prepack:  # the fp32 drafter too (sd, hf-assisted); sd-int8 quantizes its dense weights
         prepack_linears(target)
+        prepack_linears(drafter)
     models = Models(target, tokenizer, drafter, head=cfg.head)
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)

@@ -8,7 +8,8 @@
 * `sd`: this engine with the fp32 drafter (the same one `hf-assisted` gets), k draft tokens.
 * `sd-int8`: this engine with an int8 dynamically quantized copy of the drafter.
 
-A `+dense` suffix runs a method with the default PyTorch kernels instead of the prepacked ones.
+A `+dense` suffix runs a method with the default PyTorch kernels instead of the prepacked ones
+(target and fp32 drafter alike).
 
 `sd` and `sd-int8` run under every length policy asked for (see `length_policies`): `constant`
 once per k, `heuristic` starting from the largest k, `confidence` and `head` once per threshold,
@@ -225,8 +226,10 @@ RUNNERS: dict[str, Callable[[Method, Models, list[list[int]], Settings], Result]
 
 
 def run_method(method: Method, models: Models, prompts: list[list[int]], s: Settings) -> Result:
-    use_prepacked(models.target, not method.dense)
+    for model in (models.target, models.drafter):  # an int8 copy has no packed weights
+        use_prepacked(model, not method.dense)
     try:
         return RUNNERS[method.kind](method, models, prompts, s)
     finally:
-        use_prepacked(models.target, True)
+        for model in (models.target, models.drafter):
+            use_prepacked(model, True)
