@@ -593,6 +593,27 @@ def test_int8_drafter_keeps_greedy_output(packed_first):
         int8.int8()
 
 
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear kernels")
+def test_another_drafter_takes_the_packed_verifiers_kernels():
+    """`with_drafter` packs a dense drafter as the verifier is packed (the same one-row switch),
+    leaves an int8 one as it is, and packs nothing beside a dense verifier; output stays exact."""
+    from specdecode.kernels import kernel_summary
+
+    model = tiny_marian()
+    src, mask = sources()
+    expected = reference(model, src, mask)
+    dense = TranslationPair(model, None).with_drafter(tiny_drafter(model, 3))
+    assert dense.drafter.output_kernel is None and not kernel_summary(dense.drafter)["prepacked"]
+    pair = TranslationPair(model, None).prepack(min_rows=1)
+    other = pair.with_drafter(tiny_drafter(model, 3))
+    assert kernel_summary(other.drafter) == {"prepacked": True, "packed_from_rows": 1}
+    assert other.drafter.output_kernel.min_rows == 1
+    int8 = pair.with_drafter(tiny_drafter(model, 3).int8())
+    assert not kernel_summary(int8.drafter)["prepacked"]
+    with torch.inference_mode():
+        assert run(pair.verifier, src, mask, other.drafter, 3) == expected
+
+
 def state_drafter(model, k: int = 4, seed: int = 5) -> BlockDrafter:
     """A drafter reading the verifier's states, its projection randomised (not the zero start)."""
     drafter = tiny_drafter(model, k).reading_target_states(model.config.d_model).eval()

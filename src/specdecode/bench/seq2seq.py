@@ -213,7 +213,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
     if kinds & {"specdec-alt", "specdec-alt-int8"}:
         alt = BlockDrafter.load(Path(cfg.alt_drafter))
         pairs["specdec-alt-int8"] = pair.with_drafter(alt.int8())
-        pairs["specdec-alt"] = pair.with_drafter(alt.prepack() if cfg.prepack else alt)
+        pairs["specdec-alt"] = pair.with_drafter(alt)  # packed as the verifier is
     for method in methods:  # warm-up
         run_method(method, pairs.get(method.kind, pair), assistant, sources[:1], cfg)
     runs: list[dict] = []

@@ -61,7 +61,7 @@ class TranslationPair:
         speedup, gets the faster kernel as well. Results agree with the default kernels to
         fp32 rounding.
         """
-        from specdecode.kernels import cpu_fp32, kernel_summary, prepack_linears
+        from specdecode.kernels import cpu_fp32, prepack_linears
 
         if not cpu_fp32(self.verifier.device, self.verifier.dtype):
             raise ValueError(
@@ -69,13 +69,26 @@ class TranslationPair:
                 f"{self.verifier.dtype} on {self.verifier.device}"
             )
         prepack_linears(self.verifier, min_rows)
-        if self.drafter is not None and self.drafter.output_kernel is None:  # not int8 already
-            self.drafter.prepack(kernel_summary(self.verifier)["packed_from_rows"])
+        self._drafter_on_verifier_kernels()
         return self
 
     def with_drafter(self, drafter: BlockDrafter | None) -> TranslationPair:
-        """The same verifier (and kernels) and tokenizer with another drafter, e.g. `int8()`."""
-        return TranslationPair(self.verifier, self.tokenizer, drafter)
+        """The same verifier (and kernels) and tokenizer with another drafter, e.g. `int8()`.
+
+        A dense fp32 drafter is packed in place like the verifier, if the verifier is packed.
+        """
+        pair = TranslationPair(self.verifier, self.tokenizer, drafter)
+        pair._drafter_on_verifier_kernels()
+        return pair
+
+    def _drafter_on_verifier_kernels(self) -> None:
+        """A dense drafter takes the packing (and one-row switch) the verifier has, so both
+        decode on one kernel; an int8 or already packed drafter (`output_kernel`) keeps its."""
+        from specdecode.kernels import kernel_summary
+
+        rows = kernel_summary(self.verifier)["packed_from_rows"]
+        if rows is not None and self.drafter is not None and self.drafter.output_kernel is None:
+            self.drafter.prepack(rows)
 
     @classmethod
     def from_dir(
