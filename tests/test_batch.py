@@ -109,3 +109,36 @@ def test_finished_rows_stop_costing_compute():
         hook.remove()
     assert len(out.new_tokens[0]) <= 4 and len(out.new_tokens[1]) == 20
     assert rows_per_forward[0] == 2 and rows_per_forward[-1] == 1
+
+
+def test_drafting_only_while_the_batch_is_small():
+    """`max_draft_batch`: rounds of a larger batch are plain steps, the drafter catches up once
+    rows have finished, and no output changes (greedy, and coupled sampling, whose text depends
+    on the seed alone whatever each round drafted)."""
+    target, drafter_model = tiny_llama(seed=0), tiny_llama(seed=3, layers=1)
+    decoder = SpeculativeDecoder(target, drafter=drafter_model)
+    free = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=3)
+
+    def finish(token: int) -> list[int]:
+        return sorted(row.index(token) if token in row else 20 for row in free)
+
+    # a stop token that ends three rows early and leaves two running for a while
+    stop = next(t for row in free for t in row if finish(t)[2] < 12 and finish(t)[3] > 14)
+    rows_drafting: list[int] = []
+    hook = drafter_model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_drafting.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    kw = dict(max_new_tokens=20, num_draft_tokens=3, stop_token_ids=[stop])
+    try:
+        always = decoder.generate(PROMPTS, **kw)
+        assert max(rows_drafting) == len(PROMPTS)
+        rows_drafting.clear()
+        small = decoder.generate(PROMPTS, max_draft_batch=2, **kw)
+    finally:
+        hook.remove()
+    assert small.new_tokens == always.new_tokens
+    assert rows_drafting and max(rows_drafting) <= 2
+    assert 0 < small.stats.total.drafted < always.stats.total.drafted
+    sampled = dict(kw, temperature=0.9, row_seeds=[1, 2, 3, 4, 5], coupled=True)
+    assert run(decoder, PROMPTS, max_draft_batch=2, **sampled) == run(decoder, PROMPTS, **sampled)

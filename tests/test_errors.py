@@ -73,6 +73,8 @@ def test_bad_prompts(decoder, prompts, match):
         ({"bound": (1, 4)}, r"bound \(MIN, MAX\) applies to the adaptive length policies"),
         ({"length_policy": "heuristic", "bound": (3, 2)}, "1 <= MIN <= MAX, got 3 2"),
         ({"length_policy": "confidence", "stop_threshold": 1.0}, r"stop_threshold must be in"),
+        ({"max_draft_batch": 0}, r"max_draft_batch must be an integer >= 1 \(None: always"),
+        ({"max_draft_batch": 2.5}, "max_draft_batch must be an integer >= 1"),
     ],
 )
 def test_bad_settings(decoder, kwargs, match):

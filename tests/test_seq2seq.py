@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import word_tokenizer
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -20,7 +21,8 @@ from specdecode.engine import decode
 from specdecode.kernels import PackedTiedOutput, kernel_summary, prepack_available
 from specdecode.kv_cache import UnsupportedModelError
 from specdecode.sampling import InvalidLogitsError
-from specdecode.seq2seq.api import TranslationPair
+from specdecode.seq2seq import api
+from specdecode.seq2seq.api import AUTO_DRAFT_BATCH, TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
@@ -644,16 +646,25 @@ def test_reading_target_states_starts_as_the_same_drafter():
     assert all(torch.equal(back[k], v) for k, v in plain.state_dict().items())
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
-def test_target_state_drafter_exact_and_fed_as_in_training(k):
+@pytest.mark.parametrize("k,max_draft_batch", [(1, None), (3, None), (6, None), (3, 2)])
+def test_target_state_drafter_exact_and_fed_as_in_training(k, max_draft_batch):
     """Decoding with a drafter that reads the verifier's states stays exact, and every proposal
     equals a full pass fed the teacher-forced states of `verifier_states` (the training layout),
-    for ragged rows that finish at different rounds."""
+    for ragged rows that finish at different rounds; also when the drafter sits out the rounds
+    of a larger batch (`max_draft_batch`) and must catch up on their tokens and states."""
     from specdecode.seq2seq.drafter_train import verifier_states
 
     model = tiny_marian()
     src, mask = sources(batch=3)
     drafter = state_drafter(model, k)
+    free = run(model, src, mask)  # plain greedy, 20 tokens a row
+    assert free == reference(model, src, mask)
+    # rows start 0, 3 and 6 tokens into their greedy output and stop at a token all of them
+    # reach later, so they finish at different rounds (this tiny model never emits EOS)
+    offsets = (0, 3, 6)
+    stop = next(t for t in free[0][7:] if all(t in r and r.index(t) >= 7 for r in free))
+    expected = [r[o : r.index(stop) + 1] for r, o in zip(free, offsets, strict=True)]
+    assert len(set(map(len, expected))) == 3
     seen = []
 
     class Recording(NARDrafter):
@@ -673,19 +684,19 @@ def test_target_state_drafter_exact_and_fed_as_in_training(k):
 
     cached = CachedSeq2Seq(model)
     cached.encode(src, mask)
-    cfg = DecodeConfig(max_new_tokens=20, num_draft_tokens=k, stop_token_ids=(EOS,))
+    cfg = DecodeConfig(max_new_tokens=20, num_draft_tokens=k, stop_token_ids=(stop,),
+                       max_draft_batch=max_draft_batch)  # fmt: skip
+    prompts = [[START, *r[:o]] for r, o in zip(free, offsets, strict=True)]
     out: list[list[int]] = [[] for _ in range(3)]
     rounds = decode(cached, Recording(drafter, cached, k), make_rule(None, cfg.sampling),
-                    [[START]] * 3, cfg)  # fmt: skip
+                    prompts, cfg)  # fmt: skip
     for event in rounds:
         for row, tokens in zip(event.rows, event.new_tokens, strict=True):
             out[row].extend(tokens)
-    gen = model.generate(input_ids=src, attention_mask=mask, do_sample=False, num_beams=1,
-                         max_new_tokens=20, eos_token_id=EOS)  # fmt: skip
-    expected = [row[1:] for row in gen.tolist()]  # cut after the first EOS: padding follows
-    assert out == [row[: row.index(EOS) + 1] if EOS in row else row for row in expected]
-    assert len(seen) > 3
+    assert out == expected
+    assert len(seen) > (3 if max_draft_batch is None else 1)
     for seqs, lens, enc, enc_mask, kk, logits in seen:
+        assert max_draft_batch is None or seqs.shape[0] <= max_draft_batch
         prefix = seqs[:, : int(lens.max())]
         with torch.no_grad():
             feats = verifier_states(model, enc, enc_mask, prefix)
@@ -710,3 +721,32 @@ def test_keeping_layers_cuts_the_drafter_and_refuses_more():
     assert drafter.keeping_layers(2) is drafter
     with pytest.raises(ValueError, match="can keep 1 to 2 layers of this drafter, not 3"):
         drafter.keeping_layers(3)
+
+
+def test_translate_drafts_only_while_few_rows_run_under_the_exact_rule(monkeypatch):
+    """`translate`'s "auto": exact decoding drafts only while at most AUTO_DRAFT_BATCH rows run
+    (the same output, plain steps for a full batch); relaxed decoding drafts every round, as
+    an explicit None does."""
+    model = tiny_marian()
+    pair = TranslationPair(model, word_tokenizer(V), tiny_drafter(model, 3, copy=True))
+    sources = [" ".join(f"t{4 + (7 * i + j) % 40}" for j in range(3 + i)) for i in range(6)]
+    seen = []
+    real = api.decode
+
+    def spy(target, drafter, rule, prompts, cfg, stats):
+        seen.append(cfg.max_draft_batch)
+        return real(target, drafter, rule, prompts, cfg, stats)
+
+    monkeypatch.setattr(api, "decode", spy)
+    kw = dict(max_new_tokens=10, block_size=3, batch_size=6)
+    plain = pair.translate(sources, use_drafter=False, **kw)
+    auto = pair.translate(sources, **kw)
+    every = pair.translate(sources, max_draft_batch=None, **kw)
+    relaxed = pair.translate(sources, beta=3, **kw)
+    assert seen[1:] == [AUTO_DRAFT_BATCH, None, None] and len(sources) > AUTO_DRAFT_BATCH
+    assert auto.token_ids == every.token_ids == plain.token_ids
+    # six rows that finish together never drop to four: no round drafted
+    assert auto.stats.total.drafted == 0 < every.stats.total.drafted
+    assert relaxed.stats.total.drafted > 0 and not relaxed.exact
+    one = pair.translate(sources[:1], **kw)  # a lone row drafts
+    assert one.stats.total.drafted > 0 and one.token_ids == plain.token_ids[:1]

@@ -166,6 +166,7 @@ class SpeculativeDecoder:
         stop_threshold: float | None = None,
         bound: tuple[int, int] | None = None,
         coupled: bool = False,
+        max_draft_batch: int | None = None,
     ) -> DecodeConfig:
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
@@ -180,6 +181,7 @@ class SpeculativeDecoder:
             stop_threshold=stop_threshold,
             bound=tuple(bound) if bound is not None else None,
             coupled=coupled,
+            max_draft_batch=max_draft_batch,
         )
 
     def stream(

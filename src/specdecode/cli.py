@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from specdecode.config import POLICIES
+from specdecode.config import POLICIES, max_draft_batch_option
 from specdecode.kernels import DRAFT_PRECISIONS, int8_draft_wanted
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -108,6 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_threshold=args.stop_threshold,
         bound=tuple(args.bound) if args.bound else None,
         coupled=args.coupled,
+        max_draft_batch=max_draft_batch_option(args.max_draft_batch),
     )
     records = []
     for start in range(0, len(prompts), args.batch_size):
@@ -165,6 +166,13 @@ def add_generate(subparsers) -> None:
     src.add_argument("--prompts", help="a prompt file (.jsonl/.txt) or set (humaneval, mtbench)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of --prompts")
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--max-draft-batch",
+        type=int,
+        default=None,
+        help="draft only while at most N rows of a batch are running, plain steps above "
+        "(default: always draft; greedy output is the same either way)",
+    )
     p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_generate)

@@ -55,6 +55,11 @@ class DecodeConfig:
     # sampling only: numbers keyed to positions and the bonus token drawn via the drafter, so
     # every length policy commits the same text for a seed (see `sampling.PositionRandom`)
     coupled: bool = False
+    # rounds draft only while at most this many rows are running (None: always). Above it a
+    # round is a plain step of every row: where a batch makes the target's pass compute-bound
+    # (a CPU at batch 8 or more, `benchmarks/README.md`), verifying k + 1 positions a row costs
+    # more than the drafts save. Rows that finish shrink the batch and drafting resumes.
+    max_draft_batch: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -69,6 +74,15 @@ class DecodeConfig:
             raise ValueError(
                 "coupled randomness pairs sampled text across draft lengths; greedy decoding "
                 "commits the same text under every length policy already (use temperature > 0)"
+            )
+        if self.max_draft_batch is not None and (
+            isinstance(self.max_draft_batch, bool)
+            or not isinstance(self.max_draft_batch, int)
+            or self.max_draft_batch < 1
+        ):
+            raise ValueError(
+                f"max_draft_batch must be an integer >= 1 (None: always draft), got "
+                f"{self.max_draft_batch!r}"
             )
         if self.length_policy not in POLICIES:
             known = ", ".join(POLICIES)
@@ -113,3 +127,12 @@ class DecodeConfig:
 POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.7}
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound
+
+
+def max_draft_batch_option(value: int | None) -> int | None:
+    """`--max-draft-batch` of the command line, where 0 means always draft (None here)."""
+    if value is None or value == 0:
+        return None
+    if value < 0:
+        raise ValueError(f"--max-draft-batch must be >= 0 (0: always draft), got {value}")
+    return value

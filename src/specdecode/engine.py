@@ -93,9 +93,12 @@ def speculative_step(
     if rng is not None:
         rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
     max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens)  # [batch]; +1 comes free
+    drafting = drafter is not None and (
+        cfg.max_draft_batch is None or len(batch.rows) <= cfg.max_draft_batch
+    )  # a plain round otherwise: the drafter catches up on its tokens when it drafts again
     draft = (
         drafter.propose(batch.sequences, batch.seq_lens, max_draft, rng)
-        if drafter is not None
+        if drafting
         else Draft.empty(len(batch.rows), batch.sequences.device)
     )
     t1 = time.perf_counter()

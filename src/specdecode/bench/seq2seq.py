@@ -147,6 +147,7 @@ def _run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources
             use_drafter=method.speculative,
             batch_size=len(sources),
             max_new_tokens=cfg.max_new_tokens,
+            max_draft_batch=None,  # every round drafts: the method as named, at any batch
         )
         return out.token_ids, time.perf_counter() - start, out.stats
     tok = pair.tokenizer

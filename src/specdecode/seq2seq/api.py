@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -23,6 +24,13 @@ from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import TopBetaTau, make_rule
+
+# Exact SpecDec against plain decoding of the shipped pair by batch size, 2-core AMD EPYC
+# (benchmarks/specdec-draft-batch.txt): 1.2-1.4x at 1, 0.9-1.2x at 4, 0.9-1.0x at 8, 0.7-0.8x
+# at 32. Past a few rows the verify pass is compute-bound on a CPU and drafting costs more than
+# it saves; over the test split at batch 32, drafting only while at most 4 rows run is level
+# with plain decoding (1.02-1.05x), where drafting every round ran 0.64-0.74x.
+AUTO_DRAFT_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class TranslationPair:
         self,
         sources: list[str],
         *,
-        block_size: int = 2,  # shipped pair, 2-core CPU: fastest at batch 32 (3-4 at batch 1)
+        block_size: int = 4,  # shipped pair, 2-core CPU: 3-4 fastest at batch 1
         beta: int = 1,
         tau: float = 3.0,
         use_drafter: bool = True,
@@ -137,7 +145,15 @@ class TranslationPair:
         max_new_tokens: int = 200,
         temperature: float = 0.0,
         seed: int | None = None,
+        max_draft_batch: int | Literal["auto"] | None = "auto",
     ) -> TranslationOutput:
+        """`max_draft_batch`: draft only while at most this many rows of a batch are running
+        (`DecodeConfig.max_draft_batch`; None: every round). "auto": `AUTO_DRAFT_BATCH` under
+        exact verification, where the output is the same either way; every round under
+        beta > 1, whose output depends on which rounds drafted, and so would depend on a row's
+        neighbours."""
+        if max_draft_batch == "auto":
+            max_draft_batch = AUTO_DRAFT_BATCH if beta == 1 else None
         if not sources:
             raise ValueError("no sources to translate")
         if use_drafter and self.drafter is None:
@@ -158,6 +174,7 @@ class TranslationPair:
             sampling=sampling,
             stop_token_ids=(self.tokenizer.eos_token_id,),
             seed=seed,
+            max_draft_batch=max_draft_batch,
         )
         drafter = NARDrafter(self.drafter, self.cached, block_size) if use_drafter else None
         stats = DecodeStats([RowStats() for _ in sources])

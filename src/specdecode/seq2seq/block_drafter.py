@@ -145,12 +145,14 @@ class BlockDrafter(nn.Module):
 
     def run(
         self, ids, positions, allowed, past, encoder_states, encoder_mask, cross=None,
-        features=None,
+        features=None, fed_slots=None,
     ):  # fmt: skip
         """Layers over slots `ids` [b, n] given cached keys/values `past` (per layer, or None).
 
         allowed: [b, n, past_len + n]; features: [b, n', target_features] for the first n' <= n
-        slots (the verifier's states; the slots after them, queries, get none).
+        slots (the verifier's states; the slots after them, queries, get none). fed_slots [b]:
+        a row's slots from fed_slots[b] on get none either (queries inside a padded prefix):
+        a zero state still adds the projection's bias, which no query meets in training.
         returns hidden [b, n, d] and per-layer new (keys, values)
         """
         cross = cross if cross is not None else self.cross_kv(encoder_states)
@@ -160,6 +162,9 @@ class BlockDrafter(nn.Module):
             if features is None:
                 raise ValueError("this drafter reads the verifier's states: pass `features`")
             fed = self.feature_proj(features)  # [b, n', d]
+            if fed_slots is not None:
+                slot = torch.arange(fed.shape[1], device=fed.device)
+                fed = fed * (slot < fed_slots[:, None])[..., None]
             h = torch.cat([h[:, : fed.shape[1]] + fed, h[:, fed.shape[1] :]], 1)
         h = F.dropout(h, self.cfg.dropout, self.training)
         new_kv = []
@@ -272,10 +277,8 @@ class BlockDrafter(nn.Module):
             width, dtype=torch.bool, device=ids.device
         )
         positions = slots[None] + lead * ~in_prefix  # queries one position on when lead = 1
-        if features is not None:  # query slots inside the padded prefix read no state
-            features = features * in_prefix[:, : features.shape[1], None]
         h, _ = self.run(ids, positions, allowed, None, encoder_states, encoder_mask,
-                        features=features)  # fmt: skip
+                        features=features, fed_slots=prefix_lens)  # fmt: skip
         if lead:  # the last prefix slot comes first, then the queries
             query = torch.cat([prefix_lens[:, None] - 1, query], 1)
         h = h.gather(1, query[..., None].expand(-1, -1, h.shape[-1]))  # [batch, k, d]

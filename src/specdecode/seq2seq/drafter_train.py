@@ -281,7 +281,8 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         model = accelerator.unwrap_model(drafter)
         model.eval()
         pair.drafter = model
-        result = pair.translate(valid_src, block_size=k, batch_size=32)
+        # every round drafts: the figure is tokens per verifier call of the drafter's rounds
+        result = pair.translate(valid_src, block_size=k, batch_size=32, max_draft_batch=None)
         model.train()
         figure = result.stats.total.tokens_per_target_call
         state.history.append(
