@@ -6,7 +6,11 @@ Also the batch-size sweep behind the command's default: exact SpecDec against pl
 at batch 1 to 32 on the first 128 test verses. Shipped pair, packed kernels, int8 drafter (the
 command's defaults); methods interleaved, fastest of two repeats; outputs checked identical.
 
-    python benchmarks/specdec_draft_batch.py [--verses N]
+Last, the same batch-32 run with the batches formed from sources of similar length (the
+default of `translate` since): plain decoding and SpecDec's default against plain decoding of
+unsorted batches. The first two parts run unsorted, as they were recorded.
+
+    python benchmarks/specdec_draft_batch.py [--verses N] [--parts sweep batch32 sorted]
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ def main() -> None:
     parser.add_argument("--verses", type=int, default=None, help="default: all test verses")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--parts", nargs="+", choices=("sweep", "batch32", "sorted"),
+        default=["sweep", "batch32", "sorted"],
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pair = TranslationPair.from_dir(SHIPPED_PAIR, prepack=True, drafter_int8=True)
@@ -47,12 +55,15 @@ def main() -> None:
     pair.translate([v.src for v in verses[:16]], batch_size=8, use_drafter=False)
 
     sweep = [v.src for v in verses[:128]]
-    print(f"exact SpecDec against plain decoding by batch size, first {len(sweep)} test verses:")
-    for batch in (1, 2, 4, 8, 16, 32):
-        methods = {"ar": dict(use_drafter=False, batch_size=batch)}
+    if "sweep" in args.parts:
+        print(f"exact SpecDec against plain decoding by batch size, first {len(sweep)} verses:")
+    for batch in (1, 2, 4, 8, 16, 32) if "sweep" in args.parts else ():
+        methods = {"ar": dict(use_drafter=False, batch_size=batch, sort_by_length=False)}
         methods |= {
-            f"k={k}": dict(block_size=k, batch_size=batch, max_draft_batch=None) for k in (2, 3, 4)
-        }
+            f"k={k}": dict(block_size=k, batch_size=batch, max_draft_batch=None,
+                           sort_by_length=False)
+            for k in (2, 3, 4)
+        }  # fmt: skip
         best = fastest(pair, sweep if batch > 1 else sweep[:32], args.repeats, methods)
         ar = best["ar"][0]
         ratios = "  ".join(f"{n} {rate / ar:.2f}x" for n, (rate, _) in best.items() if n != "ar")
@@ -60,18 +71,35 @@ def main() -> None:
         print(f"  batch {batch:2d}: ar {ar:6.1f} sent/s  {ratios}  identical {same}")
 
     sources = [v.src for v in verses[: args.verses]]
-    methods = {"ar": dict(use_drafter=False, batch_size=32)}
-    for k in (2, 4):
-        methods[f"specdec k={k}, every round"] = dict(
-            block_size=k, batch_size=32, max_draft_batch=None
-        )
-        for n in (2, 4, 8):
-            methods[f"specdec k={k}, max_draft_batch={n}"] = dict(
-                block_size=k, batch_size=32, max_draft_batch=n
-            )
-    best = fastest(pair, sources, args.repeats, methods)
-    ar_rate, ar_ids = best["ar"]
-    print(f"\nbatch 32, {len(sources)} test verses:")
+    if "batch32" in args.parts:
+        methods = {"ar": dict(use_drafter=False)}
+        for k in (2, 4):
+            methods[f"specdec k={k}, every round"] = dict(block_size=k, max_draft_batch=None)
+            for n in (2, 4, 8):
+                methods[f"specdec k={k}, max_draft_batch={n}"] = dict(
+                    block_size=k, max_draft_batch=n
+                )
+        for kwargs in methods.values():
+            kwargs.update(batch_size=32, sort_by_length=False)
+        report(f"batch 32, {len(sources)} test verses", fastest(pair, sources, args.repeats,
+                                                                 methods))  # fmt: skip
+    if "sorted" in args.parts:
+        methods = {
+            "ar, unsorted batches": dict(use_drafter=False, sort_by_length=False),
+            "ar, sorted batches": dict(use_drafter=False),
+            "specdec default (k=4, auto), sorted": {},
+            "specdec default (k=4, auto), unsorted": dict(sort_by_length=False),
+        }
+        for kwargs in methods.values():
+            kwargs.update(batch_size=32)
+        report(f"batch 32, {len(sources)} test verses, batches by source length",
+               fastest(pair, sources, args.repeats, methods))  # fmt: skip
+
+
+def report(title: str, best: dict[str, tuple[float, list[list[int]]]]) -> None:
+    """Each method against the first, with how many outputs equal the first's."""
+    ar_rate, ar_ids = next(iter(best.values()))
+    print(f"\n{title}:")
     for name, (rate, ids) in best.items():
         same = sum(a == b for a, b in zip(ids, ar_ids, strict=True))
         print(f"  {name:34s} {rate:6.1f} sent/s  {rate / ar_rate:.2f}x ar  identical "

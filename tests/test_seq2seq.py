@@ -750,3 +750,28 @@ def test_translate_drafts_only_while_few_rows_run_under_the_exact_rule(monkeypat
     assert relaxed.stats.total.drafted > 0 and not relaxed.exact
     one = pair.translate(sources[:1], **kw)  # a lone row drafts
     assert one.stats.total.drafted > 0 and one.token_ids == plain.token_ids[:1]
+
+
+def test_translate_sorts_batches_by_length_and_returns_the_input_order():
+    model = tiny_marian()
+    with torch.no_grad():  # a strong source signal, so that sources get different outputs
+        for layer in model.model.decoder.layers:
+            layer.encoder_attn.v_proj.weight.mul_(20)
+            layer.encoder_attn.out_proj.weight.mul_(20)
+    pair = TranslationPair(model, word_tokenizer(V), tiny_drafter(model, 3, copy=True))
+    lengths = [2, 9, 4, 12, 3, 7]
+    sources = [
+        " ".join(f"t{4 + (5 * i + j) % 40}" for j in range(n)) for i, n in enumerate(lengths)
+    ]
+    kw = dict(max_new_tokens=8, block_size=3)
+    alone = [pair.translate([s], **kw).token_ids[0] for s in sources]
+    assert len(set(map(tuple, alone))) >= 4  # a misplaced output would show
+    for batch_size in (1, 2, 4):
+        for sort in (True, False):
+            out = pair.translate(sources, batch_size=batch_size, sort_by_length=sort, **kw)
+            assert out.token_ids == alone, (batch_size, sort)
+            # per-row statistics land on their own sources
+            counted = [row.new_tokens for row in out.stats.rows]
+            assert all(c in (len(t), len(t) + 1) for c, t in zip(counted, alone, strict=True))
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        pair.translate(sources, batch_size=0)
