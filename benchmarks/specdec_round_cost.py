@@ -1,5 +1,6 @@
-"""What a SpecDec round costs, in plain steps, for a verifier of the shipped size and of
-Transformer-base size on this CPU, and so how many tokens per verifier call 2x and 3x need.
+"""What a SpecDec round costs, in plain steps, for a verifier of the shipped size, of its width
+with a decoder twice as deep, and of Transformer-base size on this CPU, and so how many tokens
+per verifier call 2x and 3x need.
 
 Random weights (the cost of a pass does not depend on them), batch 1, a 20-token committed
 prefix and a 30-token source: a plain step (1 position), a verify pass over 5 positions (k = 4)
@@ -25,18 +26,19 @@ from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
 
-SIZES = {  # name: d_model, layers (encoder = decoder), FFN, heads
-    "shipped size (d 256, 3+3 layers)": (256, 3, 1024, 4),
-    "Transformer-base size (d 512, 6+6 layers)": (512, 6, 2048, 8),
+SIZES = {  # name: d_model, encoder layers, decoder layers, FFN, heads
+    "shipped size (d 256, 3+3 layers)": (256, 3, 3, 1024, 4),
+    "shipped width, deeper decoder (d 256, 3+6 layers)": (256, 3, 6, 1024, 4),
+    "Transformer-base size (d 512, 6+6 layers)": (512, 6, 6, 2048, 8),
 }
 VOCAB, PREFIX, K = 8000, 20, 4
 
 
-def pair(d: int, layers: int, ffn: int, heads: int, min_rows: int):
+def pair(d: int, encoder_layers: int, decoder_layers: int, ffn: int, heads: int, min_rows: int):
     torch.manual_seed(0)
     cfg = MarianConfig(
-        vocab_size=VOCAB, decoder_vocab_size=VOCAB, d_model=d, encoder_layers=layers,
-        decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+        vocab_size=VOCAB, decoder_vocab_size=VOCAB, d_model=d, encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
         encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, max_position_embeddings=256, pad_token_id=0,
         eos_token_id=1, decoder_start_token_id=0, forced_eos_token_id=None,
     )  # fmt: skip
