@@ -342,3 +342,10 @@ def test_from_pretrained_packs_the_target_and_can_draft_in_int8(tiny_pair):
         SpeculativeDecoder.from_pretrained(str(target), None, drafter_int8=True)
     with pytest.raises(ValueError, match="prepack needs float32 on the CPU"):
         SpeculativeDecoder.from_pretrained(str(target), None, torch.bfloat16, prepack=True)
+
+
+def test_max_draft_batch_is_a_pair_bench_option(tiny_pair, tmp_path, capsys):
+    target, draft, prompts = tiny_pair
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    assert main([*args, "--max-draft-batch", "2", "--out", str(tmp_path / "b")]) == 2
+    assert "--max-draft-batch is a --pair (seq2seq) bench option" in capsys.readouterr().err

@@ -188,6 +188,11 @@ def test_accepted_at_least_from_rounds():
         row.record(drafted, accepted, accepted + 1, 1)
     assert row.accepted_at_least() == [3 / 4, 1 / 4, 1 / 4]
     assert RowStats().accepted_at_least() == []
+    # plain rounds (a gated batch, a row's last token) draft nothing and do not count
+    row.record(0, 0, 1, 0)
+    row.record(0, 0, 1, 0)
+    assert row.accepted_at_least() == [3 / 4, 1 / 4, 1 / 4] and row.target_calls == 6
+    assert row.merge(row).accepted_at_least() == [3 / 4, 1 / 4, 1 / 4]
 
 
 def test_relaxed_rule_accepts_more_and_is_marked_approximate():

@@ -185,6 +185,16 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert all(r["identical_to_ar"] == 1.0 for r in rows.values())
     assert main([*args, "--relaxed", "five"]) == 2  # not BETA,TAU
     assert main([*args, "--repeats", "0"]) == 2
+    # exact SpecDec gated by batch beside the ungated one, at the batch size above the gate only
+    gated = [*args[:-3], "--methods", "ar", "specdec", "--block-sizes", "2", "--relaxed",
+             "--batch-sizes", "1", "3", "--max-draft-batch", "1", "--no-plots"]  # fmt: skip
+    assert main(gated) == 0
+    record = json.loads((out / "record.json").read_text())
+    runs = {run["batch_size"]: {r["method"]: r for r in run["methods"]} for run in record["runs"]}
+    assert "specdec[k=2,draft<=1]" not in runs[1]
+    assert {"ar", "specdec[k=2]", "specdec[k=2,draft<=1]"} == set(runs[3])
+    assert all(r["identical_to_ar"] == 1.0 for r in runs[3].values())
+    assert main([*gated, "--max-draft-batch", "0"]) == 2
 
 
 def test_translate_refuses_bad_input(cache, tmp_path):

@@ -21,6 +21,9 @@ class RowStats:
     bonus: int = 0
     new_tokens: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # [n] = target calls accepting n
+    # target calls of rounds that drafted (a plain round of a gated batch, or a row's last
+    # token, drafts nothing: it sits in accepted_hist[0] but asked the drafter nothing)
+    drafting_calls: int = 0
 
     def record(self, drafted: int, accepted: int, emitted: int, drafter_passes: int) -> None:
         """One round of this row. `drafter_passes`: one per drafted token for an autoregressive
@@ -28,6 +31,7 @@ class RowStats:
         the row: the drafts after it were accepted but never emitted, so they do not count."""
         accepted = min(accepted, emitted)
         self.target_calls += 1
+        self.drafting_calls += drafted > 0
         self.drafter_calls += drafter_passes
         self.drafted += drafted
         self.accepted += accepted
@@ -49,19 +53,16 @@ class RowStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def accepted_at_least(self) -> list[float]:
-        """[j - 1] = share of target calls that accepted at least j drafted tokens.
+        """[j - 1] = share of the target calls that drafted which accepted at least j drafted
+        tokens.
 
         Why: a draft is accepted up to its first miss, so these shares say where rounds end;
         the first one, the acceptance of a round's first drafted token, bounds every later one.
         """
-        calls = sum(self.accepted_hist)
+        calls, hist = self.drafting_calls, self.accepted_hist
         if not calls:
             return []
-        tail, out = calls, []
-        for count in self.accepted_hist[:-1]:
-            tail -= count
-            out.append(tail / calls)
-        return out
+        return [sum(hist[j:]) / calls for j in range(1, len(hist))]
 
     def merge(self, other: RowStats) -> RowStats:
         hist = [0] * max(len(self.accepted_hist), len(other.accepted_hist))
@@ -77,6 +78,7 @@ class RowStats:
             self.bonus + other.bonus,
             self.new_tokens + other.new_tokens,
             hist,
+            self.drafting_calls + other.drafting_calls,
         )
 
     def as_dict(self) -> dict:
@@ -91,6 +93,7 @@ class RowStats:
             "tokens_per_target_call": self.tokens_per_target_call,
             "acceptance_rate": self.acceptance_rate,
             "accepted_hist": list(self.accepted_hist),
+            "drafting_calls": self.drafting_calls,
         }
 
 

@@ -57,6 +57,7 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         prepack=not args.no_prepack,
         alt_drafter=args.alt_drafter,
+        max_draft_batch=args.max_draft_batch,
     )
     record = run_seq2seq_bench(cfg, progress=not args.quiet)
     out = Path(args.out)
@@ -95,6 +96,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_seq2seq(args)
     if args.rederive is not None:
         return cmd_rederive(Path(args.rederive), plots=not args.no_plots)
+    if args.max_draft_batch is not None:
+        raise ValueError(
+            "--max-draft-batch is a --pair (seq2seq) bench option; for a causal pair, "
+            "`specdecode generate --max-draft-batch N` gates drafting by batch"
+        )
     from specdecode.bench.methods import Models
     from specdecode.bench.report import markdown_table, write_report
     from specdecode.bench.runner import BenchConfig, run_bench
@@ -214,6 +220,14 @@ def add_subcommands(subparsers) -> None:
         "specdec-alt and specdec-alt-int8 beside the pair's own",
     )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[25], help="with --pair: k sweep")
+    p.add_argument(
+        "--max-draft-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --pair: exact SpecDec methods also run drafting only while at most N rows of "
+        "a batch are running (labelled draft<=N), at batch sizes above N",
+    )
     p.add_argument(
         "--relaxed",
         nargs="*",

@@ -9,6 +9,9 @@ Methods, all on the same verifier:
   its defaults (heuristic schedule from 20 tokens, confidence 0.4); batch size 1 only;
 * `specdec[k=K]`: the block drafter with exact greedy verification (beta = 1);
 * `specdec[k=K,b=B,t=T]`: the relaxed top-beta/tau rule; approximate, marked so everywhere;
+* `specdec[k=K,draft<=N]` (with `max_draft_batch`): exact SpecDec drafting only while at most
+  N rows of a batch are running, plain steps above (`DecodeConfig.max_draft_batch`); run
+  beside the ungated method at batch sizes above N;
 * `specdec-int8`: the same with an int8 copy of the drafter; `specdec-alt` and
   `specdec-alt-int8`: with another drafter for the same verifier (`alt_drafter`), so that two
   drafters are compared in one interleaved run rather than across runs on a noisy machine.
@@ -48,6 +51,7 @@ class Seq2SeqMethod:
     k: int | None = None
     relaxed: TopBetaTau | None = None
     dense: bool = False  # default PyTorch kernels where the run prepacks (`+dense`)
+    max_draft_batch: int | None = None  # draft only while at most this many rows run
 
     @property
     def label(self) -> str:
@@ -55,7 +59,16 @@ class Seq2SeqMethod:
         if not self.speculative:
             return self.kind + suffix
         extra = f",{self.relaxed.label}" if self.relaxed is not None else ""
+        if self.max_draft_batch is not None:
+            extra += f",draft<={self.max_draft_batch}"
         return f"{self.kind}[k={self.k}{extra}]{suffix}"
+
+    def runs_at(self, batch_size: int) -> bool:
+        """hf-assisted runs one row at a time; a gated method at or under its gate is the
+        ungated one, run already."""
+        if batch_size > 1 and self.kind in BATCH1_ONLY:
+            return False
+        return self.max_draft_batch is None or batch_size > self.max_draft_batch
 
     @property
     def speculative(self) -> bool:
@@ -82,6 +95,7 @@ class Seq2SeqBenchConfig:
     repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest time kept
     prepack: bool = True  # oneDNN-packed kernels for multi-row products (`kernels`), all models
     alt_drafter: str | None = None  # a second block drafter directory (`specdec-alt*` methods)
+    max_draft_batch: int | None = None  # > 0: exact SpecDec methods also run gated at this
 
     def __post_init__(self) -> None:
         known = ("ar", "hf", "hf-beam5", "hf-assisted", *SPECDEC_KINDS, "specdec-relaxed")
@@ -102,6 +116,8 @@ class Seq2SeqBenchConfig:
             raise ValueError(f"block sizes must be >= 1, got {self.block_sizes}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_draft_batch is not None and self.max_draft_batch < 1:
+            raise ValueError(f"max_draft_batch must be >= 1, got {self.max_draft_batch}")
 
     def method_list(self) -> list[Seq2SeqMethod]:
         out = []
@@ -113,6 +129,11 @@ class Seq2SeqBenchConfig:
                 relaxed_only = kind == "specdec" and "specdec-relaxed" in names
                 if kind in names:
                     out += [Seq2SeqMethod(kind, k, dense=dense) for k in self.block_sizes]
+                if kind in names and self.max_draft_batch is not None:
+                    out += [
+                        Seq2SeqMethod(kind, k, dense=dense, max_draft_batch=self.max_draft_batch)
+                        for k in self.block_sizes
+                    ]
                 if kind in names or relaxed_only:
                     out += [
                         Seq2SeqMethod(kind, k, TopBetaTau(beta, tau), dense)
@@ -147,7 +168,7 @@ def _run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources
             use_drafter=method.speculative,
             batch_size=len(sources),
             max_new_tokens=cfg.max_new_tokens,
-            max_draft_batch=None,  # every round drafts: the method as named, at any batch
+            max_draft_batch=method.max_draft_batch,  # None: every round drafts
         )
         return out.token_ids, time.perf_counter() - start, out.stats
     tok = pair.tokenizer
@@ -219,7 +240,7 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
         run_method(method, pairs.get(method.kind, pair), assistant, sources[:1], cfg)
     runs: list[dict] = []
     for batch_size in cfg.batch_sizes:
-        runnable = [m for m in methods if batch_size == 1 or m.kind not in BATCH1_ONLY]
+        runnable = [m for m in methods if m.runs_at(batch_size)]
         outputs = {m.label: [None] * len(sources) for m in runnable}
         seconds = {m.label: [] for m in runnable}
         stats = {m.label: None for m in runnable}
