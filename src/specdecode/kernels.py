@@ -52,6 +52,10 @@ class _Packed(torch.nn.Module):
         rows = x.numel() // weight.shape[1]
         if not self.enabled or rows < self.min_rows or torch.is_grad_enabled():
             return torch.nn.functional.linear(x, weight, bias)
+        return self.packed_product(x, bias)
+
+    def packed_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias by the packed copy, whatever the rows."""
         bias = None if bias is None else bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
@@ -123,15 +127,11 @@ def one_row_switch(module: _Packed, repeats: int = 5) -> int:
     weight = module.weight
     x = torch.randn(1, weight.shape[1])
     with torch.inference_mode():
-        return fastest(
-            {
-                1: lambda: torch.ops.mkldnn._linear_pointwise(
-                    x, module.packed, None, "none", [], ""
-                ),
-                2: lambda: torch.nn.functional.linear(x, weight),
-            },
-            repeats,
-        )
+        candidates = {
+            1: lambda: module.packed_product(x, None),
+            2: lambda: torch.nn.functional.linear(x, weight),
+        }
+        return fastest(candidates, repeats)
 
 
 def choose_one_row_switch(model: torch.nn.Module) -> int:

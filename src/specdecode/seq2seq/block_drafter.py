@@ -195,10 +195,9 @@ class BlockDrafter(nn.Module):
         """
         if self.output_kernel is not None:
             raise ValueError("this drafter's output is already packed or quantized")
-        prepack_linears(self, min_rows or 2)
-        self.output_kernel = PackedTiedOutput(
-            self.embed.weight, self.final_logits_bias, min_rows or 2
-        )
+        rows = min_rows or 2  # None: from 2 until the switch is timed on the whole drafter
+        prepack_linears(self, rows)
+        self.output_kernel = PackedTiedOutput(self.embed.weight, self.final_logits_bias, rows)
         if min_rows is None:
             choose_one_row_switch(self)
         return self

@@ -34,7 +34,6 @@ class NARDrafter:
         self.state = DrafterState(self.model)
         width = model.cfg.target_features
         self.states_by_pos: torch.Tensor | None = None  # [batch, positions + 1, width]
-        self.states_known: torch.Tensor | None = None  # [batch] positions filed, from 0
         if width:
             d_model = verifier.model.config.d_model
             if width != d_model:
@@ -51,7 +50,6 @@ class NARDrafter:
             self.states_by_pos = torch.zeros(
                 size, dtype=self.verifier.model.dtype, device=self.state.device
             )
-            self.states_known = torch.zeros(batch_size, dtype=torch.long, device=self.state.device)
             self.verifier.keep_states = True  # after the verifier's reset, which clears it
 
     @torch.no_grad()
@@ -74,19 +72,19 @@ class NARDrafter:
         return Draft(tokens, None, lengths, 1, bad_maxima(best), row_passes=passes)
 
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
-        del num_drafted, num_accepted  # only committed tokens are ever cached
+        del lengths, num_drafted, num_accepted  # only committed tokens are ever cached
         if self.states_by_pos is not None:
             self._file_verifier_states()
-            # the pass held every committed token before `lengths` (pending or accepted draft)
-            self.states_known = torch.maximum(self.states_known, lengths)
 
     def _has_the_states_it_reads(self, seq_lens: torch.Tensor) -> bool:
         """A committed token reads the verifier's state at the position before it. A prompt of
         several tokens (a forced prefix) has none before the verifier's first pass: that round
-        is a plain step, so that the drafter never caches a token fed a missing state."""
-        if self.states_known is None:
+        is a plain step, so that the drafter never caches a token fed a missing state. Every
+        token in the verifier's cache went through a pass whose states were filed, so the
+        verifier's cached lengths are the positions with a state."""
+        if self.states_by_pos is None:
             return True
-        return bool((self.states_known >= seq_lens - 1).all())
+        return bool((self.verifier.lengths >= seq_lens - 1).all())
 
     def _file_verifier_states(self) -> None:
         """The verify pass's states [batch, n, d] into `states_by_pos` at their positions."""
@@ -101,6 +99,4 @@ class NARDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.state.select_rows(rows)
         if self.states_by_pos is not None:
-            rows = rows.to(self.state.device)
-            self.states_by_pos = self.states_by_pos.index_select(0, rows)
-            self.states_known = self.states_known.index_select(0, rows)
+            self.states_by_pos = self.states_by_pos.index_select(0, rows.to(self.state.device))
