@@ -15,14 +15,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.acceptance_head import load_head
-from specdecode.head_cli import add_train_arguments, cmd_train
+from specdecode.head_cli import (
+    add_calibrate_arguments,
+    add_train_arguments,
+    cmd_calibrate,
+    cmd_train,
+)
 from specdecode.head_train import (
     PreviewCosts,
     TrainConfig,
     auc,
+    calibrate_head,
     expected_calibration_error,
+    fit_number_calibration,
     load_collections,
     load_examples,
+    number_calibration_report,
     reliability_bins,
     split_by_prompt,
     train_head,
@@ -335,3 +343,53 @@ def test_collections_combine_with_prompts_kept_apart(data_dir: Path, tmp_path: P
     assert len(load_collections([data_dir, hotter], "greedy").label) == 2 * len(one.label)
     with pytest.raises(ValueError, match="no head data"):
         load_collections([], "greedy")
+
+
+def test_sampling_head_is_calibrated_against_acceptance_numbers(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A drawn-token sampling head also fits logit P(accept | z, u) = bias + a z + b log u on
+    verdicts drawn from its labels: a larger number means a likelier rejection (b < 0), and on
+    held-out prompts the head reading u predicts verdicts better than the head alone."""
+    result = train_head(data_dir, tmp_path / "drawn", TrainConfig(rule="sampling", **FAST), False)
+    bias, a, b = result["number_calibration"]["weights"]
+    held = result["number_calibration"]["held_out"]
+    assert a > 0 and b < 0
+    assert held["head_u_loss"] < held["head_loss"] and held["head_u_auc"] > held["head_auc"]
+    assert load_head(tmp_path / "drawn").config.number_calibration == pytest.approx((bias, a, b))
+    greedy = train_head(data_dir, tmp_path / "greedy", TrainConfig(rule="greedy", **FAST), False)
+    assert greedy["number_calibration"] is None
+    assert load_head(tmp_path / "greedy").config.number_calibration is None
+
+    # `head calibrate` refits it on a collection, into a copy or in place
+    parser = argparse.ArgumentParser()
+    add_calibrate_arguments(parser)
+    args = parser.parse_args([str(tmp_path / "drawn"), str(data_dir), "--out", str(tmp_path / "c")])
+    assert cmd_calibrate(args) == 0
+    assert "head-u" in capsys.readouterr().out
+    refit = load_head(tmp_path / "c").config.number_calibration
+    assert refit is not None and refit[2] < 0
+    assert torch.equal(
+        load_file(tmp_path / "c" / "head.safetensors")["out.weight"],
+        load_file(tmp_path / "drawn" / "head.safetensors")["out.weight"],
+    )
+    with pytest.raises(ValueError, match="only a sampling head of the drawn token"):
+        calibrate_head(tmp_path / "greedy", [data_dir])
+    other = write_data(tmp_path / "other")
+    meta = json.loads((other / "meta.json").read_text())
+    meta["target"] = {"name": "another-target", "fingerprint": "0123456789abcdef"}
+    (other / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="calibrate on data of the head's own pair"):
+        calibrate_head(tmp_path / "c", [other])
+
+
+def test_number_calibration_recovers_how_verdicts_depend_on_the_number() -> None:
+    """With the head's logit equal to logit(r), verdicts 1[u < r]: P(accept) falls with u at
+    any r, and the fit's held-out loss is below the head alone's."""
+    g = torch.Generator().manual_seed(0)
+    r = torch.rand(4000, generator=g, dtype=torch.float64).clamp(0.02, 0.98)
+    z = torch.logit(r)
+    calibration = fit_number_calibration(z, r, reject_weight=1.0)
+    assert calibration[1] > 0 and calibration[2] < 0
+    report = number_calibration_report(z, r, calibration, reject_weight=1.0)
+    assert report["head_u_loss"] < report["head_loss"]

@@ -14,6 +14,7 @@ import copy
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -49,7 +50,7 @@ from specdecode.length_policies import (
     LengthPolicy,
     make_policy,
 )
-from specdecode.sampling import RowRandom
+from specdecode.sampling import PositionRandom, RowRandom
 from specdecode.verification import LosslessSamplingRule
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +115,12 @@ def at(index: int, batch: int = 2, **fields: torch.Tensor | None) -> DraftedPosi
     logits = fields.get("logits")
     logits = torch.zeros(batch, 5) if logits is None else logits
     return DraftedPosition(
-        index, logits, fields.get("probs"), fields.get("hidden"), fields.get("token")
+        index,
+        logits,
+        fields.get("probs"),
+        fields.get("hidden"),
+        fields.get("token"),
+        fields.get("number"),
     )
 
 
@@ -168,6 +174,15 @@ def spread_head(hidden_size: int, seed: int = 3, rule: str = "greedy") -> Accept
         head.out.weight.mul_(6.0)
         head.out.bias.fill_(1.5)
     return head
+
+
+def numbered_head(hidden_size: int, calibration=(-1.0, 1.0, -3.0)) -> AcceptanceHead:
+    """`spread_head` for sampling, calibrated so that its acceptance number weighs heavily: a
+    token drawn with u near 1 ends the round, one with a small u rarely does."""
+    head = spread_head(hidden_size, rule="sampling")
+    numbered = AcceptanceHead(replace(head.config, number_calibration=calibration)).eval()
+    numbered.load_state_dict(head.state_dict())
+    return numbered
 
 
 def drawn_head(hidden_size: int) -> AcceptanceHead:
@@ -729,6 +744,22 @@ SAMPLE_ROWS = 2000
             "drawn",
             id="other-drawn-head",
         ),
+        # head-u: the stop after a token depends on that token's acceptance number, the very
+        # number its verdict will use
+        pytest.param(
+            "same",
+            4,
+            dict(length_policy="head-u", stop_threshold=0.5, bound=(1, 3)),
+            "numbered",
+            id="same-head-u",
+        ),
+        pytest.param(
+            "other",
+            5,
+            dict(length_policy="head-u", stop_threshold=0.5, bound=(1, 4)),
+            "numbered",
+            id="other-head-u",
+        ),
     ],
 )
 def test_sampled_law_equals_target_under_adaptive_policy(
@@ -741,7 +772,8 @@ def test_sampled_law_equals_target_under_adaptive_policy(
 ) -> None:
     """The first three tokens of thousands of seeded rows (one prompt) follow the target's
     exact law, while the rows' first rounds draft different numbers of tokens."""
-    head = drawn_head(32) if head_kind == "drawn" else spread_head(32, rule="sampling")
+    heads = {"drawn": drawn_head, "numbered": numbered_head}
+    head = heads.get(head_kind, lambda n: spread_head(n, rule="sampling"))(32)
     decoder = SpeculativeDecoder(
         small_models["target"], drafter=small_models[drafter], acceptance_head=head
     )
@@ -768,7 +800,8 @@ def test_sampled_law_equals_target_under_adaptive_policy(
 class FixedUniforms(RowRandom):
     """Every draw is the same number, so the token a law yields is known in advance."""
 
-    def __init__(self, u: float) -> None:
+    def __init__(self, u: float, rows: int) -> None:
+        super().__init__([0] * rows)
         self.u = u
 
     def uniform(self, counts: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -787,14 +820,14 @@ def test_row_that_drafted_less_than_the_batch_takes_its_bonus_from_the_target(u:
     draft_tokens = torch.tensor([[0], [0]])  # k = 1
     draft_probs = torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]).expand(2, 1, 4)  # row 1: padding
     verdict = rule.verify(
-        draft_tokens, draft_probs, target_logits, torch.tensor([1, 0]), FixedUniforms(u)
+        draft_tokens, draft_probs, target_logits, torch.tensor([1, 0]), FixedUniforms(u, 2)
     )
     alone = rule.verify(
         draft_tokens[1:, :0],
         draft_probs[1:, :0],
         target_logits[1:, :1],
         torch.tensor([0]),
-        FixedUniforms(u),
+        FixedUniforms(u, 1),
     )
     expected = 0 if u < 0.5 else 1
     assert alone.next_tokens.tolist() == [expected]
@@ -936,3 +969,95 @@ def test_heads_saved_before_law_features_load_without_them(tmp_path: Path) -> No
     assert not loaded.reads_law
     hidden = torch.randn(3, 8)
     torch.testing.assert_close(loaded(hidden), old(hidden))
+
+
+# --------------------------------------------------------------------------------------------
+# 6. head-u: the acceptance number, read before the verdict
+
+
+def test_stream_numbers_read_while_drafting_are_the_ones_verification_uses() -> None:
+    """RowRandom draws a token's acceptance number with the token; the policy reads it
+    (`accept_uniforms`) and the verdict uses that very number, then one fresh number for the
+    recovered or bonus token. Rows that stop drafting stop drawing."""
+    rng = RowRandom([1, 2, 3])
+    rng.begin_round(torch.zeros(3))
+    seen = []
+    for index, active in enumerate([[True, True, True], [True, False, True], [True, False, False]]):
+        rng.draft_uniforms(index, active)
+        seen.append(rng.accept_uniforms(index))
+    num_drafted = torch.tensor([3, 1, 2])
+    uniforms = rng.verify_uniforms(num_drafted, 3, "cpu")  # [3, 4]
+    for row, n in enumerate(num_drafted.tolist()):
+        assert uniforms[row, :n].tolist() == [seen[i][row].item() for i in range(n)]
+        assert 0 < uniforms[row, n] < 1  # the recovered or bonus token's number
+    assert seen[1][1].item() == 1.0  # row 1 drafted nothing at position 1
+    # a drafter that draws no numbers (deterministic proposals): all drawn at verification
+    rng.begin_round(torch.zeros(3))
+    assert (rng.verify_uniforms(torch.tensor([2, 0, 1]), 2, "cpu")[0, :3] > 0).all()
+
+
+def test_position_numbers_read_while_drafting_are_the_ones_verification_uses() -> None:
+    rng = PositionRandom([5, 6], capacity=20)
+    rng.begin_round(torch.tensor([3, 7]))
+    uniforms = rng.verify_uniforms(torch.tensor([4, 4]), 4, "cpu")  # [2, 5]
+    for index in range(4):
+        assert torch.equal(rng.accept_uniforms(index), uniforms[:, index])
+
+
+def test_head_u_stops_on_the_number() -> None:
+    """One head prediction, two numbers: a small u keeps the row drafting, u near 1 stops it,
+    by the calibrated logit bias + a z + b log u."""
+    hidden = torch.zeros(2, 2)
+    z = spread_head(2, rule="sampling")(hidden).detach().float()  # [2] the same for both rows
+    bias = -float(z[0]) - 1.0  # u = 1 alone: P(accept) = sigmoid(-1)
+    head = numbered_head(2, calibration=(bias, 1.0, -3.0))
+    policy = HeadLength(head, 0.5, 1, 8, reads_number=True)
+    policy.round_limits(torch.tensor([8, 8]))
+    number = torch.tensor([0.01, 0.99])
+    keep = policy.keep_drafting(at(0, hidden=hidden, number=number))
+    risk = 1 - torch.sigmoid(bias + z - 3.0 * number.log())
+    assert keep.tolist() == (risk <= 0.5).tolist() == [True, False]
+    with pytest.raises(ValueError, match="acceptance number"):
+        policy.keep_drafting(at(1, hidden=hidden))
+
+
+def test_head_u_settings_are_checked(pair: dict[str, nn.Module], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="only sampling draws"):
+        DecodeConfig(length_policy="head-u")
+    cfg = DecodeConfig(length_policy="head-u", sampling=SamplingConfig(0.7), stop_threshold=0.6)
+    with pytest.raises(ValueError, match="head calibrate"):
+        make_policy(cfg, spread_head(32, rule="sampling"))
+    policy = make_policy(cfg, numbered_head(32))
+    assert policy.name == "head-u" and policy.threshold == 0.6
+    assert (
+        DecodeConfig(length_policy="head-u", sampling=SamplingConfig(0.7)).policy_threshold == 0.8
+    )
+    with pytest.raises(ValueError, match="only sampling verdicts"):
+        HeadConfig(hidden_size=4, number_calibration=(0.0, 1.0, -1.0))
+    with pytest.raises(ValueError, match="three finite numbers"):
+        HeadConfig(hidden_size=4, rule="sampling", number_calibration=(0.0, float("nan"), 1.0))
+    head = numbered_head(32, calibration=(0.25, 0.5, -2.0))
+    head.save(tmp_path)
+    assert load_head(tmp_path).config.number_calibration == (0.25, 0.5, -2.0)
+
+
+def test_generate_head_u_is_reproducible_and_differs_from_head(
+    recorded: list[tuple[list[int], list[int]]],
+) -> None:
+    """The engine passes the numbers: head-u runs end to end, a row's text depends on its seed
+    alone, and the numbers move its round lengths away from the plain head's."""
+    target = tiny_llama(seed=0, init=0.3)
+    decoder = SpeculativeDecoder(
+        target, drafter=noisy_copy(target, 0.05), acceptance_head=numbered_head(32)
+    )
+    kw = dict(max_new_tokens=16, temperature=0.9, stop_threshold=0.5, bound=(1, 6),
+              stop_token_ids=[], row_seeds=[11, 22, 33])  # fmt: skip
+    first = decoder.generate(PROMPTS[:3], length_policy="head-u", **kw)
+    rounds_u = list(recorded)
+    assert len(chosen_lengths(rounds_u, 6)) > 1
+    assert decoder.generate(PROMPTS[:3], length_policy="head-u", **kw).new_tokens == (
+        first.new_tokens
+    )
+    recorded.clear()
+    decoder.generate(PROMPTS[:3], length_policy="head", **kw)
+    assert [lengths for _, lengths in rounds_u] != [lengths for _, lengths in recorded]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -118,6 +119,9 @@ class HeadConfig:
     temperature: float = 0.0  # the sampling temperature of the labels (rule "sampling")
     drafter: ModelIdentity | None = None
     target: ModelIdentity | None = None
+    # sampling heads: (bias, a, b) of logit P(accept | z, u) = bias + a z + b log u, the head's
+    # logit z combined with the token's acceptance number u (`with_number`, policy `head-u`)
+    number_calibration: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_size < 1:
@@ -132,6 +136,16 @@ class HeadConfig:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.drawn_token and not self.law_features:
             raise ValueError("drawn_token needs law_features: it is a fourth law feature")
+        if self.number_calibration is not None:
+            if self.rule != "sampling":
+                raise ValueError("only sampling verdicts have acceptance numbers to calibrate on")
+            if len(self.number_calibration) != 3 or not all(
+                math.isfinite(x) for x in self.number_calibration
+            ):
+                raise ValueError(
+                    f"number_calibration must be three finite numbers (bias, head, log "
+                    f"number), got {self.number_calibration!r}"
+                )
 
     @property
     def num_features(self) -> int:
@@ -150,6 +164,8 @@ class HeadConfig:
         raw.setdefault("law_features", False)
         raw.setdefault("drawn_token", False)
         raw.setdefault("width", None)
+        if raw.get("number_calibration") is not None:
+            raw["number_calibration"] = tuple(raw["number_calibration"])
         return cls(**raw)
 
 
@@ -227,6 +243,18 @@ class AcceptanceHead(nn.Module):
                 f"beside the hidden state; got {got}"
             )
         return logit + self.law_term(features).to(logit.dtype)
+
+    def with_number(self, logit: torch.Tensor, number: torch.Tensor) -> torch.Tensor:
+        """logit [batch] of this head, number [batch] in [0, 1) -> logit of P(accept | u).
+
+        The verdict is u < min(1, p/q); the head knows p/q only in expectation, so the chance
+        of acceptance falls with u, which the fitted calibration says by how much.
+        """
+        if self.config.number_calibration is None:
+            raise ValueError("this head has no number calibration (`specdecode head calibrate`)")
+        bias, a, b = self.config.number_calibration
+        log_u = number.to(logit.dtype).clamp(min=1e-9).log()  # [batch]
+        return bias + a * logit + b * log_u
 
     @torch.no_grad()
     def acceptance(

@@ -24,7 +24,7 @@ from specdecode.checks import (
     check_vocab_covers_tokenizer,
     context_length,
 )
-from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.config import HEAD_POLICIES, DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
@@ -211,7 +211,7 @@ class SpeculativeDecoder:
         With no head loaded, a head shipped with the package for this exact pair and rule is
         used, so the default models run `length_policy="head"` without any training.
         """
-        if cfg.length_policy != "head":
+        if cfg.length_policy not in HEAD_POLICIES:
             return self.acceptance_head
         head = self.acceptance_head
         if head is None:

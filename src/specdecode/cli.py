@@ -31,14 +31,15 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--length-policy",
         choices=POLICIES,
         default="constant",
-        help="how many tokens to draft per round (head: SpecDec++, needs --head)",
+        help="how many tokens to draft per round (head: SpecDec++; head-u: the head also "
+        "reads each token's acceptance number, sampling only; the default pair's heads ship)",
     )
     parser.add_argument(
         "--stop-threshold",
         type=float,
         default=None,
-        help="confidence: least drafter top probability (0.4); head: stop once "
-        "P(some drafted token rejected) exceeds it (0.7)",
+        help="confidence: least drafter top probability (0.4); head, head-u: stop once "
+        "P(some drafted token rejected) exceeds it (0.7, 0.8)",
     )
     parser.add_argument(
         "--bound",

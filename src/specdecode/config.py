@@ -75,6 +75,11 @@ class DecodeConfig:
                 "coupled randomness pairs sampled text across draft lengths; greedy decoding "
                 "commits the same text under every length policy already (use temperature > 0)"
             )
+        if self.length_policy == "head-u" and self.sampling.greedy:
+            raise ValueError(
+                "length policy 'head-u' reads each drafted token's acceptance number, which "
+                "only sampling draws; greedy verdicts have none (use 'head')"
+            )
         if self.max_draft_batch is not None and (
             isinstance(self.max_draft_batch, bool)
             or not isinstance(self.max_draft_batch, int)
@@ -88,7 +93,7 @@ class DecodeConfig:
             known = ", ".join(POLICIES)
             raise ValueError(f"unknown length policy {self.length_policy!r}; known: {known}")
         if self.stop_threshold is not None:
-            if self.length_policy not in ("confidence", "head"):
+            if self.length_policy not in ("confidence", *HEAD_POLICIES):
                 raise ValueError(
                     f"stop_threshold is used by the confidence and head policies, not "
                     f"{self.length_policy!r}"
@@ -124,8 +129,15 @@ class DecodeConfig:
 
 # `transformers`' assistant_confidence_threshold default; for the head, the threshold that led
 # most of the recorded SpecDec++ runs of the default pair (benchmarks/README.md)
-POLICY_DEFAULT_THRESHOLDS = {"constant": 0.0, "heuristic": 0.0, "confidence": 0.4, "head": 0.7}
+POLICY_DEFAULT_THRESHOLDS = {
+    "constant": 0.0,
+    "heuristic": 0.0,
+    "confidence": 0.4,
+    "head": 0.7,
+    "head-u": 0.8,  # its predictions also read the acceptance number: led on both sets replayed
+}
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
+HEAD_POLICIES = ("head", "head-u")  # the policies that read an acceptance head
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound
 
 

@@ -138,7 +138,9 @@ class ModelDrafter:
             if policy.stops_early:
                 t0 = time.perf_counter()
                 last = hidden[:, -1] if hidden is not None else None  # [batch, hidden]
-                go_on = go_on & policy.keep_drafting(DraftedPosition(i, logits, probs, last, token))
+                number = None if rng is None else rng.accept_uniforms(i, token.device)  # [batch]
+                position = DraftedPosition(i, logits, probs, last, token, number)
+                go_on = go_on & policy.keep_drafting(position)
                 policy_seconds += time.perf_counter() - t0
                 active_host = go_on.tolist()  # the per-position host sync adaptive lengths need
                 if not any(active_host):

@@ -1,9 +1,11 @@
-"""`specdecode head collect | train | replay`: make an acceptance head for a drafter/target pair.
+"""`specdecode head collect | train | replay | calibrate`: an acceptance head for a drafter/target
+pair.
 
     specdecode head collect --prompts humaneval --skip 40 --out DATA     # labelled drafter states
     specdecode head train DATA [DATA ...] --out HEAD                     # weighted BCE, calibration
     specdecode head collect --rounds 12 --limit 16 --out EVAL            # on evaluation prompts
     specdecode head replay EVAL --head HEAD                              # paired, by replay
+    specdecode head calibrate HEAD DATA                                  # for policy head-u
     specdecode generate --length-policy head --head HEAD --prompt ...    # use it
 
 `head collect` needs both models; `head train` only needs the collected tensors, so it runs
@@ -316,6 +318,45 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("head_dir", metavar="HEAD_DIR", help="a sampling head")
+    parser.add_argument(
+        "data_dir",
+        nargs="+",
+        metavar="DATA_DIR",
+        help="collections for the head's pair (`specdecode head collect`, sampling)",
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help="save the calibrated head here (default: in place)"
+    )
+    parser.add_argument(
+        "--reject-weight",
+        type=float,
+        default=_DEFAULTS.reject_weight,
+        help="weight of rejected verdicts, as in training (so thresholds keep their meaning)",
+    )
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the head's calibration against acceptance numbers and say what it gains."""
+    from specdecode.head_train import NUMBER_DRAWS, calibrate_head
+
+    result = calibrate_head(args.head_dir, args.data_dir, args.out, args.reject_weight)
+    bias, a, b = result["weights"]
+    held = result["held_out"]
+    print(
+        f"logit P(accept | z, u) = {bias:.3f} + {a:.3f} z {b:+.3f} log u, fitted on "
+        f"{result['fit_examples']} drafted tokens x {NUMBER_DRAWS} numbers"
+    )
+    print(
+        f"held out ({result['held_out_examples']} tokens, fresh numbers): weighted BCE "
+        f"{held['head_loss']:.4f} -> {held['head_u_loss']:.4f}, AUC {_fmt(held['head_auc'])} "
+        f"-> {_fmt(held['head_u_auc'])}"
+    )
+    print(f"head saved to {result['head']}: use it with --length-policy head-u")
+    return 0
+
+
 def add_subcommands(subparsers) -> None:
     head = subparsers.add_parser("head", help="collect data for and train an acceptance head")
     jobs = head.add_subparsers(dest="head_command", required=True)
@@ -330,6 +371,11 @@ def add_subcommands(subparsers) -> None:
     )
     add_replay_arguments(replay)
     replay.set_defaults(func=cmd_replay)
+    calibrate = jobs.add_parser(
+        "calibrate", help="fit a sampling head's reading of acceptance numbers (head-u)"
+    )
+    add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(func=cmd_calibrate)
 
 
 def _fmt(value: float | None) -> str:

@@ -1,6 +1,6 @@
 """Length policies: how many tokens each row drafts in a round.
 
-One protocol, four policies, chosen by name (`POLICIES`):
+One protocol, five policies, chosen by name (`POLICIES`):
 
 * `constant`: k tokens every round (SpecDec; the baseline).
 * `heuristic`: `transformers` assisted generation's schedule, per row: k grows by 2 after a round
@@ -12,6 +12,11 @@ One protocol, four policies, chosen by name (`POLICIES`):
   acceptance head's prediction for the i-th drafted token (from the drafter's hidden state and
   the drafting law's features; a sampling head also reads how likely the drawn token was).
   The SpecDec++ MDP analysis shows this threshold rule is the optimal stopping policy.
+* `head-u` (sampling): `head`, with each prediction also reading the token's acceptance number
+  u, drawn when the token is drafted. The verdict is u < p/q: a token drawn with a small u is
+  kept unless the target all but excludes it, one with u near 1 only if the target likes it at
+  least as much as the drafter. The head's logit z and log u are combined by a logistic
+  calibration fitted on the head's data (`AcceptanceHead.with_number`).
 
 Every row decides on its own; the token that triggers a stop is kept (it is already drafted and
 verifying it costs almost nothing), and the round ends when every row has stopped or reached the
@@ -40,6 +45,8 @@ class DraftedPosition:
     probs: torch.Tensor | None  # [batch, vocab] the law it was sampled from (None under greedy)
     hidden: torch.Tensor | None  # [batch, hidden] drafter's last hidden state, if asked for
     token: torch.Tensor | None = None  # [batch] the token drafted (drawn from `probs`)
+    number: torch.Tensor | None = None  # [batch] its acceptance number u (sampling only): the
+    # verdict will be u < p/q, and u is drawn with the token (`sampling.RowRandom`)
 
 
 class LengthPolicy(Protocol):
@@ -160,9 +167,17 @@ class HeadLength(_StopRule):
     name = "head"
     needs_hidden = True
 
-    def __init__(self, head: torch.nn.Module, threshold: float, min_tokens: int, max_tokens: int):
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        threshold: float,
+        min_tokens: int,
+        max_tokens: int,
+        reads_number: bool = False,
+    ):
         super().__init__(threshold, min_tokens, max_tokens)
-        self.head = head
+        self.head, self.reads_number = head, reads_number
+        self.name = "head-u" if reads_number else "head"
         self.log_all_accepted = torch.zeros(0)
 
     def begin_round(self, batch_size: int, device: torch.device) -> None:
@@ -179,19 +194,32 @@ class HeadLength(_StopRule):
                 raise ValueError("this head reads the drawn token; the drafter must pass it")
             features = law_features(law, drawn)  # [batch, 3 or 4]
         logit = self.head(position.hidden, features).float()  # [batch]
+        if self.reads_number:
+            if position.number is None:
+                raise ValueError("the head-u policy needs each drafted token's acceptance number")
+            logit = self.head.with_number(logit, position.number)
         # log sigmoid is exact where the product of many probabilities would underflow
         self.log_all_accepted = self.log_all_accepted + torch.nn.functional.logsigmoid(logit)
         return -torch.expm1(self.log_all_accepted) > self.threshold  # 1 - prod a_i > h
 
 
 def _head_policy(cfg: DecodeConfig, head: torch.nn.Module | None) -> HeadLength:
+    name = cfg.length_policy
     if head is None:
         raise ValueError(
-            "length policy 'head' needs an acceptance head: none was loaded, and none ships for "
-            "this drafter, target and verification rule; train one (`specdecode head collect`, "
-            "`specdecode head train`) and pass it (--head DIR, or SpeculativeDecoder.load_head)"
+            f"length policy {name!r} needs an acceptance head: none was loaded, and none ships "
+            "for this drafter, target and verification rule; train one (`specdecode head "
+            "collect`, `specdecode head train`) and pass it (--head DIR, or "
+            "SpeculativeDecoder.load_head)"
         )
-    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound)
+    reads_number = name == "head-u"
+    if reads_number and head.config.number_calibration is None:
+        raise ValueError(
+            "length policy 'head-u' needs a head calibrated against acceptance numbers; this "
+            "one has none (heads trained before it existed, or greedy heads): add it with "
+            "`specdecode head calibrate HEAD DATA`, or use 'head'"
+        )
+    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound, reads_number=reads_number)
 
 
 BUILDERS = {
@@ -199,6 +227,7 @@ BUILDERS = {
     "heuristic": lambda cfg, head: HeuristicLength(cfg.num_draft_tokens, *cfg.draft_bound),
     "confidence": lambda cfg, head: ConfidenceLength(cfg.policy_threshold, *cfg.draft_bound),
     "head": _head_policy,
+    "head-u": _head_policy,
 }
 assert tuple(BUILDERS) == POLICIES
 

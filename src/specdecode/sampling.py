@@ -9,6 +9,12 @@ Randomness is per row: each row owns a `torch.Generator` and draws a fixed numbe
 step, whatever the other rows do, so a row's output depends on its own seed alone and not on the
 batch it shares.
 
+A drafted token's acceptance number (the u of the test u < p/q) is drawn when the token is
+drafted, not when it is verified: it is independent of everything else, so when it is drawn does
+not change any law, and a length policy may read the numbers of the tokens drafted so far
+(`head-u`). Deciding whether to draft position i + 1 from what positions up to i drew leaves
+every verdict exact, as any stopping time does.
+
 `PositionRandom` keys every number to the position it decides instead of to the order of draws
 (common random numbers). With it, and the bonus token drawn the way a drafted token at its
 position would be (`engine.coupled_next_tokens`), a row's sampled text depends on its seed alone,
@@ -105,6 +111,7 @@ class RowRandom:
             generator = torch.Generator()
             generator.manual_seed(int(seed))
             self.generators.append(generator)
+        self.accepts: list[list[float]] = [[] for _ in seeds]  # this round's, per row
 
     @classmethod
     def for_batch(
@@ -127,21 +134,43 @@ class RowRandom:
 
     def select(self, rows: list[int]) -> None:
         self.generators = [self.generators[i] for i in rows]
+        self.accepts = [self.accepts[i] for i in rows]
 
     def begin_round(self, offsets: torch.Tensor) -> None:
-        """Stream draws do not depend on positions."""
+        """Stream draws do not depend on positions; a round starts with no numbers drawn."""
+        self.accepts = [[] for _ in self.generators]
 
     def draft_uniforms(
         self, index: int, active: list[bool], device: torch.device | str = "cpu"
     ) -> torch.Tensor:
-        """[batch] numbers for drafting position `index` of the round; only active rows draw."""
-        return self.uniform([int(a) for a in active], device)[:, 0]
+        """[batch] numbers for drafting position `index` of the round; only active rows draw,
+        two numbers each: the one that draws the token, and its acceptance number, kept for
+        `accept_uniforms` and the verdict."""
+        pairs = self.uniform([2 * int(a) for a in active])  # [batch, 2] (or [batch, 0])
+        for row, (drew, pair) in enumerate(zip(active, pairs.tolist(), strict=True)):
+            if drew:
+                self.accepts[row].append(pair[1])
+        return pairs[:, 0].to(device) if pairs.shape[1] else torch.zeros(len(active), device=device)
+
+    def accept_uniforms(self, index: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[batch] the acceptance numbers of the tokens drafted at position `index` of this
+        round (1.0 for a row that drafted none there)."""
+        numbers = [a[index] if index < len(a) else 1.0 for a in self.accepts]
+        return torch.tensor(numbers, device=device)
 
     def verify_uniforms(self, num_drafted: torch.Tensor, k: int, device) -> torch.Tensor:
-        """[batch, k + 1]: the acceptance tests of the k drafted slots, then one for the
-        recovered or bonus token (a row draws num_drafted + 1 numbers, its own count)."""
-        uniforms = self.uniform((num_drafted + 1).tolist(), device)  # [batch, <= k + 1]
-        return torch.nn.functional.pad(uniforms, (0, k + 1 - uniforms.shape[1]))
+        """[batch, k + 1]: the acceptance tests of the k drafted slots (drawn with the drafts;
+        a drafter that draws no numbers has them drawn here), then one for the recovered or
+        bonus token. A row's count depends on that row alone."""
+        counts = num_drafted.tolist()
+        missing = [max(n - len(a), 0) for n, a in zip(counts, self.accepts, strict=True)]
+        fresh = self.uniform([m + 1 for m in missing])  # [batch, <= k + 1]
+        out = torch.zeros(len(counts), k + 1)
+        for row, (n, kept) in enumerate(zip(counts, self.accepts, strict=True)):
+            drawn = kept[:n] + fresh[row, : missing[row] + 1].tolist()
+            out[row, : len(drawn)] = torch.tensor(drawn)
+        self.accepts = [[] for _ in self.generators]
+        return out.to(device)
 
     def resample_uniforms(
         self, uniforms: torch.Tensor, num_drafted: torch.Tensor, num_accepted: torch.Tensor
@@ -185,6 +214,11 @@ class PositionRandom(RowRandom):
     def draft_uniforms(self, index, active, device="cpu") -> torch.Tensor:
         slots = torch.full((len(active), 1), index, dtype=torch.long, device=self.table.device)
         return self.at(slots, DRAFT)[:, 0].to(device)
+
+    def accept_uniforms(self, index: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        rows = self.table.shape[0]
+        slots = torch.full((rows, 1), index, dtype=torch.long, device=self.table.device)
+        return self.at(slots, ACCEPT)[:, 0].to(device)
 
     def verify_uniforms(self, num_drafted, k, device) -> torch.Tensor:
         slots = torch.arange(k + 1, device=self.table.device).expand(len(num_drafted), k + 1)

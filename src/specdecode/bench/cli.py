@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specdecode.cli import DEFAULT_DRAFT, DEFAULT_TARGET, set_threads
+from specdecode.config import HEAD_POLICIES
 
 
 def model_identity(name_or_path: str) -> dict:
@@ -144,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
-    if "head" in cfg.policies:
+    if set(HEAD_POLICIES) & set(cfg.policies):
         record["models"]["head"] = _measured_head(cfg, target, drafter)
     record["kernels"] = kernel_summary(target)
     record["prompt_ids"] = [p.id for p in prompts]

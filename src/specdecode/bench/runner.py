@@ -84,6 +84,7 @@ class BenchConfig:
     def method_list(self) -> list[Method]:
         thresholds = {
             "head": list(self.stop_thresholds),
+            "head-u": list(self.stop_thresholds),
             "confidence": list(self.confidence_thresholds),
         }
         return Method.expand(
