@@ -193,3 +193,18 @@ specdecode bench --prompts mtbench --skip 10 --limit 20 --max-new-tokens 64 --te
 for h in 0.8 0.9; do python benchmarks/pool_runs.py "sd-int8[k=2]" "sd-int8[head t=$h 1..12]" \
   benchmarks/specdecpp-mtbench-t07-10-coupled benchmarks/specdecpp-mtbench-t07-10-30-coupled
 done > benchmarks/specdecpp-mtbench-t07-81-110-pooled.txt
+# thirteenth session: head-u, the head reading each drafted token's acceptance number. A code
+# collection inside rounds (HumanEval 40-71, 5 minutes) calibrates the shipped sampling head
+# against the number; the evaluation collections are recorded again (MT-Bench 81-90, HumanEval
+# 0-15) and the calibration replayed on them offline; then MT-Bench 81-110 coupled, with the
+# head and head-u at h = 0.8 beside k = 2 and 3
+specdecode head collect --prompts humaneval --skip 40 --limit 32 --max-new-tokens 64 \
+  --temperature 0.7 --rounds 12 --batch-size 8 --no-progress --out $D/data-rounds12-humaneval-40-72
+specdecode head calibrate "$heads/qwen2.5-coder-0.5b-for-1.5b-sampling" \
+  $D/data-rounds12-humaneval-40-72 | tee benchmarks/specdecpp-calibrate-sampling.txt
+python benchmarks/specdecpp_uniform_feature.py data-rounds12-humaneval-40-72 \
+  eval-rounds12-mtbench-10-t07 eval-rounds12-humaneval-0-16 > benchmarks/specdecpp-uniform-feature.txt
+specdecode bench --prompts mtbench --limit 30 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 --length-policy constant head head-u \
+  --stop-threshold 0.8 --bound 1 12 --coupled \
+  --out benchmarks/specdecpp-mtbench-t07-30-coupled-u --quiet
