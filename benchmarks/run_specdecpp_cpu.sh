@@ -208,3 +208,8 @@ specdecode bench --prompts mtbench --limit 30 --max-new-tokens 64 --temperature 
   --methods ar sd-int8 --num-draft-tokens 2 3 --length-policy constant head head-u \
   --stop-threshold 0.8 --bound 1 12 --coupled \
   --out benchmarks/specdecpp-mtbench-t07-30-coupled-u --quiet
+# the same with rounds of at least 3 (this machine verified 2 positions dearer than 4), k = 2-4
+specdecode bench --prompts mtbench --limit 30 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head head-u \
+  --stop-threshold 0.8 --bound 3 12 --coupled \
+  --out benchmarks/specdecpp-mtbench-t07-30-coupled-u-floor3 --quiet
