@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specdecode.acceptance_head import load_head
-from specdecode.head_train import PreviewCosts, load_examples, preview_rounds
+from specdecode.head_train import PreviewCosts, load_examples, preview_rounds, rounds_by_prompt
 
 CACHE = Path.home() / ".cache" / "specdecode" / "heads"
 HEAD = Path(__file__).parents[1] / "src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling"
@@ -30,13 +30,7 @@ def with_history(name: str, head, window: int):
     with torch.no_grad():
         pred = head.acceptance(data.hidden, data.features)  # [N]
     pos, label = data.position, data.label
-    rounds: dict[int, list[int]] = {}
-    for i in range(len(label)):
-        rounds.setdefault(int(data.round[i]), []).append(i)
-    by_prompt: dict[int, list[list[int]]] = {}
-    for r in sorted(rounds):
-        rows = sorted(rounds[r], key=lambda i: int(data.slot[i]))
-        by_prompt.setdefault(int(data.prompt_index[rows[0]]), []).append(rows)
+    by_prompt = rounds_by_prompt(data.prompt_index, data.round, data.slot)
     feature, known = torch.full((len(label),), 0.6), torch.zeros(len(label))
     for seq in by_prompt.values():
         committed: dict[int, float] = {}  # position -> label of the drafted token committed there

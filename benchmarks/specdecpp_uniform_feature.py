@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from specdecode.acceptance_head import load_head
+from specdecode.acceptance_head import load_head, number_logit
 from specdecode.head_train import (
     NUMBER_DRAWS,
     PreviewCosts,
     fit_number_calibration,
     load_examples,
-    number_inputs,
     preview_rounds,
+    rounds_by_prompt,
 )
 
 CACHE = Path.home() / ".cache" / "specdecode" / "heads"
@@ -47,13 +47,7 @@ COSTS = PreviewCosts(draft_cost=0.1375, verify_slope=0.056)
 def verdicts(data) -> torch.Tensor:
     """[N] 1 accepted, 0 rejected, -1 past the rejection or in a response's last round."""
     out = torch.full((len(data.label),), -1)
-    rounds: dict[int, list[int]] = {}
-    for i in range(len(data.label)):
-        rounds.setdefault(int(data.round[i]), []).append(i)
-    by_prompt: dict[int, list[list[int]]] = {}
-    for r in sorted(rounds):
-        rows = sorted(rounds[r], key=lambda i: int(data.slot[i]))
-        by_prompt.setdefault(int(data.prompt_index[rows[0]]), []).append(rows)
+    by_prompt = rounds_by_prompt(data.prompt_index, data.round, data.slot)
     for seq in by_prompt.values():
         for rows, after in itertools.pairwise(seq):
             accepted = int(data.position[after[0]]) - int(data.position[rows[0]]) - 1
@@ -93,7 +87,7 @@ def main() -> None:
             return data, head(data.hidden, data.features).double()  # [N] logits
 
     data, z = load(train_dir)
-    w = torch.tensor(fit_number_calibration(z, data.label, REJECT_WEIGHT), dtype=torch.float64)
+    w = fit_number_calibration(z, data.label, REJECT_WEIGHT)
     print(
         f"calibration fitted on {train_dir.name} ({len(z)} tokens x {NUMBER_DRAWS} numbers, "
         f"reject weight {REJECT_WEIGHT:g}): bias {w[0]:.3f}, z {w[1]:.3f}, log u {w[2]:.3f}"
@@ -109,7 +103,7 @@ def main() -> None:
         for seed in range(3):
             u = numbers(data.label, verdict, seed)
             truth = torch.where(known, verdict.double(), (u < data.label.double()).double())
-            with_u = torch.sigmoid(number_inputs(z, u) @ w)
+            with_u = torch.sigmoid(number_logit(w, z, u))
             preds = {
                 "head": torch.sigmoid(z),
                 "head + u": with_u,

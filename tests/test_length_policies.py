@@ -694,80 +694,41 @@ def small_models() -> dict[str, nn.Module | list[torch.Tensor]]:
 SAMPLE_ROWS = 2000
 
 
+# (drafter, policy, stop threshold, bound, head) of the chi-square test below
+ADAPTIVE_LAW_CASES = [
+    # every draft accepted: a row that stops short of the round's longest row takes its
+    # bonus token inside the first three positions
+    ("same", "confidence", 0.5, (1, 3), "spread"),
+    ("same", "head", 0.5, (1, 3), "spread"),
+    # mostly rejected; this drafter's first two tokens are near certain, so rows part from
+    # the third drafted position on: MIN 3, MAX 4
+    ("other", "confidence", 0.7, (3, 4), "spread"),
+    ("other", "head", 0.7, (3, 4), "spread"),
+    # a head that reads the drawn token: the stop depends on the very token drawn
+    ("same", "head", 0.5, (1, 3), "drawn"),
+    ("other", "head", 0.5, (1, 4), "drawn"),
+    # head-u: the stop after a token depends on that token's acceptance number, the very
+    # number its verdict will use
+    ("same", "head-u", 0.5, (1, 3), "numbered"),
+    ("other", "head-u", 0.5, (1, 4), "numbered"),
+]
+LAW_TOKENS = {"same": 4, "other": 5}  # new tokens per row: the "other" drafter's rows part later
+
+
 @pytest.mark.parametrize(
-    ("drafter", "max_new_tokens", "policy", "head_kind"),
+    ("drafter", "policy", "threshold", "bound", "head_kind"),
     [
-        # every draft accepted: a row that stops short of the round's longest row takes its
-        # bonus token inside the first three positions
-        pytest.param(
-            "same",
-            4,
-            dict(length_policy="confidence", stop_threshold=0.5, bound=(1, 3)),
-            "spread",
-            id="same-confidence",
-        ),
-        pytest.param(
-            "same",
-            4,
-            dict(length_policy="head", stop_threshold=0.5, bound=(1, 3)),
-            "spread",
-            id="same-head",
-        ),
-        # mostly rejected; this drafter's first two tokens are near certain, so rows part from
-        # the third drafted position on: MIN 3, MAX 4
-        pytest.param(
-            "other",
-            5,
-            dict(length_policy="confidence", stop_threshold=0.7, bound=(3, 4)),
-            "spread",
-            id="other-confidence",
-        ),
-        pytest.param(
-            "other",
-            5,
-            dict(length_policy="head", stop_threshold=0.7, bound=(3, 4)),
-            "spread",
-            id="other-head",
-        ),
-        # a head that reads the drawn token: the stop depends on the very token drawn
-        pytest.param(
-            "same",
-            4,
-            dict(length_policy="head", stop_threshold=0.5, bound=(1, 3)),
-            "drawn",
-            id="same-drawn-head",
-        ),
-        pytest.param(
-            "other",
-            5,
-            dict(length_policy="head", stop_threshold=0.5, bound=(1, 4)),
-            "drawn",
-            id="other-drawn-head",
-        ),
-        # head-u: the stop after a token depends on that token's acceptance number, the very
-        # number its verdict will use
-        pytest.param(
-            "same",
-            4,
-            dict(length_policy="head-u", stop_threshold=0.5, bound=(1, 3)),
-            "numbered",
-            id="same-head-u",
-        ),
-        pytest.param(
-            "other",
-            5,
-            dict(length_policy="head-u", stop_threshold=0.5, bound=(1, 4)),
-            "numbered",
-            id="other-head-u",
-        ),
+        pytest.param(*case, id=f"{case[0]}-{case[4]}-{case[1]}".replace("-spread", ""))
+        for case in ADAPTIVE_LAW_CASES
     ],
 )
 def test_sampled_law_equals_target_under_adaptive_policy(
     small_models: dict,
     recorded: list[tuple[list[int], list[int]]],
     drafter: str,
-    max_new_tokens: int,
-    policy: dict,
+    policy: str,
+    threshold: float,
+    bound: tuple[int, int],
     head_kind: str,
 ) -> None:
     """The first three tokens of thousands of seeded rows (one prompt) follow the target's
@@ -779,13 +740,15 @@ def test_sampled_law_equals_target_under_adaptive_policy(
     )
     out = decoder.generate(
         [SAMPLE_PROMPT] * SAMPLE_ROWS,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=LAW_TOKENS[drafter],
         temperature=SAMPLING.temperature,
         top_k=SAMPLING.top_k,
         top_p=SAMPLING.top_p,
         row_seeds=range(SAMPLE_ROWS),
         stop_token_ids=[],
-        **policy,
+        length_policy=policy,
+        stop_threshold=threshold,
+        bound=bound,
     )
     first_round = recorded[0][1]
     assert len(set(first_round)) > 1, sorted(set(first_round))

@@ -64,6 +64,14 @@ def law_features(law: torch.Tensor, drawn: torch.Tensor | None = None) -> torch.
     return torch.stack(columns, dim=-1)
 
 
+def number_logit(calibration, logit: torch.Tensor, number: torch.Tensor) -> torch.Tensor:
+    """bias + a z + b log u: a head's logit z [N] and acceptance numbers u [N] -> [N].
+
+    `calibration` is (bias, a, b), numbers or 0-d tensors (the fit passes its weights)."""
+    bias, a, b = calibration
+    return bias + a * logit + b * number.to(logit.dtype).clamp(min=1e-9).log()
+
+
 class HeadMismatchError(ValueError):
     """The head was trained for another drafter, target or verification rule."""
 
@@ -252,9 +260,7 @@ class AcceptanceHead(nn.Module):
         """
         if self.config.number_calibration is None:
             raise ValueError("this head has no number calibration (`specdecode head calibrate`)")
-        bias, a, b = self.config.number_calibration
-        log_u = number.to(logit.dtype).clamp(min=1e-9).log()  # [batch]
-        return bias + a * logit + b * log_u
+        return number_logit(self.config.number_calibration, logit, number)
 
     @torch.no_grad()
     def acceptance(

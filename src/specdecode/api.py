@@ -116,7 +116,7 @@ class SpeculativeDecoder:
         draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
         if drafter_int8:
             draft_model = quantize_int8(draft_model)
-        elif pack:
+        if pack:  # an int8 copy has no fp32 Linear left, so packing leaves it as it is
             prepack_linears(draft_model)
         return cls(target_model, tokenizer, draft_model, draft_tokenizer)
 

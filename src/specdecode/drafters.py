@@ -138,7 +138,7 @@ class ModelDrafter:
             if policy.stops_early:
                 t0 = time.perf_counter()
                 last = hidden[:, -1] if hidden is not None else None  # [batch, hidden]
-                number = None if rng is None else rng.accept_uniforms(i, token.device)  # [batch]
+                number = rng.accept_uniforms(i, token.device) if policy.needs_number else None
                 position = DraftedPosition(i, logits, probs, last, token, number)
                 go_on = go_on & policy.keep_drafting(position)
                 policy_seconds += time.perf_counter() - t0

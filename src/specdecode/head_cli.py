@@ -244,10 +244,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     drafter, draft_tokenizer = load_causal_lm(args.draft)
     if not args.fp32_drafter:
         drafter = quantize_int8(drafter)
-    if not args.no_prepack:
+    if not args.no_prepack:  # an int8 drafter has no fp32 Linear left: packing skips it
         prepack_linears(target)
-        if args.fp32_drafter:
-            prepack_linears(drafter)
+        prepack_linears(drafter)
     # the decoder runs the same compatibility checks as decoding does, and encodes the prompts
     decoder = SpeculativeDecoder(target, tokenizer, drafter, draft_tokenizer)
     ids = decoder.encode([p.text for p in prompts], chat=args.chat)

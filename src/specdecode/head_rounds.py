@@ -138,6 +138,7 @@ class RecordingPolicy:
 
     stops_early = True  # the drafter then reports every position, with its hidden state
     needs_hidden = True
+    needs_number = False
 
     def __init__(self, inner: LengthPolicy, recorder: RoundRecorder) -> None:
         self.inner, self.recorder, self.name = inner, recorder, inner.name

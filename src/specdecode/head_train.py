@@ -54,6 +54,7 @@ from specdecode.acceptance_head import (
     AcceptanceHead,
     HeadConfig,
     ModelIdentity,
+    number_logit,
 )
 
 EXAMPLES_FILE = "examples.safetensors"
@@ -667,38 +668,33 @@ def train_head(
 NUMBER_DRAWS = 8  # acceptance numbers drawn per example to fit `fit_number_calibration`
 
 
-def number_inputs(logit: torch.Tensor, number: torch.Tensor) -> torch.Tensor:
-    """[N] head logits, [N] acceptance numbers -> [N, 3]: the terms `with_number` weighs."""
-    log_u = number.clamp(min=1e-9).log()
-    return torch.stack([torch.ones_like(logit), logit, log_u], 1)
-
-
 def number_examples(
     logit: torch.Tensor, ratio: torch.Tensor, seed: int, draws: int = NUMBER_DRAWS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each example `draws` times with a fresh acceptance number u: inputs [N * draws, 3] and
-    verdicts 1[u < r] [N * draws], r = min(1, p/q) the recorded acceptance of the drawn token.
-    A verdict is exactly that comparison, so these are draws of the verdicts decoding makes."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each example `draws` times with a fresh acceptance number u: logits, numbers and
+    verdicts 1[u < r], each [N * draws], r = min(1, p/q) the recorded acceptance of the drawn
+    token. A verdict is exactly that comparison, so these are draws of the verdicts decoding
+    makes."""
     generator = torch.Generator().manual_seed(seed)
     u = torch.rand(len(logit), draws, generator=generator, dtype=torch.float64)  # [N, draws]
     verdict = (u < ratio.double()[:, None]).double()
-    x = number_inputs(logit.double().repeat_interleave(draws), u.reshape(-1))  # [N * draws, 3]
-    return x, verdict.reshape(-1)
+    return logit.double().repeat_interleave(draws), u.reshape(-1), verdict.reshape(-1)
 
 
 def fit_number_calibration(
     logit: torch.Tensor, ratio: torch.Tensor, reject_weight: float, seed: int = 0
 ) -> tuple[float, float, float]:
-    """(bias, a, b) of logit P(accept | z, u) = bias + a z + b log u, by the head's own weighted
-    BCE (so that its thresholds mean what the head's do) on verdicts drawn from the recorded
-    acceptance ratios. logit: [N] the head's, ratio: [N] min(1, p/q) of each drawn token."""
-    x, y = number_examples(logit, ratio, seed)
-    weights = torch.tensor([0.0, 1.0, 0.0], dtype=x.dtype, requires_grad=True)
+    """(bias, a, b) of logit P(accept | z, u) = bias + a z + b log u (`number_logit`), by the
+    head's own weighted BCE (so that its thresholds mean what the head's do) on verdicts drawn
+    from the recorded acceptance ratios. logit: [N] the head's, ratio: [N] min(1, p/q) of each
+    drawn token."""
+    z, u, y = number_examples(logit, ratio, seed)
+    weights = torch.tensor([0.0, 1.0, 0.0], dtype=z.dtype, requires_grad=True)
     optimizer = torch.optim.LBFGS([weights], max_iter=200, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
-        loss = weighted_bce(x @ weights, y, reject_weight)
+        loss = weighted_bce(number_logit(weights, z, u), y, reject_weight)
         loss.backward()
         return loss
 
@@ -715,12 +711,11 @@ def number_calibration_report(
     seed: int = 1,
 ) -> dict[str, float]:
     """Weighted BCE and AUC on fresh verdicts, of the head alone and of the head reading u."""
-    x, y = number_examples(logit, ratio, seed)
-    with_u = x @ torch.tensor(calibration, dtype=x.dtype)
+    z, u, y = number_examples(logit, ratio, seed)
     out = {}
-    for name, z in (("head", x[:, 1]), ("head_u", with_u)):
-        out[f"{name}_loss"] = float(weighted_bce(z, y, reject_weight))
-        out[f"{name}_auc"] = auc(z, y)
+    for name, score in (("head", z), ("head_u", number_logit(calibration, z, u))):
+        out[f"{name}_loss"] = float(weighted_bce(score, y, reject_weight))
+        out[f"{name}_auc"] = auc(score, y)
     return out
 
 
@@ -927,6 +922,23 @@ def preview_policies(
 BONUS = -1  # in a chain of recorded rounds: the bonus token after a round that accepted all
 
 
+def rounds_by_prompt(
+    prompt_index: torch.Tensor, round_id: torch.Tensor, slot: torch.Tensor
+) -> dict[int, list[list[int]]]:
+    """A collection inside rounds as prompt -> its rounds in decoding order, each the example
+    rows of slots 0, 1, ... (all [N] inputs)."""
+    order = torch.argsort(round_id * (int(slot.max()) + 1) + slot).tolist()
+    rounds: dict[int, list[int]] = {}
+    for i in order:
+        rounds.setdefault(int(round_id[i]), []).append(i)
+    by_prompt: dict[int, list[list[int]]] = {}
+    for rows in rounds.values():  # round ids grow with decoding steps
+        if [int(slot[i]) for i in rows] != list(range(len(rows))):
+            raise ValueError("each recorded round must hold the slots 0..m-1 of its drafted tokens")
+        by_prompt.setdefault(int(prompt_index[rows[0]]), []).append(rows)
+    return by_prompt
+
+
 def _chained_rounds(
     prompt_index: torch.Tensor, position: torch.Tensor, round_id: torch.Tensor, slot: torch.Tensor
 ) -> list[tuple[list[int], int]]:
@@ -938,17 +950,8 @@ def _chained_rounds(
     bonus token (`BONUS`, a position with no recorded draft), into the next one, so that a
     replayed round may run past the recorded round's end.
     """
-    order = torch.argsort(round_id * (int(slot.max()) + 1) + slot).tolist()
-    rounds: dict[int, list[int]] = {}
-    for i in order:
-        rounds.setdefault(int(round_id[i]), []).append(i)
-    by_prompt: dict[int, list[list[int]]] = {}
-    for rows in rounds.values():  # round ids grow with decoding steps
-        if [int(slot[i]) for i in rows] != list(range(len(rows))):
-            raise ValueError("each recorded round must hold the slots 0..m-1 of its drafted tokens")
-        by_prompt.setdefault(int(prompt_index[rows[0]]), []).append(rows)
     chains = []
-    for prompt, seq in by_prompt.items():
+    for prompt, seq in rounds_by_prompt(prompt_index, round_id, slot).items():
         chain: list[int] = []
         for rows, after in itertools.pairwise(seq):
             accepted = int(position[after[0]]) - int(position[rows[0]]) - 1

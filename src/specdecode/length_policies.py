@@ -53,6 +53,7 @@ class LengthPolicy(Protocol):
     name: str
     stops_early: bool  # False: the round length is known up front (no per-position decision)
     needs_hidden: bool  # True: `keep_drafting` reads the drafter's hidden states
+    needs_number: bool  # True: `keep_drafting` reads each drafted token's acceptance number
 
     def start(self, batch_size: int, device: torch.device) -> None: ...
 
@@ -86,6 +87,7 @@ class ConstantLength(_Stateless):
     name = "constant"
     stops_early = False
     needs_hidden = False
+    needs_number = False
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = num_draft_tokens
@@ -103,6 +105,7 @@ class HeuristicLength:
     name = "heuristic"
     stops_early = False
     needs_hidden = False
+    needs_number = False
 
     def __init__(self, first: int, min_tokens: int, max_tokens: int) -> None:
         self.first, self.min_tokens, self.max_tokens = first, min_tokens, max_tokens
@@ -133,6 +136,7 @@ class _StopRule(_Stateless):
 
     stops_early = True
     needs_hidden = False
+    needs_number = False
 
     def __init__(self, threshold: float, min_tokens: int, max_tokens: int) -> None:
         self.threshold, self.min_tokens, self.max_tokens = threshold, min_tokens, max_tokens
@@ -176,7 +180,7 @@ class HeadLength(_StopRule):
         reads_number: bool = False,
     ):
         super().__init__(threshold, min_tokens, max_tokens)
-        self.head, self.reads_number = head, reads_number
+        self.head, self.needs_number = head, reads_number
         self.name = "head-u" if reads_number else "head"
         self.log_all_accepted = torch.zeros(0)
 
@@ -194,7 +198,7 @@ class HeadLength(_StopRule):
                 raise ValueError("this head reads the drawn token; the drafter must pass it")
             features = law_features(law, drawn)  # [batch, 3 or 4]
         logit = self.head(position.hidden, features).float()  # [batch]
-        if self.reads_number:
+        if self.needs_number:
             if position.number is None:
                 raise ValueError("the head-u policy needs each drafted token's acceptance number")
             logit = self.head.with_number(logit, position.number)

@@ -146,11 +146,11 @@ class RowRandom:
         """[batch] numbers for drafting position `index` of the round; only active rows draw,
         two numbers each: the one that draws the token, and its acceptance number, kept for
         `accept_uniforms` and the verdict."""
-        pairs = self.uniform([2 * int(a) for a in active])  # [batch, 2] (or [batch, 0])
+        pairs = self.uniform([2 * int(a) for a in active])  # [batch, 2]: some row drafts
         for row, (drew, pair) in enumerate(zip(active, pairs.tolist(), strict=True)):
             if drew:
                 self.accepts[row].append(pair[1])
-        return pairs[:, 0].to(device) if pairs.shape[1] else torch.zeros(len(active), device=device)
+        return pairs[:, 0].to(device)
 
     def accept_uniforms(self, index: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[batch] the acceptance numbers of the tokens drafted at position `index` of this
@@ -164,13 +164,13 @@ class RowRandom:
         bonus token. A row's count depends on that row alone."""
         counts = num_drafted.tolist()
         missing = [max(n - len(a), 0) for n, a in zip(counts, self.accepts, strict=True)]
-        fresh = self.uniform([m + 1 for m in missing])  # [batch, <= k + 1]
-        out = torch.zeros(len(counts), k + 1)
-        for row, (n, kept) in enumerate(zip(counts, self.accepts, strict=True)):
-            drawn = kept[:n] + fresh[row, : missing[row] + 1].tolist()
-            out[row, : len(drawn)] = torch.tensor(drawn)
+        fresh = self.uniform([m + 1 for m in missing]).tolist()  # [batch][<= k + 1]
+        rows = [
+            kept[:n] + new[: m + 1]
+            for n, m, kept, new in zip(counts, missing, self.accepts, fresh, strict=True)
+        ]
         self.accepts = [[] for _ in self.generators]
-        return out.to(device)
+        return torch.tensor([r + [0.0] * (k + 1 - len(r)) for r in rows], device=device)
 
     def resample_uniforms(
         self, uniforms: torch.Tensor, num_drafted: torch.Tensor, num_accepted: torch.Tensor
