@@ -1,8 +1,14 @@
-"""Plain decoding of the default target with one-row products on MKL (the engine's switch at 2
-rows) or on the packed copy (switch at 1 row), in place: the same model object, its
-`PrepackedLinear` switches flipped between runs, prompt by prompt, alternating the order, the
-fastest of the repeats kept. The seq2seq pair's plain decoding ran 1.21x faster packed from one
-row (`specdec_kernel_rows.py`); this checks the causal engine's baseline the same way.
+"""Decoding of the default pair on three kernel plans, in place: the same model objects, their
+packed modules' row numbers switched between runs, prompt by prompt, rotating the order, the
+fastest of the repeats kept.
+
+- `from 2 rows`: one-row products on MKL, every larger one packed (the first engine);
+- `from 1 row`: every product packed, none padded (the one-row switch of earlier sessions);
+- `timed plans`: what `prepack_linears` now picks per weight shape at load, the zero-row padding
+  of short products included (`kernels.row_plan`).
+
+Plain greedy decoding (the baseline of every speedup) and speculative decoding with the int8
+drafter at k = 2 (verify passes of 3 positions) are both timed; the tokens must not change.
 
     python benchmarks/kernel_rows_causal.py [N_PROMPTS] [NEW_TOKENS]
 """
@@ -16,45 +22,72 @@ import time
 import torch
 
 from specdecode.api import SpeculativeDecoder
-from specdecode.kernels import PrepackedLinear
+from specdecode.kernels import PrepackedLinear, kernel_summary
 from specdecode.prompts import load_prompts
 
 REPEATS = 2
+METHODS = {"plain": {"use_drafter": False}, "sd-int8 k=2": {"num_draft_tokens": 2}}
+
+
+def speed_ratio(slow: list[float], fast: list[float]) -> float:
+    """How many times the speed of `slow` `fast` runs: geometric mean over prompts."""
+    return statistics.geometric_mean([a / b for a, b in zip(slow, fast, strict=True)])
 
 
 def main(n: int, new_tokens: int) -> None:
     torch.set_num_threads(2)
-    decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", prepack=True)
+    decoder = SpeculativeDecoder.from_pretrained(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True
+    )
     packed = [m for m in decoder.target.modules() if isinstance(m, PrepackedLinear)]
+    timed = [(m.min_rows, m.pad_rows) for m in packed]
+    chosen = kernel_summary(decoder.target)["row_plans"]  # before any switching
+    plans = {
+        "from 2 rows": [(2, 1)] * len(packed),
+        "from 1 row": [(1, 1)] * len(packed),
+        "timed plans": timed,
+    }
     prompts = [p.text for p in load_prompts("humaneval", limit=n)]
 
-    def run(rows: int, prompt: str) -> tuple[float, list[int]]:
-        for module in packed:
-            module.min_rows = rows
+    def run(plan: str, method: str, prompt: str) -> tuple[float, list[int]]:
+        for module, (min_rows, pad_rows) in zip(packed, plans[plan], strict=True):
+            module.min_rows, module.pad_rows = min_rows, pad_rows
         start = time.perf_counter()
-        out = decoder.generate([prompt], max_new_tokens=new_tokens, use_drafter=False)
+        out = decoder.generate([prompt], max_new_tokens=new_tokens, **METHODS[method])
         return time.perf_counter() - start, out.new_tokens[0]
 
-    run(2, prompts[0][:200])  # warm-up
-    run(1, prompts[0][:200])
-    best = {rows: [float("inf")] * n for rows in (2, 1)}
-    tokens = {rows: [None] * n for rows in (2, 1)}
+    names = list(plans)
+    for plan in names:  # warm-up
+        for method in METHODS:
+            run(plan, method, prompts[0][:200])
+    best = {(p, m): [float("inf")] * n for p in names for m in METHODS}
+    tokens = {(p, m): [None] * n for p in names for m in METHODS}
     for i, prompt in enumerate(prompts):
         for r in range(REPEATS):
-            for rows in (2, 1) if (i + r) % 2 == 0 else (1, 2):
-                seconds, ids = run(rows, prompt)
-                best[rows][i] = min(best[rows][i], seconds)
-                tokens[rows][i] = ids
-    count = sum(len(t) for t in tokens[2])
-    same = sum(a == b for a, b in zip(tokens[2], tokens[1], strict=True))
-    ratio = statistics.geometric_mean([a / b for a, b in zip(best[2], best[1], strict=True)])
+            shift = (i * REPEATS + r) % len(names)
+            for plan in names[shift:] + names[:shift]:
+                for method in METHODS:
+                    seconds, ids = run(plan, method, prompt)
+                    best[plan, method][i] = min(best[plan, method][i], seconds)
+                    tokens[plan, method][i] = ids
     print(
-        f"qwen2.5-coder-1.5b, plain greedy decoding, {n} HumanEval prompts, {new_tokens} new "
-        f"tokens, fastest of {REPEATS} interleaved repeats; same tokens on {same}/{n} prompts"
+        f"qwen2.5-coder-1.5b (int8 qwen2.5-coder-0.5b drafting), greedy, {n} HumanEval prompts, "
+        f"{new_tokens} new tokens, fastest of {REPEATS} interleaved repeats"
     )
-    for rows in (2, 1):
-        print(f"packed from {rows} rows: {1000 * sum(best[rows]) / count:.1f} ms per token")
-    print(f"packed from 1 row against 2: {ratio:.3f}x the speed (geometric mean over prompts)")
+    print(f"timed plans (min_rows, pad_rows) by weight shape: {chosen}")
+    reference = tokens["timed plans", "plain"]
+    for method in METHODS:
+        count = sum(len(t) for t in tokens["timed plans", method])
+        for plan in names:
+            same = sum(a == b for a, b in zip(tokens[plan, method], reference, strict=True))
+            ratio = speed_ratio(best[plan, method], best["timed plans", method])
+            print(
+                f"{method:12s} {plan:12s}: {1000 * sum(best[plan, method]) / count:6.1f} ms per "
+                f"token; timed plans {ratio:.3f}x its speed; tokens as timed-plan plain decoding "
+                f"on {same}/{n} prompts"
+            )
+    ar = speed_ratio(best["timed plans", "plain"], best["timed plans", "sd-int8 k=2"])
+    print(f"sd-int8 k=2 against plain decoding, both on timed plans: {ar:.3f}x")
 
 
 if __name__ == "__main__":

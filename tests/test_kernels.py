@@ -9,6 +9,7 @@ from specdecode.kernels import (
     PackedTiedOutput,
     PrepackedLinear,
     int8_draft_wanted,
+    kernel_summary,
     prepack_available,
     prepack_linears,
     quantize_int8,
@@ -34,7 +35,7 @@ def test_prepacked_model_matches_the_dense_one(rows):
 
 def test_rows_from_min_rows_up_take_the_packed_copy():
     """The packed copy is swapped for zeros: a row count it serves then gives the bias alone."""
-    model = prepack_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), min_rows=2)
+    model = prepack_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), min_rows=2, pad_rows=1)
     layer = model[0]
     assert isinstance(layer, PrepackedLinear) and layer.min_rows == 2
     layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16))
@@ -47,9 +48,11 @@ def test_rows_from_min_rows_up_take_the_packed_copy():
         assert not torch.allclose(model(torch.randn(3, 16) + 1.0), layer.bias.expand(3, 8))
 
 
-def test_min_rows_below_one_is_refused():
+def test_row_numbers_below_one_are_refused():
     with pytest.raises(ValueError, match="min_rows must be >= 1"):
         prepack_linears(_model(), min_rows=0)
+    with pytest.raises(ValueError, match="pad_rows must be >= 1, got 0"):
+        prepack_linears(_model(), pad_rows=0)
 
 
 def test_tied_output_is_packed_without_a_second_parameter():
@@ -109,20 +112,76 @@ def test_fastest_picks_the_cheaper_callable_on_a_clock():
     assert fastest(candidates, 3, clock=lambda: now[0]) == 1
 
 
-def test_default_switch_is_timed_once_and_shared_by_every_linear(monkeypatch):
+def test_row_plans_are_timed_once_per_weight_shape(monkeypatch):
+    """The timing runs once for each distinct weight shape, on a module's own packed copy, and
+    every module of that shape gets the plan; explicit numbers override the timed ones."""
     from specdecode import kernels
 
-    assert kernels.one_row_switch(prepack_linears(_model(), 2)[0]) in (1, 2)
+    assert kernels.row_plan(prepack_linears(_model(), 2, 1)[0]) in {
+        (m, p) for m in (1, 2) for p in range(1, kernels.MOST_PADDED_ROWS + 1)
+    }
     seen = []
-    for switch in (1, 2):
-        monkeypatch.setattr(kernels, "one_row_switch", lambda m, s=switch: seen.append(m) or s)
-        model = kernels.prepack_linears(_model())
-        rows = {m.min_rows for m in model.modules() if isinstance(m, PrepackedLinear)}
-        assert rows == {switch}
-    biggest = max(p.numel() for p in _model().parameters() if p.dim() == 2)
-    # timed once a model, on the largest weight's own packed copy (no second copy made)
-    assert [m.weight.numel() for m in seen] == [biggest, biggest]
+    plans = {(96, 64): (1, 4), (32, 96): (2, 1)}
+
+    def fake_plan(module):
+        seen.append(module)
+        return plans[tuple(module.weight.shape)]
+
+    monkeypatch.setattr(kernels, "row_plan", fake_plan)
+    model = torch.nn.Sequential(_model(), _model())  # two linears of each shape
+    kernels.prepack_linears(model)
+    layers = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
+    assert [(m.min_rows, m.pad_rows) for m in layers] == [(1, 4), (2, 1)] * 2
+    assert sorted(tuple(m.weight.shape) for m in seen) == sorted(plans)
     assert all(isinstance(m, PrepackedLinear) for m in seen)
+    assert kernel_summary(model) == {
+        "prepacked": True,
+        "packed_from_rows": 1,  # the largest weight's (96 x 64)
+        "row_plans": {"96x64": [1, 4], "32x96": [2, 1]},
+    }
+    seen.clear()
+    fixed = kernels.prepack_linears(_model(), min_rows=2)  # padding still timed
+    assert [(m.min_rows, m.pad_rows) for m in fixed if isinstance(m, PrepackedLinear)] == [
+        (2, 4),
+        (2, 1),
+    ]
+    kernels.prepack_linears(_model(), min_rows=1, pad_rows=3)
+    assert len(seen) == 2  # nothing timed when both are given
+
+
+@pytest.mark.parametrize(
+    ("packed", "dense", "plan"),
+    [
+        ([5.0, 5.0, 5.0, 5.0], 4.0, (2, 1)),  # flat packed curve, dense one row faster
+        ([5.0, 6.0, 4.0, 3.0], 4.0, (1, 4)),  # the EPYC's output layer: pad to 4
+        ([5.0, 6.0, 3.05, 3.0], 9.0, (1, 3)),  # 3 rows within tolerance of 4: fewer rows
+        ([1.0, 1.1, 1.2, 1.4], 2.0, (1, 1)),  # growing with rows: no padding
+        ([5.0, 6.0, 4.0, 3.0], 2.9, (2, 4)),  # dense one row beats every packed product
+    ],
+)
+def test_plan_from_times(packed, dense, plan):
+    from specdecode.kernels import plan_from_times
+
+    times = {("packed", rows): t for rows, t in enumerate(packed, 1)} | {("dense", 1): dense}
+    assert plan_from_times(times) == plan
+
+
+@pytest.mark.parametrize("pad_rows", [2, 5])
+def test_padded_products_match_and_are_served_by_the_packed_copy(pad_rows):
+    """A product of fewer than pad_rows rows is padded with zero rows: the same values, the
+    same shape (2-D and 3-D), computed by the packed copy."""
+    dense = _model()
+    packed = prepack_linears(_model(), min_rows=1, pad_rows=pad_rows)
+    assert all(m.pad_rows == pad_rows for m in packed if isinstance(m, PrepackedLinear))
+    with torch.inference_mode():
+        for shape in [(1, 64), (3, 64), (1, 2, 64), (1, 7, 64)]:
+            x = torch.randn(shape)
+            got = packed(x)
+            assert got.shape == dense(x).shape
+            assert torch.allclose(got, dense(x), atol=1e-5, rtol=1e-5), shape
+        layer = packed[0]
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(96, 64))
+        assert torch.allclose(layer(torch.randn(1, 64) + 1.0), layer.bias.expand(1, 96))
 
 
 def test_int8_copy_of_a_packed_model_is_int8_and_leaves_the_model_alone():

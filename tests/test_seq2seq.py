@@ -557,10 +557,11 @@ def test_prepacked_pair_keeps_greedy_output_and_the_drafters_weights(family):
     pair = TranslationPair(model, None, drafter).prepack()
     assert kernel_summary(model)["prepacked"]
     assert isinstance(drafter.output_kernel, PackedTiedOutput)
-    switch = kernel_summary(model)["packed_from_rows"]  # timed once, shared by the drafter
+    switch = kernel_summary(model)["packed_from_rows"]  # the verifier's, shared by the drafter
     assert {m.min_rows for m in drafter.modules() if hasattr(m, "min_rows")} == {switch}
-    alone = tiny_drafter(model, 3).prepack()  # its own switch, timed on its output table
-    assert len({m.min_rows for m in alone.modules() if hasattr(m, "min_rows")}) == 1
+    alone = tiny_drafter(model, 3).prepack()  # its own plans, timed per weight shape
+    shapes = {"x".join(map(str, m.weight.shape)) for m in alone.modules() if hasattr(m, "packed")}
+    assert set(kernel_summary(alone)["row_plans"]) == shapes
     assert set(drafter.state_dict()) == keys
     got, want = (query_logits(d, encoded(model, src, mask), mask) for d in (drafter, dense))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
@@ -613,7 +614,9 @@ def test_another_drafter_takes_the_packed_verifiers_kernels():
     assert dense.drafter.output_kernel is None and not kernel_summary(dense.drafter)["prepacked"]
     pair = TranslationPair(model, None).prepack(min_rows=1)
     other = pair.with_drafter(tiny_drafter(model, 3))
-    assert kernel_summary(other.drafter) == {"prepacked": True, "packed_from_rows": 1}
+    summary = kernel_summary(other.drafter)
+    assert summary["prepacked"] and summary["packed_from_rows"] == 1
+    assert {plan[0] for plan in summary["row_plans"].values()} == {1}
     assert other.drafter.output_kernel.min_rows == 1
     int8 = pair.with_drafter(tiny_drafter(model, 3).int8())
     assert not kernel_summary(int8.drafter)["prepacked"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -140,21 +141,30 @@ def machine_info() -> dict:
     }
 
 
-def step_seconds(model: torch.nn.Module, context: list[int], n: int, reps: int = 7) -> float:
-    """Median time of one forward over n new tokens after a cached context."""
+def step_seconds(
+    model: torch.nn.Module, context: list[int], counts: list[int], reps: int = 7
+) -> dict[int, float]:
+    """Median time of one forward over n new tokens after a cached context, for each n.
+
+    The counts are timed interleaved, round by round, so that a drift of the machine's speed
+    (frequency, a neighbour's load) lands on all of them alike rather than on the one timed
+    while it lasted: timed one after another, a 2-position pass once read 1.27 steps here
+    against 1.01 measured in the same run's rounds.
+    """
     from transformers import DynamicCache
 
-    times = []
+    times: dict[int, list[float]] = {n: [] for n in counts}
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        new = torch.tensor([context[-n:] if len(context) >= n else [context[-1]] * n])
         for _ in range(reps + 1):
-            start = time.perf_counter()
-            model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
-            times.append(time.perf_counter() - start)
-            cache.crop(-n)
-    return sorted(times[1:])[reps // 2]
+            for n in counts:
+                new = torch.tensor([context[-n:] if len(context) >= n else [context[-1]] * n])
+                start = time.perf_counter()
+                model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                times[n].append(time.perf_counter() - start)
+                cache.crop(-n)
+    return {n: statistics.median(t[1:]) for n, t in times.items()}  # the first round: warm-up
 
 
 def calibrate(
@@ -164,15 +174,16 @@ def calibrate(
 
     `longest_round` adds every round length up to it (adaptive policies draft 1..MAX tokens).
     """
-    step = step_seconds(models.target, context, 1)
     ks = sorted({m.k for m in methods if m.k is not None} | set(range(1, longest_round + 1)))
+    seconds = step_seconds(models.target, context, [1] + [k + 1 for k in ks])
+    step = seconds[1]
     costs = {"target_step_s": step, "verify_cost_in_steps": {}, "c": {}}
     for k in ks:
-        costs["verify_cost_in_steps"][k] = step_seconds(models.target, context, k + 1) / step
+        costs["verify_cost_in_steps"][k] = seconds[k + 1] / step
     for kind in sorted({m.kind for m in methods if m.k is not None or m.kind == "hf-assisted"}):
         drafter = models.drafter_model(kind)
         if drafter is not None:
-            costs["c"][kind] = step_seconds(drafter, context, 1) / step
+            costs["c"][kind] = step_seconds(drafter, context, [1])[1] / step
     return costs
 
 

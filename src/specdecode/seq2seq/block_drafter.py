@@ -37,9 +37,9 @@ from torch import nn
 
 from specdecode.kernels import (
     PackedTiedOutput,
-    choose_one_row_switch,
     prepack_linears,
     quantize_int8,
+    set_row_plans,
 )
 from specdecode.kv_cache import HOLE, CachedModel
 
@@ -191,15 +191,14 @@ class BlockDrafter(nn.Module):
         A block pass multiplies k or more rows, which MKL's default fp32 path runs at two to
         four times the cost of one row on some CPUs (`kernels`): the output table alone took
         0.86 ms for 3 rows against 0.21 packed. Training (grad enabled) keeps the dense path.
-        None: packed from 1 or 2 rows as `choose_one_row_switch` finds on the output table.
+        None: packed from 1 or 2 rows as `kernels.row_plan` finds for each weight shape;
+        the zero-row padding of short products is timed per shape either way.
         """
         if self.output_kernel is not None:
             raise ValueError("this drafter's output is already packed or quantized")
-        rows = min_rows or 2  # None: from 2 until the switch is timed on the whole drafter
-        prepack_linears(self, rows)
-        self.output_kernel = PackedTiedOutput(self.embed.weight, self.final_logits_bias, rows)
-        if min_rows is None:
-            choose_one_row_switch(self)
+        prepack_linears(self, 2, 1)  # planned below, once the tied table is packed as well
+        self.output_kernel = PackedTiedOutput(self.embed.weight, self.final_logits_bias, 2)
+        set_row_plans(self, min_rows, None)
         return self
 
     def int8(self) -> BlockDrafter:
