@@ -213,3 +213,12 @@ specdecode bench --prompts mtbench --limit 30 --max-new-tokens 64 --temperature 
   --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head head-u \
   --stop-threshold 0.8 --bound 3 12 --coupled \
   --out benchmarks/specdecpp-mtbench-t07-30-coupled-u-floor3 --quiet
+# fourteenth session: products of a few rows padded to the row count oneDNN runs fastest (timed
+# per weight shape at load); the kernel plans compared in place, then MT-Bench 81-110 again with
+# k = 2-5 and the head and head-u within 1..6 tokens (a verify pass of 1-6 positions now costs
+# about one step, 7 and more cost 1.2-1.3)
+python benchmarks/kernel_rows_causal.py 4 48 > benchmarks/kernel-rows-causal.txt
+specdecode bench --prompts mtbench --limit 30 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant head head-u \
+  --stop-threshold 0.8 --bound 1 6 --coupled \
+  --out benchmarks/specdecpp-mtbench-t07-30-coupled-padded --quiet

@@ -62,9 +62,9 @@ class TranslationPair:
         default kernel runs a few rows at two to four times the cost of one (the output table
         of 8k entries: 0.85 ms for 3 rows against 0.21 packed), this is most of what a SpecDec
         round costs beyond a plain step. One-row products (every step of plain decoding) are
-        packed too where that is faster on this machine (`kernels.one_row_switch`, on the
-        verifier's output layer; None): on the 2-core AMD EPYC whole translations of the
-        shipped pair ran 1.21x faster packed from one row than from two
+        packed too where that is faster on this machine (`kernels.row_plan`, per weight
+        shape, which also pads short products; None): on the 2-core AMD EPYC whole
+        translations of the shipped pair ran 1.21x faster packed from one row than from two
         (`benchmarks/specdec_kernel_rows.py`), so plain decoding, the baseline of every
         speedup, gets the faster kernel as well. Results agree with the default kernels to
         fp32 rounding.
