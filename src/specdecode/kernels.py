@@ -59,16 +59,12 @@ class _Packed(torch.nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        """x @ weight.T + bias, by the packed copy when there are enough rows (inference only)."""
+        """x @ weight.T + bias, by the packed copy when there are enough rows (inference only);
+        a product of fewer than `pad_rows` rows is padded with zero rows."""
         rows = x.numel() // weight.shape[1]
         if not self.enabled or rows < self.min_rows or torch.is_grad_enabled():
             return torch.nn.functional.linear(x, weight, bias)
-        return self.packed_product(x, bias)
-
-    def packed_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T + bias by the packed copy, whatever the rows."""
         bias = None if bias is None else bias.detach()
-        rows = x.numel() // x.shape[-1]
         if rows >= self.pad_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         flat = x.reshape(rows, x.shape[-1])
@@ -210,12 +206,6 @@ def best_times(candidates: dict, repeats: int, clock=time.perf_counter) -> dict:
             run()
             best[key] = min(best[key], clock() - start)
     return best
-
-
-def fastest(candidates: dict, repeats: int, clock=time.perf_counter):
-    """The key of the fastest callable: interleaved, the best of `repeats` after a warm-up."""
-    best = best_times(candidates, repeats, clock)
-    return min(best, key=best.get)
 
 
 def prepack_linears(
