@@ -138,6 +138,14 @@ def test_decode_ratios_leave_out_the_first_round():
     assert decode_ratios(outside, base) is None  # run outside the engine: not measured
 
 
+def test_in_run_costs_per_call_leave_out_the_first_rounds():
+    from specdecode.bench.runner import per_call
+
+    # 10 s in 6 calls, of which the first round's 1 call took 4 s (the prefill): 1.2 s a call
+    assert per_call(10.0, 6, (4.0, 1)) == pytest.approx(1.2)
+    assert per_call(4.0, 1, (4.0, 1)) is None  # nothing after the first round
+
+
 def test_bench_refuses_an_odd_bound_list(capsys):
     code = main(["bench", "--limit", "1", "--bound", "1", "12", "3", "--out", "/nonexistent"])
     assert code != 0

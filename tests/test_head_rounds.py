@@ -244,6 +244,27 @@ def test_round_preview_replays_the_recorded_text_round_by_round():
     assert oracle["drafted_per_round"] == pytest.approx(6 / 3)
 
 
+def test_a_verify_curve_prices_each_round_by_its_length():
+    """The rounds of the hand-made recording above, priced by a curve: a curve that follows
+    the line replays as the line does, and a curve flat to 2 then dear prices k = 1's four
+    rounds of 1 and k = 3's three rounds of 3 by its own entries."""
+    recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
+    inputs = replay_inputs(recorded)
+    line = preview_rounds(*inputs, (1, 3), PreviewCosts(0.2, 0.1))
+    as_line = preview_rounds(*inputs, (1, 3), PreviewCosts(0.2, 0.1, verify_curve=(1.1, 1.2)))
+    for name, row in line.items():
+        assert as_line[name]["est_speed"] == pytest.approx(row["est_speed"]), name
+    dear = preview_rounds(*inputs, (1, 3), PreviewCosts(0.2, 0.0, verify_curve=(0.9, 0.9, 2.0)))
+    assert dear["k=1"]["est_speed"] == pytest.approx(7 / (4 * (0.9 + 0.2)))
+    assert dear["k=3"]["est_speed"] == pytest.approx(7 / (3 * (2.0 + 3 * 0.2)))
+    assert dear["k=3"]["per_prompt"] == [[7, 3, 9, pytest.approx(7.8)]]
+    costs = PreviewCosts(0.1, 0.05, verify_curve=(0.9, 1.0))
+    assert [costs.round_cost(m) for m in (1, 2, 4)] == pytest.approx([1.0, 1.2, 1.5])
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="verify_curve must be a finite number"):
+            PreviewCosts(verify_curve=(1.0, bad))
+
+
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=2, max_size=12))
 @settings(max_examples=60, deadline=None)
 def test_every_policy_commits_the_recorded_text(shape):

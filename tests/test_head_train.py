@@ -287,12 +287,13 @@ def test_cli_prints_summary(data_dir: Path, tmp_path: Path, capsys) -> None:
     args = parser.parse_args(
         [str(data_dir), "--out", str(out), "--epochs", "1", "--layers", "1", "--width", "4"]
         + ["--val-fraction", "0.25", "--no-progress", "--preview-bound", "2", "6"]
-        + ["--preview-costs", "0.3", "0.05"]
+        + ["--preview-costs", "0.3", "0.05", "--preview-verify-curve", "1", "1", "1.2"]
     )
     assert cmd_train(args) == 0
     printed = capsys.readouterr().out
     assert "best epoch 1/1" in printed and "AUC" in printed and str(out) in printed
     assert "rounds of 2..6" in printed and "a drafted token 0.3" in printed
+    assert "m = 1..3 drafted tokens 1 / 1 / 1.2 steps (+0.05 a token past it)" in printed
     assert "k=6:" in printed and "k=7:" not in printed
     config = load_head(out).config
     assert (config.num_layers, config.width) == (1, 4)

@@ -211,6 +211,7 @@ def decode(
         drafter.start(len(prompts))
     start = time.perf_counter()
     first_round = True
+    before = stats.cost_figures()
     try:
         while batch.rows:
             block, counts, done, accepted, drafted, passes = speculative_step(
@@ -222,8 +223,7 @@ def decode(
             ).tolist()
             done_l = done.tolist()
             if first_round:  # it holds the prefills
-                stats.first_round_seconds += time.perf_counter() - start
-                stats.first_round_tokens += sum(counts_l)
+                stats.end_first_round(before, time.perf_counter() - start, sum(counts_l))
                 first_round = False
             for i, row in enumerate(batch.rows):
                 stats.rows[row].record(drafted_l[i], accepted_l[i], counts_l[i], passes_l[i])

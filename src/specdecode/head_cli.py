@@ -92,7 +92,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_replay_prices(parser: argparse.ArgumentParser, prefix: str) -> None:
-    """`{prefix}bound` and `{prefix}costs`: the rounds and prices a replay uses."""
+    """`{prefix}bound`, `{prefix}costs` and `{prefix}verify-curve`: the rounds and prices a
+    replay uses (`replay_costs` reads them back)."""
     parser.add_argument(
         f"{prefix}bound",
         nargs=2,
@@ -111,6 +112,23 @@ def add_replay_prices(parser: argparse.ArgumentParser, prefix: str) -> None:
         "a verify pass scores (`specdecode bench` prints your machine's: c and the verify "
         "costs); the defaults are the default pair's on a 2-core Intel Xeon",
     )
+    parser.add_argument(
+        f"{prefix}verify-curve",
+        nargs="+",
+        type=float,
+        default=(),
+        metavar="STEPS",
+        help="the verify pass's cost in target steps for 1, 2, ... drafted tokens (the bench's "
+        "'verify pass of k+1 tokens'), in place of the line 1 + VERIFY_SLOPE k; past its end "
+        "each token adds VERIFY_SLOPE",
+    )
+
+
+def replay_costs(args: argparse.Namespace, prefix: str) -> PreviewCosts:
+    """The `PreviewCosts` of the options `add_replay_prices` added under `prefix`."""
+    name = prefix.lstrip("-").replace("-", "_")
+    curve = getattr(args, f"{name}verify_curve")
+    return PreviewCosts(*getattr(args, f"{name}costs"), verify_curve=tuple(curve))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -131,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         half=args.half,
         preview_bound=tuple(args.preview_bound),
-        preview_costs=PreviewCosts(*args.preview_costs),
+        preview_costs=replay_costs(args, "--preview-"),
     )
     result = train_head(args.data_dir, args.out, config, progress=not args.no_progress)
     best = result["best"]
@@ -157,8 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         print(
             f"held-out preview ({where}, rounds of "
-            f"{low}..{high}; a verify pass 1 + {config.preview_costs.verify_slope:g} k steps, a "
-            f"drafted token {config.preview_costs.draft_cost:g}):"
+            f"{low}..{high}; {config.preview_costs.describe()}):"
         )
         for name, row in preview.items():
             print(
@@ -288,13 +305,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     from specdecode.head_train import replay_heads
 
-    costs = PreviewCosts(*args.costs)
+    costs = replay_costs(args, "--")
     result = replay_heads(args.data_dir, args.head, tuple(args.bound), costs)
     best = result["best_constant"]
     print(
         f"{result['examples']} recorded drafts in {args.data_dir}; rounds of "
-        f"{args.bound[0]}..{args.bound[1]}, a drafted token {costs.draft_cost:g} and each "
-        f"verified position {costs.verify_slope:g} target steps; best constant {best}"
+        f"{args.bound[0]}..{args.bound[1]}, {costs.describe()}; best constant {best}"
     )
 
     def line(name: str, row: dict) -> str:

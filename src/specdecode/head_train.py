@@ -70,21 +70,52 @@ REQUIRED_META = ("drafter", "target", "temperature")
 class PreviewCosts:
     """How the preview prices a round, in target decoding steps.
 
-    A round that drafts m tokens costs `1 + verify_slope * m + draft_cost * m`: one verify pass,
-    dearer by `verify_slope` for each extra position it scores, and m drafter passes. The
-    defaults are the default pair's on a 2-core CPU (the int8 0.5B drafter against the 1.5B
-    target, from `specdecode bench`'s calibration: c = 0.23, verify cost 1.04 + 0.07 k); a bench
-    run prints its own.
+    A round that drafts m tokens costs one verify pass plus m drafter passes of `draft_cost`.
+    The verify pass costs `verify_curve[m - 1]` steps when the curve is given (the bench's
+    calibrated "verify pass of k+1 tokens", k = 1, 2, ...; past its end, the last entry plus
+    `verify_slope` a token), else `1 + verify_slope * m`. A curve matters where the machine's
+    cost is not a line: on the 2-core AMD EPYC, with padded products, a pass of 1 to 6 drafted
+    tokens costs about one step and 7 or 8 cost 1.2-1.3, so a line either overprices short
+    passes or underprices long ones, and the replayed gain of a head swings with it. The
+    defaults are the default pair's on a 2-core Intel Xeon (the int8 0.5B drafter against the
+    1.5B target, from `specdecode bench`'s calibration: c = 0.23, verify cost 1.04 + 0.07 k).
     """
 
     draft_cost: float = 0.23
     verify_slope: float = 0.07
+    verify_curve: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("draft_cost", "verify_slope"):
-            value = getattr(self, name)
+        for name, value in (
+            ("draft_cost", self.draft_cost),
+            ("verify_slope", self.verify_slope),
+            *(("verify_curve", v) for v in self.verify_curve),
+        ):
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"preview {name} must be a finite number >= 0, got {value}")
+        object.__setattr__(self, "verify_curve", tuple(float(v) for v in self.verify_curve))
+
+    def round_cost(self, drafted: int) -> float:
+        """Target steps of a round that drafts `drafted` tokens (its verify pass and drafts)."""
+        curve = self.verify_curve
+        if not curve or drafted < 1:
+            verify = 1 + self.verify_slope * drafted
+        elif drafted <= len(curve):
+            verify = curve[drafted - 1]
+        else:
+            verify = curve[-1] + self.verify_slope * (drafted - len(curve))
+        return verify + self.draft_cost * drafted
+
+    def describe(self) -> str:
+        if not self.verify_curve:
+            verify = f"a verify pass 1 + {self.verify_slope:g} m steps"
+        else:
+            steps = " / ".join(f"{v:g}" for v in self.verify_curve)
+            m = f"m = 1..{len(self.verify_curve)}"
+            verify = f"a verify pass of {m} drafted tokens {steps} steps"
+            if self.verify_slope:
+                verify += f" (+{self.verify_slope:g} a token past it)"
+        return f"{verify}, a drafted token {self.draft_cost:g}"
 
 
 @dataclass(frozen=True)
@@ -849,8 +880,7 @@ def _run_rounds(
         ahead = [[0.0] * 4 for _ in range(length + 2)]  # expectations from position t on
         for t in range(length - 1, -1, -1):
             m = m_all[first + t]
-            cost = 1 + (costs.verify_slope + costs.draft_cost) * m
-            here = [1.0, 0.0, float(m), cost]
+            here = [1.0, 0.0, float(m), costs.round_cost(m)]
             survive = 1.0  # P(the first n drafted tokens all accepted)
             for n in range(m + 1):
                 chance = survive * (1 - a[first + t + n]) if n < m else survive
@@ -999,24 +1029,23 @@ def preview_rounds(
     round that passes over it counts it as a drafted token predicted and labelled 1 (accepted,
     no stop), and a round starting at the bonus token that ends a chain drafts one.
     `oracle h=...` feeds the rule the acceptance labels; `head h=...` the head's predictions.
-    A round of m drafted tokens costs 1 + (verify_slope + draft_cost) m target steps. Each row
-    also lists, per prompt (in prompt order), the committed tokens, rounds and drafted tokens.
+    A round of m drafted tokens costs `costs.round_cost(m)` target steps. Each row also lists,
+    per prompt (in prompt order), the committed tokens, rounds, drafted tokens and steps.
     """
     # pred, label, prompt_index, position, round_id, slot: [N]
     costs = costs or PreviewCosts()
     chained = _chained_rounds(prompt_index, position, round_id, slot)
     low, high = bound
     pred_l, label_l = pred.double().tolist() + [1.0], label.double().tolist() + [1.0]  # BONUS
-    price = costs.verify_slope + costs.draft_cost  # of a drafted token, beyond its round's 1
 
     def replay(stop_after) -> dict[str, Any]:
-        per_prompt: dict[int, list[int]] = {}  # prompt -> [committed, rounds, drafted]
+        per_prompt: dict[int, list[float]] = {}  # prompt -> [committed, rounds, drafted, steps]
         for rows, accepted, prompt in chained:
-            rounds = committed = drafted = 0
+            rounds = committed = drafted = steps = 0
             s = 0
             while s <= accepted and s < len(rows):
                 m = stop_after(rows[s : s + high])
-                rounds, drafted = rounds + 1, drafted + m
+                rounds, drafted, steps = rounds + 1, drafted + m, steps + costs.round_cost(m)
                 if s + m <= accepted:  # all m accepted: commit them and the coupled next token
                     committed += m + 1
                     s += m + 1
@@ -1025,14 +1054,17 @@ def preview_rounds(
                     s = accepted + 1
             if s == len(rows) == accepted:  # a chain cut by the data ends in a bonus token
                 rounds, drafted, committed = rounds + 1, drafted + 1, committed + 1
-            totals = per_prompt.setdefault(prompt, [0, 0, 0])
-            for j, x in enumerate((committed, rounds, drafted)):
+                steps += costs.round_cost(1)
+            totals = per_prompt.setdefault(prompt, [0, 0, 0, 0.0])
+            for j, x in enumerate((committed, rounds, drafted, steps)):
                 totals[j] += x
-        committed, rounds, drafted = (sum(t[j] for t in per_prompt.values()) for j in range(3))
+        committed, rounds, drafted, steps = (
+            sum(t[j] for t in per_prompt.values()) for j in range(4)
+        )
         return {
             "tokens_per_round": committed / rounds,
             "drafted_per_round": drafted / rounds,
-            "est_speed": committed / (rounds + price * drafted),
+            "est_speed": committed / steps,
             "per_prompt": [per_prompt[p] for p in sorted(per_prompt)],
         }
 
@@ -1054,21 +1086,19 @@ def preview_rounds(
 
 
 def _paired_interval(
-    row: dict[str, Any], base: dict[str, Any], costs: PreviewCosts | None, resamples: int = 2000
+    row: dict[str, Any], base: dict[str, Any], resamples: int = 2000
 ) -> list[float]:
     """95% bootstrap interval over prompts of a replayed policy's speed ratio to `base`.
 
     Paired: both replay the same recorded text, so a resample draws prompts, not texts.
     """
-    costs = costs or PreviewCosts()
-    price = costs.verify_slope + costs.draft_cost
-    a = torch.tensor(row["per_prompt"], dtype=torch.float64)  # [P, 3] committed, rounds, drafted
+    a = torch.tensor(row["per_prompt"], dtype=torch.float64)  # [P, 4] committed, .., steps
     b = torch.tensor(base["per_prompt"], dtype=torch.float64)
     pick = torch.randint(len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(0))
 
-    def speed(t: torch.Tensor) -> torch.Tensor:  # [resamples, P, 3] -> [resamples]
+    def speed(t: torch.Tensor) -> torch.Tensor:  # [resamples, P, 4] -> [resamples]
         total = t.sum(1)
-        return total[:, 0] / (total[:, 1] + price * total[:, 2])
+        return total[:, 0] / total[:, 3]
 
     ratios = speed(a[pick]) / speed(b[pick])
     return [
@@ -1114,7 +1144,7 @@ def replay_heads(
         best = max(constants, key=lambda k: constants[k]["est_speed"])
         for row in rows.values():
             row["vs_best_constant"] = row["est_speed"] / constants[best]["est_speed"]
-            row["vs_best_constant_95"] = _paired_interval(row, constants[best], costs)
+            row["vs_best_constant_95"] = _paired_interval(row, constants[best])
         result["heads"][name] = {k: v for k, v in rows.items() if not k.startswith("k=")}
         result |= {"examples": len(pred), "best_constant": best, "constants": constants}
     return result

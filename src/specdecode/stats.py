@@ -115,6 +115,12 @@ class DecodeStats:
     # same work for every method; the time and tokens after it are the decoding proper
     first_round_seconds: float = 0.0
     first_round_tokens: int = 0
+    # the first round's share of the cost figures above (verify time without the coupling
+    # pass), so that per-call costs can be read without the prefills
+    first_round_verify_seconds: float = 0.0
+    first_round_draft_seconds: float = 0.0
+    first_round_target_forwards: int = 0
+    first_round_drafter_forwards: int = 0
 
     @property
     def total(self) -> RowStats:
@@ -122,6 +128,26 @@ class DecodeStats:
         for row in self.rows:
             total = total.merge(row)
         return total
+
+    def cost_figures(self) -> tuple[float, float, int, int]:
+        """Verify seconds (without the coupling pass), draft seconds, target and drafter
+        passes, so far."""
+        verify = self.verify_seconds - self.coupling_seconds
+        return verify, self.draft_seconds, self.target_forwards, self.drafter_forwards
+
+    def end_first_round(
+        self, before: tuple[float, float, int, int], seconds: float, tokens: int
+    ) -> None:
+        """File the first round (its prefills): `before` are the `cost_figures` at its start."""
+        verify, draft, calls, drafter_calls = (
+            now - then for now, then in zip(self.cost_figures(), before, strict=True)
+        )
+        self.first_round_seconds += seconds
+        self.first_round_tokens += tokens
+        self.first_round_verify_seconds += verify
+        self.first_round_draft_seconds += draft
+        self.first_round_target_forwards += int(calls)
+        self.first_round_drafter_forwards += int(drafter_calls)
 
     def absorb(self, part: DecodeStats, rows: list[int]) -> None:
         """Add the figures of a sub-batch whose row i is row `rows[i]` of this one."""
@@ -137,6 +163,10 @@ class DecodeStats:
         self.wall_seconds += part.wall_seconds
         self.first_round_seconds += part.first_round_seconds
         self.first_round_tokens += part.first_round_tokens
+        self.first_round_verify_seconds += part.first_round_verify_seconds
+        self.first_round_draft_seconds += part.first_round_draft_seconds
+        self.first_round_target_forwards += part.first_round_target_forwards
+        self.first_round_drafter_forwards += part.first_round_drafter_forwards
 
     def as_dict(self) -> dict:
         return {
@@ -152,6 +182,10 @@ class DecodeStats:
             "wall_seconds": self.wall_seconds,
             "first_round_seconds": self.first_round_seconds,
             "first_round_tokens": self.first_round_tokens,
+            "first_round_verify_seconds": self.first_round_verify_seconds,
+            "first_round_draft_seconds": self.first_round_draft_seconds,
+            "first_round_target_forwards": self.first_round_target_forwards,
+            "first_round_drafter_forwards": self.first_round_drafter_forwards,
         }
 
     def summary(self) -> str:

@@ -105,10 +105,12 @@ class MethodRecord:
     tokens: list[int] = field(default_factory=list)
     stats: RowStats = field(default_factory=RowStats)
     draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # without coupled runs' extra drafter passes
     policy_seconds: float = 0.0
     drafter_forwards: int = 0
     target_forwards: int = 0
+    # the same four within the first rounds (prefills), left out of the in-run costs
+    first_round_costs: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
     mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
     # coupled runs: prompt indices whose text differs from the first method of the same drafter
     unpaired: list[int] = field(default_factory=list)
@@ -235,12 +237,21 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                 rec.first_round_tokens.append(None if stats is None else stats.first_round_tokens)
                 if stats is not None:
                     rec.stats = rec.stats.merge(result.stats.total)
-                    rec.draft_seconds += result.stats.draft_seconds
-                    rec.verify_seconds += result.stats.verify_seconds
-                    rec.policy_seconds += result.stats.policy_seconds
-                    rec.drafter_forwards += result.stats.drafter_forwards
-                    rec.target_forwards += result.stats.target_forwards
-                    rec.coupling_seconds += result.stats.coupling_seconds
+                    rec.draft_seconds += stats.draft_seconds
+                    rec.verify_seconds += stats.verify_seconds - stats.coupling_seconds
+                    rec.policy_seconds += stats.policy_seconds
+                    rec.drafter_forwards += stats.drafter_forwards
+                    rec.target_forwards += stats.target_forwards
+                    rec.coupling_seconds += stats.coupling_seconds
+                    first = (
+                        stats.first_round_verify_seconds,
+                        stats.first_round_draft_seconds,
+                        stats.first_round_target_forwards,
+                        stats.first_round_drafter_forwards,
+                    )
+                    rec.first_round_costs = tuple(
+                        a + b for a, b in zip(rec.first_round_costs, first, strict=True)
+                    )
                 if cfg.coupled and method.kind != "ar":
                     first = paired_with.setdefault(method.kind, result.new_tokens)
                     rec.unpaired += differing(result.new_tokens, first, start)
@@ -324,6 +335,13 @@ def rederive(record: dict) -> dict:
     return record
 
 
+def per_call(seconds: float, calls: int, first_rounds: tuple[float, int]) -> float | None:
+    """Seconds per call after the first rounds, whose (seconds, calls) are `first_rounds`;
+    None when no call came after them."""
+    rest = calls - first_rounds[1]
+    return (seconds - first_rounds[0]) / rest if rest > 0 else None
+
+
 def add_bounds(row: dict, method: Method) -> None:
     """Measured speedup beside Leviathan's bound from measured alpha and c (constant k only)."""
     if "alpha" not in row:
@@ -390,12 +408,17 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
             defined = [r for r in decode if r is not None]
             row["decode_speedup"] = summarize(defined) if defined else None
         method = by_label[label]
-        # costs as they happened in this run, relative to ar's own time per target call
-        ar_step = base.verify_seconds / base.target_forwards if base.target_forwards else None
-        if ar_step and rec.drafter_forwards:
-            row["c_in_run"] = rec.draft_seconds / rec.drafter_forwards / ar_step
-        if ar_step and rec.target_forwards:
-            row["verify_cost_in_steps_in_run"] = rec.verify_seconds / rec.target_forwards / ar_step
+        # costs as they happened in this run after the first rounds (the prefills), relative
+        # to ar's own time per target call there
+        ar_step = per_call(base.verify_seconds, base.target_forwards, base.first_round_costs[::2])
+        if ar_step:
+            first_draft = rec.first_round_costs[1::2]
+            c = per_call(rec.draft_seconds, rec.drafter_forwards, first_draft)
+            verify = per_call(rec.verify_seconds, rec.target_forwards, rec.first_round_costs[::2])
+            if c is not None:
+                row["c_in_run"] = c / ar_step
+            if verify is not None:
+                row["verify_cost_in_steps_in_run"] = verify / ar_step
         if rec.stats.target_calls and method.k is not None and rec.stats.drafted:
             row.update(draft_figures(method, rec, costs, batch_size))
             add_bounds(row, method)

@@ -1,0 +1,87 @@
+"""How much can an adaptive draft length gain, as a function of what a drafted token costs?
+
+A round of m drafted tokens costs 1 + (verify_slope + draft_cost) m target steps. A drafted
+token that will be rejected wastes `draft_cost`; the head's whole gain over a constant k is
+those wasted drafts saved (and, past them, the tokens of rounds a constant cut short). So the
+gain scales with the drafter's price: near zero for a free drafter, large for a dear one. On
+this 2-core CPU the int8 0.5B drafter costs 0.12-0.16 of a 1.5B target step; on a GPU at batch
+1, where both models are bound by kernel launches and memory reads rather than arithmetic, a
+0.5B drafter costs about half a 1.5B step or more.
+
+This replays the recorded evaluation collections (rounds of 12, T = 0.7, inside real rounds;
+`head collect --rounds 12`) at a sweep of drafter prices: the best constant k, the shipped
+sampling head at its best threshold, the head with the acceptance number (`head-u`, u drawn
+from its law given each recorded verdict), a head that knew r = p/q, and one that knew the
+verdicts. The same text and verdicts at every price; only the prices change.
+
+    python benchmarks/specdecpp_price_sweep.py TRAIN_DIR EVAL_DIR [EVAL_DIR ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from specdecpp_uniform_feature import CACHE, HEAD, REJECT_WEIGHT, numbers, verdicts
+
+from specdecode.acceptance_head import load_head, number_logit
+from specdecode.head_train import (
+    PreviewCosts,
+    fit_number_calibration,
+    load_examples,
+    preview_rounds,
+)
+
+DRAFT_COSTS = (0.05, 0.1, 0.14, 0.2, 0.3, 0.5, 0.7)
+# (bound, verify slope): the padded EPYC kernels (flat verify 1..6), and the earlier curve.
+SETTINGS = (((1, 6), 0.0), ((1, 12), 0.056))
+
+
+def best_over_constant(data, pred, bound, costs) -> tuple[str, float, str]:
+    cols = (data.prompt_index, data.position, data.round, data.slot)
+    rows = preview_rounds(pred.float(), data.label, *cols, bound, costs)
+    constants = {k: v["est_speed"] for k, v in rows.items() if k.startswith("k=")}
+    best = max(constants, key=constants.get)
+    heads = {k: v["est_speed"] / constants[best] for k, v in rows.items() if k.startswith("head")}
+    top = max(heads, key=heads.get)
+    return best, heads[top] - 1, top.removeprefix("head ")
+
+
+def main() -> None:
+    train_dir, *eval_dirs = (Path(a) if "/" in a else CACHE / a for a in sys.argv[1:])
+    head = load_head(HEAD).float()
+
+    def load(path: Path):
+        data = load_examples(path, "sampling", law=True, drawn=True)
+        with torch.no_grad():
+            return data, head(data.hidden, data.features).double()  # [N] logits
+
+    data, z = load(train_dir)
+    w = fit_number_calibration(z, data.label, REJECT_WEIGHT)
+    for path in eval_dirs:
+        data, z = load(path)
+        verdict = verdicts(data)
+        known = verdict >= 0
+        u = numbers(data.label, verdict, 0)
+        preds = {
+            "head": torch.sigmoid(z),
+            "head-u": torch.sigmoid(number_logit(w, z, u)),
+            "knew r": data.label.double(),
+            "knew verdicts": torch.where(known, verdict.double(), (u < data.label).double()),
+        }
+        for bound, slope in SETTINGS:
+            print(f"\n{path.name}, rounds {bound[0]}..{bound[1]}, verify slope {slope:g}")
+            print("| drafted token costs | best constant | " + " | ".join(preds) + " |")
+            print("|---|---|" + "---|" * len(preds))
+            for cost in DRAFT_COSTS:
+                costs = PreviewCosts(draft_cost=cost, verify_slope=slope)
+                cells, best = [], ""
+                for pred in preds.values():
+                    best, gain, h = best_over_constant(data, pred, bound, costs)
+                    cells.append(f"{100 * gain:+.1f}% ({h})")
+                print(f"| {cost:g} | {best} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
