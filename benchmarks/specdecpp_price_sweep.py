@@ -11,7 +11,9 @@ this 2-core CPU the int8 0.5B drafter costs 0.12-0.16 of a 1.5B target step; on 
 This replays the recorded evaluation collections (rounds of 12, T = 0.7, inside real rounds;
 `head collect --rounds 12`) at a sweep of drafter prices: the best constant k, the shipped
 sampling head at its best threshold, the head with the acceptance number (`head-u`, u drawn
-from its law given each recorded verdict), a head that knew r = p/q, and one that knew the
+from its law given each recorded verdict), the head told r = p/q of a round's first drafted token
+only (the most a head could learn from the target's state where a round starts: the target has
+not seen the drafts yet), a head that knew r = p/q of every token, and one that knew the
 verdicts. The same text and verdicts at every price; only the prices change.
 
     python benchmarks/specdecpp_price_sweep.py TRAIN_DIR EVAL_DIR [EVAL_DIR ...]
@@ -38,9 +40,9 @@ DRAFT_COSTS = (0.05, 0.1, 0.14, 0.2, 0.3, 0.5, 0.7)
 SETTINGS = (((1, 6), 0.0), ((1, 12), 0.056))
 
 
-def best_over_constant(data, pred, bound, costs) -> tuple[str, float, str]:
+def best_over_constant(data, pred, first, bound, costs) -> tuple[str, float, str]:
     cols = (data.prompt_index, data.position, data.round, data.slot)
-    rows = preview_rounds(pred.float(), data.label, *cols, bound, costs)
+    rows = preview_rounds(pred.float(), data.label, *cols, bound, costs, first_pred=first)
     constants = {k: v["est_speed"] for k, v in rows.items() if k.startswith("k=")}
     best = max(constants, key=constants.get)
     heads = {k: v["est_speed"] / constants[best] for k, v in rows.items() if k.startswith("head")}
@@ -64,11 +66,13 @@ def main() -> None:
         verdict = verdicts(data)
         known = verdict >= 0
         u = numbers(data.label, verdict, 0)
-        preds = {
-            "head": torch.sigmoid(z),
-            "head-u": torch.sigmoid(number_logit(w, z, u)),
-            "knew r": data.label.double(),
-            "knew verdicts": torch.where(known, verdict.double(), (u < data.label).double()),
+        r = data.label.double()
+        preds = {  # name: (prediction, prediction for a round's first drafted token)
+            "head": (torch.sigmoid(z), None),
+            "head-u": (torch.sigmoid(number_logit(w, z, u)), None),
+            "head, knew r of the first": (torch.sigmoid(z), r),
+            "knew r": (r, None),
+            "knew verdicts": (torch.where(known, verdict.double(), (u < r).double()), None),
         }
         for bound, slope in SETTINGS:
             print(f"\n{path.name}, rounds {bound[0]}..{bound[1]}, verify slope {slope:g}")
@@ -77,8 +81,8 @@ def main() -> None:
             for cost in DRAFT_COSTS:
                 costs = PreviewCosts(draft_cost=cost, verify_slope=slope)
                 cells, best = [], ""
-                for pred in preds.values():
-                    best, gain, h = best_over_constant(data, pred, bound, costs)
+                for pred, first in preds.values():
+                    best, gain, h = best_over_constant(data, pred, first, bound, costs)
                     cells.append(f"{100 * gain:+.1f}% ({h})")
                 print(f"| {cost:g} | {best} | " + " | ".join(cells) + " |")
 

@@ -265,6 +265,22 @@ def test_a_verify_curve_prices_each_round_by_its_length():
             PreviewCosts(verify_curve=(1.0, bad))
 
 
+def test_a_rounds_first_token_can_be_predicted_apart():
+    """`first_pred` serves a round's first drafted token only: a head sure of every token but
+    told the first of each round is doomed stops every round after one token (as k = 1 does),
+    and told it is safe drafts as the sure head does (as k = 3, the bound)."""
+    recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
+    label, _, *ints = replay_inputs(recorded)
+    sure = torch.ones_like(label)
+    costs = PreviewCosts(0.2, 0.1)
+    doomed = preview_rounds(sure, label, *ints, (1, 3), costs, first_pred=torch.zeros_like(label))
+    safe = preview_rounds(sure, label, *ints, (1, 3), costs, first_pred=sure)
+    for h in ("0.1", "0.5", "0.9"):
+        assert doomed[f"head h={h}"]["est_speed"] == pytest.approx(doomed["k=1"]["est_speed"])
+        assert safe[f"head h={h}"]["est_speed"] == pytest.approx(safe["k=3"]["est_speed"])
+    assert doomed["k=1"]["est_speed"] != pytest.approx(doomed["k=3"]["est_speed"])
+
+
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=2, max_size=12))
 @settings(max_examples=60, deadline=None)
 def test_every_policy_commits_the_recorded_text(shape):

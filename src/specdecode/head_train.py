@@ -1009,6 +1009,7 @@ def preview_rounds(
     slot: torch.Tensor,
     bound: tuple[int, int] = (1, 12),
     costs: PreviewCosts | None = None,
+    first_pred: torch.Tensor | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Each policy replayed on the recorded responses themselves, with the recorded verdicts.
 
@@ -1028,7 +1029,9 @@ def preview_rounds(
     acceptance, with one approximation: a recorded bonus token has no draft, so a replayed
     round that passes over it counts it as a drafted token predicted and labelled 1 (accepted,
     no stop), and a round starting at the bonus token that ends a chain drafts one.
-    `oracle h=...` feeds the rule the acceptance labels; `head h=...` the head's predictions.
+    `oracle h=...` feeds the rule the acceptance labels; `head h=...` the head's predictions,
+    or `first_pred` [N] for a round's first drafted token when given (what a policy knowing more
+    where a round starts would predict there, e.g. from the target's state at that point).
     A round of m drafted tokens costs `costs.round_cost(m)` target steps. Each row also lists,
     per prompt (in prompt order), the committed tokens, rounds, drafted tokens and steps.
     """
@@ -1037,6 +1040,7 @@ def preview_rounds(
     chained = _chained_rounds(prompt_index, position, round_id, slot)
     low, high = bound
     pred_l, label_l = pred.double().tolist() + [1.0], label.double().tolist() + [1.0]  # BONUS
+    first_l = pred_l if first_pred is None else first_pred.double().tolist() + [1.0]
 
     def replay(stop_after) -> dict[str, Any]:
         per_prompt: dict[int, list[float]] = {}  # prompt -> [committed, rounds, drafted, steps]
@@ -1068,11 +1072,11 @@ def preview_rounds(
             "per_prompt": [per_prompt[p] for p in sorted(per_prompt)],
         }
 
-    def threshold(values: list[float], h: float):
+    def threshold(values: list[float], h: float, first: list[float] | None = None):
         def stop_after(rows: list[int]) -> int:
             keep = 1.0
             for m, i in enumerate(rows, 1):
-                keep *= values[i]
+                keep *= (first if first is not None and m == 1 else values)[i]
                 if m >= low and 1 - keep > h:
                     return m
             return len(rows)
@@ -1080,7 +1084,7 @@ def preview_rounds(
         return stop_after
 
     out = {f"k={k}": replay(lambda rows, k=k: min(k, len(rows))) for k in range(1, high + 1)}
-    out |= {f"head h={h:g}": replay(threshold(pred_l, h)) for h in PREVIEW_THRESHOLDS}
+    out |= {f"head h={h:g}": replay(threshold(pred_l, h, first_l)) for h in PREVIEW_THRESHOLDS}
     out |= {f"oracle h={h:g}": replay(threshold(label_l, h)) for h in PREVIEW_THRESHOLDS}
     return out
 
