@@ -222,3 +222,12 @@ specdecode bench --prompts mtbench --limit 30 --max-new-tokens 64 --temperature 
   --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant head head-u \
   --stop-threshold 0.8 --bound 1 6 --coupled \
   --out benchmarks/specdecpp-mtbench-t07-30-coupled-padded --quiet
+# fifteenth session: HumanEval 0-15 coupled on the padded kernels (26 minutes), the drafter-price
+# sweep of the replayed gains (seconds), and where a round's time goes by its length
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 4 5 6 8 --length-policy constant head head-u \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled \
+  --out benchmarks/specdecpp-humaneval-t07-16-coupled-padded --quiet
+python benchmarks/specdecpp_price_sweep.py data-rounds12-humaneval-40-72 \
+  eval-rounds12-mtbench-10-t07 eval-rounds12-humaneval-0-16 > benchmarks/specdecpp-price-sweep.txt
+python benchmarks/round_cost_parts.py 3 48 > benchmarks/round-cost-parts.txt
