@@ -22,16 +22,13 @@ verdicts. The same text and verdicts at every price; only the prices change.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-from specdecpp_uniform_feature import CACHE, HEAD, REJECT_WEIGHT, numbers, verdicts
+from specdecpp_uniform_feature import fitted_head, numbers, scored, verdicts
 
-from specdecode.acceptance_head import load_head, number_logit
+from specdecode.acceptance_head import number_logit
 from specdecode.head_train import (
     PreviewCosts,
-    fit_number_calibration,
-    load_examples,
     preview_rounds,
 )
 
@@ -55,18 +52,9 @@ def best_over_constant(data, pred, first, bound, costs) -> tuple[str, float, str
 
 
 def main() -> None:
-    train_dir, *eval_dirs = (Path(a) if "/" in a else CACHE / a for a in sys.argv[1:])
-    head = load_head(HEAD).float()
-
-    def load(path: Path):
-        data = load_examples(path, "sampling", law=True, drawn=True)
-        with torch.no_grad():
-            return data, head(data.hidden, data.features).double()  # [N] logits
-
-    data, z = load(train_dir)
-    w = fit_number_calibration(z, data.label, REJECT_WEIGHT)
+    head, w, _, _, eval_dirs = fitted_head(sys.argv[1:])
     for path in eval_dirs:
-        data, z = load(path)
+        data, z = scored(path, head)
         verdict = verdicts(data)
         known = verdict >= 0
         u = numbers(data.label, verdict, 0)

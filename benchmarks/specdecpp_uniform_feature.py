@@ -77,23 +77,30 @@ def replayed(data, pred) -> tuple[str, float]:
     return f"{top} {100 * heads[top]:+.1f}% over {best}", heads[top]
 
 
-def main() -> None:
-    train_dir, *eval_dirs = (Path(a) if "/" in a else CACHE / a for a in sys.argv[1:])
+def scored(path: Path, head):
+    """A sampling collection and the head's logits on it ([N])."""
+    data = load_examples(path, "sampling", law=True, drawn=True)
+    with torch.no_grad():
+        return data, head(data.hidden, data.features).double()
+
+
+def fitted_head(args: list[str]):
+    """The shipped sampling head, its number calibration fitted on the first collection named
+    (as `head-u` reads it), that collection's size and path, and the other collections' paths."""
+    train_dir, *eval_dirs = (Path(a) if "/" in a else CACHE / a for a in args)
     head = load_head(HEAD).float()
+    data, z = scored(train_dir, head)
+    return head, fit_number_calibration(z, data.label, REJECT_WEIGHT), len(z), train_dir, eval_dirs
 
-    def load(path: Path):
-        data = load_examples(path, "sampling", law=True, drawn=True)
-        with torch.no_grad():
-            return data, head(data.hidden, data.features).double()  # [N] logits
 
-    data, z = load(train_dir)
-    w = fit_number_calibration(z, data.label, REJECT_WEIGHT)
+def main() -> None:
+    head, w, size, train_dir, eval_dirs = fitted_head(sys.argv[1:])
     print(
-        f"calibration fitted on {train_dir.name} ({len(z)} tokens x {NUMBER_DRAWS} numbers, "
+        f"calibration fitted on {train_dir.name} ({size} tokens x {NUMBER_DRAWS} numbers, "
         f"reject weight {REJECT_WEIGHT:g}): bias {w[0]:.3f}, z {w[1]:.3f}, log u {w[2]:.3f}"
     )
     for path in eval_dirs:
-        data, z = load(path)
+        data, z = scored(path, head)
         verdict = verdicts(data)
         known = verdict >= 0
         print(
