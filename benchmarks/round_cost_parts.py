@@ -65,11 +65,11 @@ def decode_parts(decoder: SpeculativeDecoder, prompt: str, k: int | None, tokens
         coupled=True,
     )
     s = out.stats
-    verify, draft, calls, _ = s.cost_figures()
+    after = s.costs_after_first_round()
     return {
-        "rounds": calls - s.first_round_target_forwards,
-        "verify": verify - s.first_round_verify_seconds,
-        "draft": draft - s.first_round_draft_seconds,
+        "rounds": after.target_forwards,
+        "verify": after.verify_seconds,
+        "draft": after.draft_seconds,
         "target": TIMES["target"] - first.get("target", 0.0),
         "rule": TIMES["rule"] - first.get("rule", 0.0),
         "drafter": TIMES["drafter"] - first.get("drafter", 0.0),

@@ -139,11 +139,16 @@ def test_decode_ratios_leave_out_the_first_round():
 
 
 def test_in_run_costs_per_call_leave_out_the_first_rounds():
-    from specdecode.bench.runner import per_call
+    from specdecode.stats import CostFigures, DecodeStats
 
     # 10 s in 6 calls, of which the first round's 1 call took 4 s (the prefill): 1.2 s a call
-    assert per_call(10.0, 6, (4.0, 1)) == pytest.approx(1.2)
-    assert per_call(4.0, 1, (4.0, 1)) is None  # nothing after the first round
+    stats = DecodeStats([], verify_seconds=4.0, target_forwards=1, draft_seconds=0.5)
+    stats.end_first_round(CostFigures(), 4.5, 2)
+    assert stats.costs_after_first_round() == CostFigures()  # nothing after the first round
+    stats.verify_seconds, stats.target_forwards = 10.0, 6
+    after = stats.costs_after_first_round()
+    assert after.verify_seconds / after.target_forwards == pytest.approx(1.2)
+    assert stats.first_round_costs == CostFigures(4.0, 0.5, 1, 0)
 
 
 def test_bench_refuses_an_odd_bound_list(capsys):

@@ -70,13 +70,19 @@ def test_first_round_costs_are_filed_apart(decoder: SpeculativeDecoder) -> None:
     """The first round (both prefills) is filed apart, and verify time is read without the
     coupling pass, so that `bench`'s in-run costs per call leave out both."""
     s = generate(decoder, True, num_draft_tokens=3).stats
-    assert s.first_round_target_forwards == 1  # one batch: one first round
-    assert 1 <= s.first_round_drafter_forwards < s.drafter_forwards
-    assert 0 < s.first_round_verify_seconds < s.verify_seconds - s.coupling_seconds
-    assert 0 < s.first_round_draft_seconds < s.draft_seconds
-    verify, draft, calls, passes = s.cost_figures()
-    assert verify == pytest.approx(s.verify_seconds - s.coupling_seconds) and s.coupling_seconds > 0
-    assert (draft, calls, passes) == (s.draft_seconds, s.target_forwards, s.drafter_forwards)
+    first = s.first_round_costs
+    assert first.target_forwards == 1  # one batch: one first round
+    assert 1 <= first.drafter_forwards < s.drafter_forwards
+    assert 0 < first.verify_seconds < s.verify_seconds - s.coupling_seconds
+    assert 0 < first.draft_seconds < s.draft_seconds
+    now = s.cost_figures()
+    assert now.verify_seconds == pytest.approx(s.verify_seconds - s.coupling_seconds)
+    assert s.coupling_seconds > 0
+    assert (now.draft_seconds, now.target_forwards, now.drafter_forwards) == (
+        s.draft_seconds,
+        s.target_forwards,
+        s.drafter_forwards,
+    )
 
 
 def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder) -> None:

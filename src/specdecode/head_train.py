@@ -1040,7 +1040,7 @@ def preview_rounds(
     chained = _chained_rounds(prompt_index, position, round_id, slot)
     low, high = bound
     pred_l, label_l = pred.double().tolist() + [1.0], label.double().tolist() + [1.0]  # BONUS
-    first_l = pred_l if first_pred is None else first_pred.double().tolist() + [1.0]
+    first_l = None if first_pred is None else first_pred.double().tolist() + [1.0]
 
     def replay(stop_after) -> dict[str, Any]:
         per_prompt: dict[int, list[float]] = {}  # prompt -> [committed, rounds, drafted, steps]
@@ -1073,10 +1073,12 @@ def preview_rounds(
         }
 
     def threshold(values: list[float], h: float, first: list[float] | None = None):
+        first = values if first is None else first
+
         def stop_after(rows: list[int]) -> int:
             keep = 1.0
             for m, i in enumerate(rows, 1):
-                keep *= (first if first is not None and m == 1 else values)[i]
+                keep *= (first if m == 1 else values)[i]
                 if m >= low and 1 - keep > h:
                     return m
             return len(rows)

@@ -8,7 +8,7 @@ what the speedup bound of Leviathan et al. is written in (see `bench`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 
 
 @dataclass
@@ -97,6 +97,23 @@ class RowStats:
         }
 
 
+@dataclass(frozen=True)
+class CostFigures:
+    """What a decode's passes cost: verify seconds (without the coupling pass), draft seconds,
+    target and drafter passes. Differences of two readings give a stretch of the decode."""
+
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+
+    def __add__(self, other: CostFigures) -> CostFigures:
+        return CostFigures(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: CostFigures) -> CostFigures:
+        return CostFigures(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
 @dataclass
 class DecodeStats:
     """Per-row figures plus the batch's own cost: batched forwards and wall time."""
@@ -115,12 +132,8 @@ class DecodeStats:
     # same work for every method; the time and tokens after it are the decoding proper
     first_round_seconds: float = 0.0
     first_round_tokens: int = 0
-    # the first round's share of the cost figures above (verify time without the coupling
-    # pass), so that per-call costs can be read without the prefills
-    first_round_verify_seconds: float = 0.0
-    first_round_draft_seconds: float = 0.0
-    first_round_target_forwards: int = 0
-    first_round_drafter_forwards: int = 0
+    # the first round's share of `cost_figures`, so per-call costs can be read without prefills
+    first_round_costs: CostFigures = field(default_factory=CostFigures)
 
     @property
     def total(self) -> RowStats:
@@ -129,25 +142,19 @@ class DecodeStats:
             total = total.merge(row)
         return total
 
-    def cost_figures(self) -> tuple[float, float, int, int]:
-        """Verify seconds (without the coupling pass), draft seconds, target and drafter
-        passes, so far."""
+    def cost_figures(self) -> CostFigures:
+        """The passes' costs so far, the coupling pass left out of the verify time."""
         verify = self.verify_seconds - self.coupling_seconds
-        return verify, self.draft_seconds, self.target_forwards, self.drafter_forwards
+        return CostFigures(verify, self.draft_seconds, self.target_forwards, self.drafter_forwards)
 
-    def end_first_round(
-        self, before: tuple[float, float, int, int], seconds: float, tokens: int
-    ) -> None:
-        """File the first round (its prefills): `before` are the `cost_figures` at its start."""
-        verify, draft, calls, drafter_calls = (
-            now - then for now, then in zip(self.cost_figures(), before, strict=True)
-        )
+    def costs_after_first_round(self) -> CostFigures:
+        return self.cost_figures() - self.first_round_costs
+
+    def end_first_round(self, before: CostFigures, seconds: float, tokens: int) -> None:
+        """File the first round (its prefills): `before` is `cost_figures` at its start."""
         self.first_round_seconds += seconds
         self.first_round_tokens += tokens
-        self.first_round_verify_seconds += verify
-        self.first_round_draft_seconds += draft
-        self.first_round_target_forwards += int(calls)
-        self.first_round_drafter_forwards += int(drafter_calls)
+        self.first_round_costs = self.first_round_costs + (self.cost_figures() - before)
 
     def absorb(self, part: DecodeStats, rows: list[int]) -> None:
         """Add the figures of a sub-batch whose row i is row `rows[i]` of this one."""
@@ -163,10 +170,7 @@ class DecodeStats:
         self.wall_seconds += part.wall_seconds
         self.first_round_seconds += part.first_round_seconds
         self.first_round_tokens += part.first_round_tokens
-        self.first_round_verify_seconds += part.first_round_verify_seconds
-        self.first_round_draft_seconds += part.first_round_draft_seconds
-        self.first_round_target_forwards += part.first_round_target_forwards
-        self.first_round_drafter_forwards += part.first_round_drafter_forwards
+        self.first_round_costs = self.first_round_costs + part.first_round_costs
 
     def as_dict(self) -> dict:
         return {
@@ -182,10 +186,7 @@ class DecodeStats:
             "wall_seconds": self.wall_seconds,
             "first_round_seconds": self.first_round_seconds,
             "first_round_tokens": self.first_round_tokens,
-            "first_round_verify_seconds": self.first_round_verify_seconds,
-            "first_round_draft_seconds": self.first_round_draft_seconds,
-            "first_round_target_forwards": self.first_round_target_forwards,
-            "first_round_drafter_forwards": self.first_round_drafter_forwards,
+            "first_round_costs": asdict(self.first_round_costs),
         }
 
     def summary(self) -> str:

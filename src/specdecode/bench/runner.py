@@ -28,7 +28,7 @@ from specdecode.bench.metrics import (
     summarize,
 )
 from specdecode.kernels import model_bytes
-from specdecode.stats import RowStats
+from specdecode.stats import CostFigures, RowStats
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,11 @@ class MethodRecord:
     seconds: list[float] = field(default_factory=list)  # per batch of prompts
     tokens: list[int] = field(default_factory=list)
     stats: RowStats = field(default_factory=RowStats)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0  # without coupled runs' extra drafter passes
     policy_seconds: float = 0.0
     drafter_forwards: int = 0
     target_forwards: int = 0
-    # the same four within the first rounds (prefills), left out of the in-run costs
-    first_round_costs: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
+    # the passes' costs after each batch's first round (its prefills): the in-run costs
+    decode_costs: CostFigures = field(default_factory=CostFigures)
     mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
     # coupled runs: prompt indices whose text differs from the first method of the same drafter
     unpaired: list[int] = field(default_factory=list)
@@ -237,21 +235,11 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
                 rec.first_round_tokens.append(None if stats is None else stats.first_round_tokens)
                 if stats is not None:
                     rec.stats = rec.stats.merge(result.stats.total)
-                    rec.draft_seconds += stats.draft_seconds
-                    rec.verify_seconds += stats.verify_seconds - stats.coupling_seconds
                     rec.policy_seconds += stats.policy_seconds
                     rec.drafter_forwards += stats.drafter_forwards
                     rec.target_forwards += stats.target_forwards
                     rec.coupling_seconds += stats.coupling_seconds
-                    first = (
-                        stats.first_round_verify_seconds,
-                        stats.first_round_draft_seconds,
-                        stats.first_round_target_forwards,
-                        stats.first_round_drafter_forwards,
-                    )
-                    rec.first_round_costs = tuple(
-                        a + b for a, b in zip(rec.first_round_costs, first, strict=True)
-                    )
+                    rec.decode_costs = rec.decode_costs + stats.costs_after_first_round()
                 if cfg.coupled and method.kind != "ar":
                     first = paired_with.setdefault(method.kind, result.new_tokens)
                     rec.unpaired += differing(result.new_tokens, first, start)
@@ -335,13 +323,6 @@ def rederive(record: dict) -> dict:
     return record
 
 
-def per_call(seconds: float, calls: int, first_rounds: tuple[float, int]) -> float | None:
-    """Seconds per call after the first rounds, whose (seconds, calls) are `first_rounds`;
-    None when no call came after them."""
-    rest = calls - first_rounds[1]
-    return (seconds - first_rounds[0]) / rest if rest > 0 else None
-
-
 def add_bounds(row: dict, method: Method) -> None:
     """Measured speedup beside Leviathan's bound from measured alpha and c (constant k only)."""
     if "alpha" not in row:
@@ -410,14 +391,13 @@ def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
         method = by_label[label]
         # costs as they happened in this run after the first rounds (the prefills), relative
         # to ar's own time per target call there
-        ar_step = per_call(base.verify_seconds, base.target_forwards, base.first_round_costs[::2])
-        if ar_step:
-            first_draft = rec.first_round_costs[1::2]
-            c = per_call(rec.draft_seconds, rec.drafter_forwards, first_draft)
-            verify = per_call(rec.verify_seconds, rec.target_forwards, rec.first_round_costs[::2])
-            if c is not None:
-                row["c_in_run"] = c / ar_step
-            if verify is not None:
+        ar, own = base.decode_costs, rec.decode_costs
+        if ar.target_forwards:
+            ar_step = ar.verify_seconds / ar.target_forwards
+            if own.drafter_forwards:
+                row["c_in_run"] = own.draft_seconds / own.drafter_forwards / ar_step
+            if own.target_forwards:
+                verify = own.verify_seconds / own.target_forwards
                 row["verify_cost_in_steps_in_run"] = verify / ar_step
         if rec.stats.target_calls and method.k is not None and rec.stats.drafted:
             row.update(draft_figures(method, rec, costs, batch_size))
