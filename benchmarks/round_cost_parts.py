@@ -29,13 +29,18 @@ TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
 
 
-def timed(owner, name: str, key) -> None:
-    """Replace owner.name by a wrapper adding its time under key(self)."""
+def timed(owner, name: str, key, sync=lambda: None) -> None:
+    """Replace owner.name by a wrapper adding its time under key(self).
+
+    `sync` waits for the device: a GPU runs ahead of the host, so without it a part's time
+    would be its launches and the next synchronizing part would pay for its kernels."""
     inner = getattr(owner, name)
 
     def wrapper(self, *args, **kwargs):
+        sync()
         t0 = time.perf_counter()
         out = inner(self, *args, **kwargs)
+        sync()
         TIMES[key(self)] += time.perf_counter() - t0
         CALLS[key(self)] += 1
         return out
@@ -77,12 +82,8 @@ def decode_parts(decoder: SpeculativeDecoder, prompt: str, k: int | None, tokens
     }
 
 
-def main() -> None:
-    n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-    decoder = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", drafter_int8=True
-    )
+def instrument(decoder: SpeculativeDecoder, sync=lambda: None) -> None:
+    """Time the decoder's parts: target and drafter forwards, the rule, the coupling pass."""
     target = decoder._target_lm
     coupling = [False]  # inside the coupling pass: its drafter pass is not drafting
     inner = engine.coupled_next_tokens
@@ -99,14 +100,19 @@ def main() -> None:
         CachedModel,
         "forward",
         lambda self: "target" if self is target else "coupling" if coupling[0] else "drafter",
+        sync,
     )
     timed(
         verification.LosslessSamplingRule,
         "verify",
         lambda self: "coupling" if coupling[0] else "rule",
+        sync,
     )
-    prompts = [p.text for p in load_prompts("humaneval", limit=n_prompts)]
-    methods: list[int | None] = [None, *KS]
+
+
+def measure(decoder: SpeculativeDecoder, prompts: list, tokens: int, ks=KS) -> dict:
+    """Plain decoding (None) and each constant k, rotated; each method's parts summed."""
+    methods: list[int | None] = [None, *ks]
     for k in methods:  # warm-up
         decode_parts(decoder, prompts[0], k, 8)
     totals: dict[int | None, dict[str, float]] = {m: defaultdict(float) for m in methods}
@@ -115,29 +121,50 @@ def main() -> None:
             for prompt in prompts:
                 for key, value in decode_parts(decoder, prompt, method, tokens).items():
                     totals[method][key] += value
+    return totals
+
+
+def print_parts(totals: dict) -> list[dict]:
+    """The per-round table, in steps of plain decoding; returns its rows."""
     ar = totals[None]
     step = ar["verify"] / ar["rounds"]
-    print(
-        f"{n_prompts} HumanEval prompts, {tokens} tokens, T = 0.7, coupled, {ROTATIONS} rotations"
-    )
-    print(f"a plain decoding step after the prefill: {1000 * step:.1f} ms; per round, in steps:")
+    print(f"a plain decoding step after the prefill: {1000 * step:.2f} ms; per round, in steps:")
     print(
         "| k | rounds | verify step | of it: target forward | rule | rest | drafting | of it: "
         "drafter forward | rest | drafter passes/round |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for k in KS:
+    rows = []
+    for k in (k for k in totals if k is not None):
         t = totals[k]
         per = {
             key: t[key] / t["rounds"] / step
             for key in ("verify", "target", "rule", "draft", "drafter")
         }
+        per |= {"k": k, "rounds": t["rounds"], "drafter_calls": t["drafter_calls"] / t["rounds"]}
+        rows.append(per)
         print(
             f"| {k} | {t['rounds']:.0f} | {per['verify']:.3f} | {per['target']:.3f} | "
             f"{per['rule']:.3f} | {per['verify'] - per['target'] - per['rule']:.3f} | "
             f"{per['draft']:.3f} | {per['drafter']:.3f} | {per['draft'] - per['drafter']:.3f} | "
-            f"{t['drafter_calls'] / t['rounds']:.2f} |"
+            f"{per['drafter_calls']:.2f} |"
         )
+    return rows
+
+
+def main() -> None:
+    n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 48
+    decoder = SpeculativeDecoder.from_pretrained(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", drafter_int8=True
+    )
+    instrument(decoder)
+    prompts = [p.text for p in load_prompts("humaneval", limit=n_prompts)]
+    totals = measure(decoder, prompts, tokens)
+    print(
+        f"{n_prompts} HumanEval prompts, {tokens} tokens, T = 0.7, coupled, {ROTATIONS} rotations"
+    )
+    print_parts(totals)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from specdecode.bench.metrics import (
     summarize,
 )
 from specdecode.kernels import model_bytes
+from specdecode.kv_cache import model_device
 from specdecode.stats import CostFigures, RowStats
 
 
@@ -153,15 +154,20 @@ def step_seconds(
     """
     from transformers import DynamicCache
 
+    device = model_device(model)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     times: dict[int, list[float]] = {n: [] for n in counts}
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefix = torch.tensor([context], device=device)
+        model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
         for _ in range(reps + 1):
             for n in counts:
-                new = torch.tensor([context[-n:] if len(context) >= n else [context[-1]] * n])
+                new = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
+                sync()  # a GPU runs ahead of the host: time the kernels, not their launches
                 start = time.perf_counter()
                 model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                sync()
                 times[n].append(time.perf_counter() - start)
                 cache.crop(-n)
     return {n: statistics.median(t[1:]) for n, t in times.items()}  # the first round: warm-up

@@ -1,0 +1,99 @@
+"""The engine on a GPU: the same guarantees as on the CPU, with models and head on CUDA.
+
+Skipped where no CUDA device is present (CI has none); run on a GPU machine with
+`python -m pytest -q tests/test_cuda.py`. Under greedy every policy must give the target's own
+greedy text; under coupled sampling every policy must commit one text, and thousands of seeded
+rows must follow the target's exact law; the bench's step timer must time the kernels (a GPU
+runs ahead of the host) on inputs it places on the model's device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_coupled import POLICIES, SEEDS
+from test_coupled import generate as coupled_generate
+from test_length_policies import PROMPTS, drawn_head, noisy_copy, spread_head
+from test_sampling_e2e import PROMPT as SAMPLE_PROMPT
+from test_sampling_e2e import SAMPLING, chi2, chi2_critical, exact_marginals
+from test_sampling_e2e import VOCAB as SMALL_VOCAB
+
+from specdecode import SpeculativeDecoder
+from specdecode.bench.runner import step_seconds
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CUDA = "cuda"
+
+
+def on_cuda(target, drafter, head) -> SpeculativeDecoder:
+    return SpeculativeDecoder(
+        copy.deepcopy(target).to(CUDA),
+        drafter=copy.deepcopy(drafter).to(CUDA),
+        acceptance_head=copy.deepcopy(head).to(CUDA),
+    )
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, init=0.3)
+    return target, noisy_copy(target, 0.1), drawn_head(32)
+
+
+def test_greedy_every_policy_is_the_targets_greedy_text(pair) -> None:
+    gpu = on_cuda(pair[0], pair[1], spread_head(32))  # a head that learnt greedy acceptance
+    cpu = SpeculativeDecoder(pair[0], drafter=pair[1])
+    plain = gpu.generate(PROMPTS, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
+    # the device moves nothing but the arithmetic: the CPU's plain text is the GPU's
+    cpu_plain = cpu.generate(PROMPTS, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
+    assert plain.new_tokens == cpu_plain.new_tokens
+    for name, policy in POLICIES.items():
+        out = gpu.generate(PROMPTS, max_new_tokens=24, stop_token_ids=[], **policy)
+        assert out.new_tokens == plain.new_tokens, name
+        # drafts were rejected, and rows accepted differently: per-row rollback ran on the GPU
+        assert 0 < out.stats.total.acceptance_rate < 1, name
+        assert len({tuple(row.accepted_hist) for row in out.stats.rows}) > 1, name
+
+
+def test_coupled_every_policy_commits_one_text(pair) -> None:
+    gpu = on_cuda(*pair)
+    texts = {name: coupled_generate(gpu, True, **p).new_tokens for name, p in POLICIES.items()}
+    assert all(text == texts["k=1"] for text in texts.values()), texts
+    # the rows are seeded, so the CPU draws the same numbers: its text is the GPU's
+    cpu = SpeculativeDecoder(pair[0], drafter=pair[1], acceptance_head=pair[2])
+    assert coupled_generate(cpu, True, **POLICIES["k=3"]).new_tokens == texts["k=1"]
+    assert (
+        coupled_generate(gpu, True, [s + 1 for s in SEEDS], **POLICIES["k=3"]).new_tokens
+        != (texts["k=1"])
+    )
+
+
+def test_sampled_law_equals_target_on_cuda() -> None:
+    target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
+    drafter = tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1)
+    gpu = on_cuda(target, drafter, drawn_head(32))
+    rows = 2000
+    out = gpu.generate(
+        [SAMPLE_PROMPT] * rows,
+        max_new_tokens=4,
+        temperature=SAMPLING.temperature,
+        top_k=SAMPLING.top_k,
+        top_p=SAMPLING.top_p,
+        row_seeds=range(rows),
+        stop_token_ids=[],
+        coupled=True,
+        **POLICIES["head"],
+    )
+    assert out.stats.total.bonus > 0 and out.stats.total.recovered > 0
+    tokens = torch.tensor(out.new_tokens)  # [rows, 4]
+    for position, law in enumerate(exact_marginals(target)):
+        stat, df = chi2(torch.bincount(tokens[:, position], minlength=SMALL_VOCAB).float(), law)
+        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+
+
+def test_step_timer_times_the_kernels_on_the_models_device() -> None:
+    model = tiny_llama(seed=0, layers=4).to(CUDA)
+    seconds = step_seconds(model, list(range(5, 60)), [1, 4, 8], reps=3)
+    assert set(seconds) == {1, 4, 8} and all(0 < s < 1 for s in seconds.values())
