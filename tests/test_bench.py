@@ -362,3 +362,31 @@ def test_max_draft_batch_is_a_pair_bench_option(tiny_pair, tmp_path, capsys):
     args = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
     assert main([*args, "--max-draft-batch", "2", "--out", str(tmp_path / "b")]) == 2
     assert "--max-draft-batch is a --pair (seq2seq) bench option" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dtype", "bfloat16", "--methods", "ar", "sd-int8"], "run CPU kernels"),
+        (["--device", "cuda:0", "--methods", "ar", "sd+dense"], "run CPU kernels"),
+        (["--pair", "--device", "cuda"], "float32 on the CPU"),
+    ],
+)
+def test_bench_refuses_cpu_kernels_elsewhere(extra, message, capsys):
+    code = main(["bench", "--limit", "1", "--out", "/nonexistent", *extra])
+    assert code != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_runs_the_pair_in_the_dtype_asked(tiny_pair, tmp_path):
+    """--dtype reaches the models (it was once parsed and dropped): bfloat16 runs on the CPU
+    too, without the fp32-only methods, and greedy speculative text still equals ar's."""
+    target, draft, prompts = tiny_pair
+    out = tmp_path / "bf16"
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    args += ["--limit", "2", "--max-new-tokens", "8", "--dtype", "bfloat16", "--quiet"]
+    assert main([*args, "--out", str(out), "--no-plots"]) == 0
+    record = json.loads((out / "record.json").read_text())
+    assert record["config"]["dtype"] == "bfloat16" and not record["config"]["prepack"]
+    assert {r["method"] for r in record["methods"]} == {"ar", "hf", "hf-assisted", "sd[k=4]"}
+    assert record["ok"] and not record["kernels"]["prepacked"]

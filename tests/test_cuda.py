@@ -97,3 +97,25 @@ def test_step_timer_times_the_kernels_on_the_models_device() -> None:
     model = tiny_llama(seed=0, layers=4).to(CUDA)
     seconds = step_seconds(model, list(range(5, 60)), [1, 4, 8], reps=3)
     assert set(seconds) == {1, 4, 8} and all(0 < s < 1 for s in seconds.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_on_cuda(tiny_pair, tmp_path, dtype: str) -> None:
+    """The bench's every GPU method on the models' device: calibration, ours, transformers'."""
+    import json
+
+    from specdecode.cli import main
+
+    target, draft, prompts = tiny_pair
+    out = tmp_path / dtype
+    args = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    args += ["--limit", "3", "--max-new-tokens", "10", "--device", CUDA, "--dtype", dtype]
+    args += ["--length-policy", "constant", "heuristic", "confidence", "--batch-sizes", "1", "2"]
+    assert main([*args, "--out", str(out), "--quiet", "--no-plots"]) == 0
+    record = json.loads((out / "record.json").read_text())
+    assert record["ok"] and record["config"]["device"] == CUDA
+    assert record["machine"]["cuda"] is not None
+    labels = {row["method"] for row in record["methods"]}
+    assert {"ar", "hf", "hf-assisted", "sd[k=4]"} <= labels and len(labels) >= 6
+    assert all(not row["mismatches"] for row in record["methods"])
+    assert 0 < record["costs"]["target_step_s"] < 1

@@ -126,7 +126,8 @@ class SpeculativeDecoder:
 
         if self.drafter is None:
             raise ValueError("an acceptance head needs a drafter; this decoder has none")
-        self.acceptance_head = load_head(path, drafter=self.drafter, target=self.target)
+        head = load_head(path, drafter=self.drafter, target=self.target)
+        self.acceptance_head = head.to(self._draft_lm.device)
         return self.acceptance_head
 
     def encode(self, prompts: Prompts, chat: bool = False) -> list[list[int]]:
@@ -219,7 +220,8 @@ class SpeculativeDecoder:
                 from specdecode.acceptance_head import find_shipped_head, load_head
 
                 found = find_shipped_head(self.drafter, self.target, rule)
-                self._shipped_heads[rule] = load_head(found, rule=rule) if found else None
+                head = load_head(found, rule=rule) if found else None
+                self._shipped_heads[rule] = head and head.to(self._draft_lm.device)
             return self._shipped_heads[rule]
         if head.config.rule != rule:
             raise ValueError(

@@ -34,6 +34,11 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
     )
     from specdecode.seq2seq.cli import SHIPPED_PAIR
 
+    if args.device != "cpu" or args.dtype != "float32":
+        raise ValueError(
+            "bench --pair runs the seq2seq pair in float32 on the CPU; --device and --dtype "
+            "apply to causal pairs (--target/--draft)"
+        )
     set_threads(args.threads)
     relaxed = []
     for item in args.relaxed:
@@ -105,18 +110,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.methods import Models
     from specdecode.bench.report import markdown_table, write_report
     from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.kernels import kernel_summary, prepack_linears
+    from specdecode.cli import DTYPES
+    from specdecode.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.model_store import load_causal_lm
     from specdecode.prompts import require_prompts
 
     set_threads(args.threads)
+    fits = cpu_fp32(args.device, DTYPES[args.dtype])  # where the CPU kernels apply
+    default_methods = ["ar", "hf", "hf-assisted", "sd"] + (["sd-int8"] if fits else [])
     cfg = BenchConfig(
         target=args.target,
         draft=args.draft,
         prompts=args.prompts,
         limit=args.limit,
         skip=args.skip,
-        methods=tuple(args.methods or ["ar", "hf", "hf-assisted", "sd", "sd-int8"]),
+        methods=tuple(args.methods or default_methods),
         num_draft_tokens=tuple(args.num_draft_tokens),
         batch_sizes=tuple(args.batch_sizes),
         max_new_tokens=args.max_new_tokens,
@@ -125,7 +133,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=0 if args.seed is None else args.seed,
         chat=args.chat or args.prompts == "mtbench",
-        prepack=not args.no_prepack,
+        prepack=not args.no_prepack and fits,
         threads=args.threads,
         policies=tuple(args.length_policy),
         stop_thresholds=tuple(args.stop_threshold or [0.7]),
@@ -133,11 +141,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bounds=_bounds(args.bound),
         head=args.head,
         coupled=args.coupled,
+        device=args.device,
+        dtype=args.dtype,
     )
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
     prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
-    target, tokenizer = load_causal_lm(cfg.target)
-    drafter, _ = load_causal_lm(cfg.draft)
+    target, tokenizer = load_causal_lm(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    drafter, _ = load_causal_lm(cfg.draft, dtype=DTYPES[cfg.dtype], device=cfg.device)
     if cfg.prepack:  # the fp32 drafter too (sd, hf-assisted); sd-int8 quantizes its dense weights
         prepack_linears(target)
         prepack_linears(drafter)

@@ -28,6 +28,7 @@ import torch
 
 from specdecode.api import SpeculativeDecoder
 from specdecode.kernels import quantize_int8, use_prepacked
+from specdecode.kv_cache import model_device
 from specdecode.stats import DecodeStats
 
 KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8")
@@ -180,8 +181,9 @@ def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Sett
 def run_transformers(method: Method, models: Models, prompts: list[list[int]], s: Settings):
     pad = models.tokenizer.pad_token_id if models.tokenizer.pad_token_id is not None else 0
     width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = model_device(models.target)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs: dict = dict(
         max_new_tokens=s.max_new_tokens,
         attention_mask=mask,

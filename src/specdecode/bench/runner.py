@@ -56,12 +56,21 @@ class BenchConfig:
     bounds: tuple[tuple[int, int], ...] = ((1, 8),)  # adaptive policies' (MIN, MAX), a sweep
     head: str | None = None
     coupled: bool = False  # sampling: every policy of a drafter commits the same text
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.coupled and self.temperature == 0:
             raise ValueError(
                 "--coupled pairs sampled text; greedy methods commit the same text already"
             )
+        if not (self.device == "cpu" and self.dtype == "float32"):
+            cpu_only = [m for m in self.methods if m.startswith("sd-int8") or "+dense" in m]
+            if cpu_only:
+                raise ValueError(
+                    f"methods {cpu_only} run CPU kernels (an int8 drafter, default vs packed fp32 "
+                    f"kernels); on {self.device} in {self.dtype} use sd, ar, hf, hf-assisted"
+                )
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if any(k < 1 for k in self.num_draft_tokens):
