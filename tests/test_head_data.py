@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -459,6 +460,11 @@ def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch):
     assert acceptance_head.find_shipped_head(drafter, target, "greedy") == tmp_path / "pair-greedy"
     assert acceptance_head.find_shipped_head(drafter, target, "sampling") is None
     assert acceptance_head.find_shipped_head(tiny_llama(2), target, "greedy") is None
+    # the same pair loaded in lower precision (a GPU's bfloat16) still finds its head
+    low = [copy.deepcopy(m).to(torch.bfloat16) for m in (drafter, target)]
+    assert acceptance_head.find_shipped_head(*low, "greedy") == tmp_path / "pair-greedy"
+    low_other = tiny_llama(2, layers=1).to(torch.bfloat16)
+    assert acceptance_head.find_shipped_head(low_other, low[1], "greedy") is None
     decoder = SpeculativeDecoder(target, drafter=drafter)
     out = decoder.generate([[5, 6, 7]], max_new_tokens=8, length_policy="head", stop_token_ids=[])
     plain = decoder.generate([[5, 6, 7]], max_new_tokens=8, use_drafter=False, stop_token_ids=[])

@@ -579,6 +579,27 @@ def test_head_for_another_model_is_refused(
     assert role in message
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_admits_its_models_loaded_in_lower_precision(
+    tmp_path: Path, pair: dict[str, nn.Module], dtype: torch.dtype
+) -> None:
+    """Other bytes, the same weights: a head trained on the fp32 pair serves the pair in
+    bfloat16 or float16; another model in that precision, or an fp32 model whose values moved
+    without changing sign, is still refused."""
+    saved_head(tmp_path / "head", pair)
+    low = {role: copy.deepcopy(pair[role]).to(dtype) for role in ("drafter", "target")}
+    assert load_head(tmp_path / "head", **low).config.drafter.name == "drafter-a"
+    other = copy.deepcopy(pair["other_drafter"]).to(dtype)
+    with pytest.raises(HeadMismatchError, match="drafter"):
+        load_head(tmp_path / "head", drafter=other, target=low["target"])
+    moved = copy.deepcopy(pair["drafter"])
+    with torch.no_grad():
+        moved.get_input_embeddings().weight.mul_(1.01)
+    assert ModelIdentity.of(moved).signs == ModelIdentity.of(pair["drafter"]).signs
+    with pytest.raises(HeadMismatchError, match="drafter"):
+        load_head(tmp_path / "head", drafter=moved, target=pair["target"])
+
+
 def test_head_rule_mismatch_is_refused(tmp_path: Path, pair: dict[str, nn.Module]) -> None:
     saved_head(tmp_path / "head", pair, rule="greedy")
     assert load_head(tmp_path / "head", rule="greedy").config.rule == "greedy"

@@ -82,10 +82,21 @@ class ModelIdentity:
 
     name: str
     fingerprint: str
+    # the same weights in any precision: a model loaded in bfloat16 or float16 has other bytes,
+    # but rounding keeps every sign (None in heads saved before it was recorded)
+    signs: str | None = None
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelIdentity:
-        return cls(model_name(model), model_fingerprint(model))
+        return cls(model_name(model), model_fingerprint(model), model_signs(model))
+
+    def admits(self, model: nn.Module) -> bool:
+        """Whether `model` is this one: the same fp32 bytes, or, loaded in lower precision
+        (a GPU user's bfloat16), the same signs. A float32 model must match exactly."""
+        if model_fingerprint(model) == self.fingerprint:
+            return True
+        low = model.get_input_embeddings().weight.dtype in (torch.bfloat16, torch.float16)
+        return low and self.signs is not None and model_signs(model) == self.signs
 
     def __str__(self) -> str:
         return f"{self.name!r} (fingerprint {self.fingerprint})"
@@ -102,13 +113,26 @@ def model_fingerprint(model: nn.Module) -> str:
     Embeddings are left alone by int8 dynamic quantization of the Linear layers, so the fp32
     drafter and its int8 copy share a fingerprint, as they share hidden states up to rounding.
     """
+    embedding, digest = _sized_digest(model)
+    digest.update(embedding[:8].to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def model_signs(model: nn.Module) -> str:
+    """Architecture sizes plus the signs of the input embedding's first rows: what survives
+    loading the same weights in bfloat16 or float16, where the fp32 bytes do not."""
+    embedding, digest = _sized_digest(model)
+    digest.update((embedding[:8] > 0).to(torch.uint8).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _sized_digest(model: nn.Module) -> tuple[torch.Tensor, hashlib._Hash]:
     config = model.config
     embedding = model.get_input_embeddings().weight.detach()
     digest = hashlib.sha256()
     sizes = (config.model_type, embedding.shape[0], embedding.shape[1], config.num_hidden_layers)
     digest.update(repr(sizes).encode())
-    digest.update(embedding[:8].to(torch.float32).cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return embedding, digest
 
 
 @dataclass(frozen=True)
@@ -301,8 +325,8 @@ def load_head(
         trained_for = getattr(config, role)
         if model is None or trained_for is None:
             continue
-        given = ModelIdentity.of(model)
-        if given.fingerprint != trained_for.fingerprint:
+        if not trained_for.admits(model):
+            given = ModelIdentity.of(model)
             raise HeadMismatchError(
                 f"acceptance head {directory} was trained for the {role} {trained_for}, "
                 f"but the {role} given is {given}; collect and train a head for this pair "
@@ -334,11 +358,10 @@ def head_provenance(directory: str | Path) -> dict:
 
 def find_shipped_head(drafter: nn.Module, target: nn.Module, rule: str) -> Path | None:
     """A head shipped with the package for exactly this drafter, target and rule, if any."""
-    want = (model_fingerprint(drafter), model_fingerprint(target), rule)
     for config_path in sorted(SHIPPED_DIR.glob(f"*/{CONFIG_FILE}")):
         config = HeadConfig.from_json(config_path.read_text())
-        if config.drafter is None or config.target is None:
+        if config.drafter is None or config.target is None or config.rule != rule:
             continue
-        if (config.drafter.fingerprint, config.target.fingerprint, config.rule) == want:
+        if config.drafter.admits(drafter) and config.target.admits(target):
             return config_path.parent
     return None
