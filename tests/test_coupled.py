@@ -7,6 +7,8 @@ paired. Its duty is that of every sampling path: the output law is the target's,
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -107,10 +109,18 @@ def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder) -> Non
 
 @pytest.mark.parametrize("policy", ["k=1", "k=3", "head"])
 def test_sampled_law_equals_target(policy: str) -> None:
+    assert_sampled_law_is_targets(policy)
+
+
+def assert_sampled_law_is_targets(policy: str, device: str = "cpu") -> None:
     """The first three tokens of thousands of seeded rows follow the target's exact law."""
     target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
     drafter = tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1)
-    decoder = SpeculativeDecoder(target, drafter=drafter, acceptance_head=drawn_head(32))
+    decoder = SpeculativeDecoder(
+        copy.deepcopy(target).to(device),
+        drafter=drafter.to(device),
+        acceptance_head=drawn_head(32).to(device),
+    )
     rows = 2000
     out = decoder.generate(
         [SAMPLE_PROMPT] * rows,

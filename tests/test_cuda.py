@@ -14,12 +14,9 @@ import copy
 import pytest
 import torch
 from conftest import tiny_llama
-from test_coupled import POLICIES, SEEDS
+from test_coupled import POLICIES, SEEDS, assert_sampled_law_is_targets
 from test_coupled import generate as coupled_generate
 from test_length_policies import PROMPTS, drawn_head, noisy_copy, spread_head
-from test_sampling_e2e import PROMPT as SAMPLE_PROMPT
-from test_sampling_e2e import SAMPLING, chi2, chi2_critical, exact_marginals
-from test_sampling_e2e import VOCAB as SMALL_VOCAB
 
 from specdecode import SpeculativeDecoder
 from specdecode.bench.runner import step_seconds
@@ -71,26 +68,7 @@ def test_coupled_every_policy_commits_one_text(pair) -> None:
 
 
 def test_sampled_law_equals_target_on_cuda() -> None:
-    target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
-    drafter = tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1)
-    gpu = on_cuda(target, drafter, drawn_head(32))
-    rows = 2000
-    out = gpu.generate(
-        [SAMPLE_PROMPT] * rows,
-        max_new_tokens=4,
-        temperature=SAMPLING.temperature,
-        top_k=SAMPLING.top_k,
-        top_p=SAMPLING.top_p,
-        row_seeds=range(rows),
-        stop_token_ids=[],
-        coupled=True,
-        **POLICIES["head"],
-    )
-    assert out.stats.total.bonus > 0 and out.stats.total.recovered > 0
-    tokens = torch.tensor(out.new_tokens)  # [rows, 4]
-    for position, law in enumerate(exact_marginals(target)):
-        stat, df = chi2(torch.bincount(tokens[:, position], minlength=SMALL_VOCAB).float(), law)
-        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+    assert_sampled_law_is_targets("head", CUDA)
 
 
 def test_step_timer_times_the_kernels_on_the_models_device() -> None:
