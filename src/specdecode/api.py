@@ -126,8 +126,7 @@ class SpeculativeDecoder:
 
         if self.drafter is None:
             raise ValueError("an acceptance head needs a drafter; this decoder has none")
-        head = load_head(path, drafter=self.drafter, target=self.target)
-        self.acceptance_head = head.to(self._draft_lm.device)
+        self.acceptance_head = load_head(path, drafter=self.drafter, target=self.target)
         return self.acceptance_head
 
     def encode(self, prompts: Prompts, chat: bool = False) -> list[list[int]]:
@@ -210,7 +209,8 @@ class SpeculativeDecoder:
         """The head, if the policy needs one and it learnt the acceptance of this rule.
 
         With no head loaded, a head shipped with the package for this exact pair and rule is
-        used, so the default models run `length_policy="head"` without any training.
+        used, so the default models run `length_policy="head"` without any training. Whichever
+        head it is (given, loaded or shipped) runs where the drafter's hidden states are.
         """
         if cfg.length_policy not in HEAD_POLICIES:
             return self.acceptance_head
@@ -220,16 +220,17 @@ class SpeculativeDecoder:
                 from specdecode.acceptance_head import find_shipped_head, load_head
 
                 found = find_shipped_head(self.drafter, self.target, rule)
-                head = load_head(found, rule=rule) if found else None
-                self._shipped_heads[rule] = head and head.to(self._draft_lm.device)
-            return self._shipped_heads[rule]
-        if head.config.rule != rule:
+                self._shipped_heads[rule] = load_head(found, rule=rule) if found else None
+            head = self._shipped_heads[rule]
+            if head is None:
+                return None
+        elif head.config.rule != rule:
             raise ValueError(
                 f"the acceptance head learnt {head.config.rule} acceptance, but this call "
                 f"verifies with the {rule} rule; train a head with "
                 f"`specdecode head train --rule {rule}`"
             )
-        return head
+        return head.to(self._draft_lm.device)
 
     def generate(
         self,

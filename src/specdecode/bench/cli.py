@@ -32,9 +32,11 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
         plot,
         run_seq2seq_bench,
     )
+    from specdecode.cli import DTYPES
+    from specdecode.kernels import cpu_fp32
     from specdecode.seq2seq.cli import SHIPPED_PAIR
 
-    if args.device != "cpu" or args.dtype != "float32":
+    if not cpu_fp32(args.device, DTYPES[args.dtype]):
         raise ValueError(
             "bench --pair runs the seq2seq pair in float32 on the CPU; --device and --dtype "
             "apply to causal pairs (--target/--draft)"

@@ -27,7 +27,7 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
-from specdecode.kernels import model_bytes
+from specdecode.kernels import cpu_fp32, model_bytes
 from specdecode.kv_cache import model_device
 from specdecode.stats import CostFigures, RowStats
 
@@ -64,7 +64,7 @@ class BenchConfig:
             raise ValueError(
                 "--coupled pairs sampled text; greedy methods commit the same text already"
             )
-        if not (self.device == "cpu" and self.dtype == "float32"):
+        if not cpu_fp32(self.device, getattr(torch, self.dtype)):
             cpu_only = [m for m in self.methods if m.startswith("sd-int8") or "+dense" in m]
             if cpu_only:
                 raise ValueError(
