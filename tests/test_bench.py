@@ -18,7 +18,9 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
+from specdecode.bench.runner import round_prices
 from specdecode.cli import main
+from specdecode.config import RoundPrices
 from specdecode.prompts import load_prompts
 
 
@@ -119,6 +121,31 @@ def test_adaptive_methods_run_once_per_bound_and_threshold():
         Method("sd", 4, policy="head", threshold=0.7)
     with pytest.raises(ValueError, match="a bound is unused"):
         Method("sd", 4, bound=(1, 4))
+
+
+def test_priced_head_methods_and_their_prices():
+    """--priced runs each head method twice, flat and priced by the run's calibration."""
+    methods = Method.expand(
+        ["ar", "sd"],
+        [4],
+        ["constant", "confidence", "head"],
+        {"head": [0.7], "confidence": [0.4]},
+        [(1, 3)],
+        priced=True,
+    )
+    assert [m.label for m in methods] == [
+        "ar",
+        "sd[k=4]",
+        "sd[confidence t=0.4 1..3]",
+        "sd[head t=0.7 1..3]",
+        "sd[head t=0.7 1..3 priced]",
+    ]
+    with pytest.raises(ValueError, match="only head policies are priced, not 'confidence'"):
+        Method("sd", 4, policy="confidence", threshold=0.4, bound=(1, 3), priced=True)
+    costs = {"verify_cost_in_steps": {1: 1.0, 2: 1.1, 3: 1.3, 4: 1.4}, "c": {"sd": 0.3}}
+    prices = round_prices(costs, 3)
+    assert prices == {"sd": RoundPrices(0.3, (1.0, 1.1, 1.3))}
+    assert round_prices(costs, 0) == {}
 
 
 def test_decode_ratios_leave_out_the_first_round():

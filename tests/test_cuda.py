@@ -19,7 +19,7 @@ from test_coupled import generate as coupled_generate
 from test_length_policies import PROMPTS, drawn_head, noisy_copy, spread_head
 
 from specdecode import SpeculativeDecoder
-from specdecode.bench.runner import step_seconds
+from specdecode.timing import step_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"

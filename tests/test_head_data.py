@@ -250,6 +250,7 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
             "5",
             "2",
             "5",
+            "--priced",
             "--out",
             str(bench),
             "--quiet",
@@ -267,7 +268,10 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
         "sd[head t=0.7 2..5]",
         "sd[head t=0.3 1..5]",
         "sd[head t=0.7 1..5]",
+        "sd[head t=0.7 1..5 priced]",  # --priced: each head method also priced
+        "sd[head t=0.3 2..5 priced]",
     } <= labels
+    assert not any("priced" in label for label in labels if "head" not in label)
     head_row = next(r for r in record["methods"] if r["method"] == "sd[head t=0.3 1..5]")
     assert head_row["policy_seconds"] > 0 and head_row["policy_ms_per_drafted_token"] > 0
     assert "leviathan_bound" not in head_row  # the bound assumes a constant k
@@ -325,6 +329,12 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
         )
         == 0
     )
+    capsys.readouterr()
+    priced = [*common, "--prompt", "t5 t6", "--max-new-tokens", "6", "--head", str(head)]
+    assert main(["generate", *priced, "--length-policy", "head", "--priced", "--json"]) == 0
+    assert "[round prices] a drafted token" in capsys.readouterr().err
+    assert main(["generate", *priced, "--length-policy", "confidence", "--priced"]) != 0
+    assert "--priced prices the head policies' rounds" in capsys.readouterr().err
 
 
 def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_path, capsys):

@@ -38,7 +38,7 @@ from specdecode.acceptance_head import (
     law_features,
     load_head,
 )
-from specdecode.config import DecodeConfig, SamplingConfig
+from specdecode.config import DecodeConfig, RoundPrices, SamplingConfig
 from specdecode.drafters import Draft, ModelDrafter
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import (
@@ -345,6 +345,71 @@ def test_head_min_bound_and_max_clamp() -> None:
     assert simulate_round(policy, high, [9]) == [5]  # MAX ends the round
 
 
+# A 2-core CPU's shape: verify passes of 1..5 drafted tokens cost one step, 6 and more jump
+JUMP = RoundPrices(0.1, (1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.11, 1.12))
+
+
+def test_round_prices_arithmetic_and_refusals() -> None:
+    assert JUMP.added_cost(5, 1) == pytest.approx(0.1 + 0.1)  # the jump
+    assert JUMP.added_cost(2, 3) == pytest.approx(0.3)  # flat stretch: drafts only
+    assert JUMP.added_cost(0, 1) == pytest.approx(1.1)  # a round's start: its verify pass
+    with pytest.raises(ValueError, match="up to 8 drafted tokens, not 9"):
+        JUMP.added_cost(4, 5)
+    for bad, message in [
+        (dict(draft=0.0, verify=(1.0,)), "finite and > 0"),
+        (dict(draft=float("nan"), verify=(1.0,)), "finite and > 0"),
+        (dict(draft=0.1, verify=()), "at least 1 token"),
+        (
+            dict(draft=0.1, verify=(1.0, -1.0)),
+            r"verify prices must be finite numbers > 0, got \[-1.0\]",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RoundPrices(**bad)
+    with pytest.raises(ValueError, match="read by the head policies, not 'confidence'"):
+        DecodeConfig(length_policy="confidence", round_prices=JUMP)
+    with pytest.raises(ValueError, match="up to 8 drafted tokens; the bound allows 12"):
+        DecodeConfig(length_policy="head", bound=(1, 12), round_prices=JUMP)
+
+
+@given(
+    st.lists(st.floats(0.3, 0.999), min_size=8, max_size=8),
+    st.floats(0.05, 0.95),
+    st.floats(0.01, 1.0),
+)
+@settings(max_examples=60, deadline=None)
+def test_flat_prices_decide_as_the_threshold_rule(
+    acceptances: list[float], h: float, draft: float
+) -> None:
+    """With every verify pass priced alike, looking further never pays more than the next
+    token: the priced rule is SpecDec++'s threshold rule, whatever a draft costs."""
+    risks = [1 - math.prod(acceptances[:m]) for m in range(1, 9)]
+    assume(all(abs(r - h) > 1e-6 for r in risks))  # no tie for float rounding to decide
+    a = torch.tensor([acceptances])
+    flat = HeadLength(ColumnHead(), h, 1, 8, prices=RoundPrices(draft, (1.2,) * 8))
+    assert simulate_round(flat, a, [8]) == [first_stop(risks, h, 1, 8)]
+
+
+def test_priced_head_crosses_a_jump_only_when_it_will_go_far_beyond() -> None:
+    """h = 0.5: the threshold rule drafts while P(all accepted) >= 0.5. At 5 drafted tokens
+    the 6th costs a draft and the verify pass's jump, two drafts' worth, so one more token
+    must pass a bar twice as high; a stretch beyond it spreads the jump over its tokens."""
+    unpriced, priced = (
+        HeadLength(ColumnHead(), 0.5, 1, 8),
+        HeadLength(ColumnHead(), 0.5, 1, 8, prices=JUMP),
+    )
+    middling = torch.full((1, 8), 0.88)  # all accepted after 5: 0.53, after 8: 0.36
+    assert simulate_round(unpriced, middling, [8]) == [6]  # 1 - 0.88^6 = 0.54 > 0.5
+    assert simulate_round(priced, middling, [8]) == [5]  # the jump is not worth it
+    sure = torch.full((1, 8), 0.995)
+    assert simulate_round(unpriced, sure, [8]) == [8]
+    assert simulate_round(priced, sure, [8]) == [8]  # two tokens past 5 pay for the jump
+    # a bar row per drafted count: the 6th token's bar is (1 - h) x (0.1 + 0.1) / 0.1
+    assert priced.bar[4, 0].item() == pytest.approx(0.5 * 2)
+    assert priced.bar[0, 0].item() == pytest.approx(0.5)  # flat: the threshold rule's 1 - h
+    assert torch.isinf(priced.bar[7]).all() and torch.isinf(priced.bar[2, 6:]).all()
+
+
 def test_head_without_hidden_states_is_refused() -> None:
     policy = HeadLength(ColumnHead(), 0.3, 1, 4)
     policy.round_limits(torch.tensor([4]))
@@ -646,6 +711,12 @@ GREEDY_POLICIES: list[dict] = [
         for h in (0.1, 0.5, 0.9)
         for bound in ((1, 6), (2, 4))
     ),
+    dict(
+        length_policy="head",
+        stop_threshold=0.5,
+        bound=(1, 6),
+        round_prices=RoundPrices(0.2, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5)),
+    ),
 ]
 
 
@@ -732,7 +803,10 @@ ADAPTIVE_LAW_CASES = [
     # number its verdict will use
     ("same", "head-u", 0.5, (1, 3), "numbered"),
     ("other", "head-u", 0.5, (1, 4), "numbered"),
+    # priced: a round stops where one more token is not worth a verify pass's jump
+    ("other", "head", 0.9, (1, 4), "priced"),
 ]
+LAW_PRICES = RoundPrices(0.2, (1.0, 1.0, 1.3, 1.35))
 LAW_TOKENS = {"same": 4, "other": 5}  # new tokens per row: the "other" drafter's rows part later
 
 
@@ -770,6 +844,7 @@ def test_sampled_law_equals_target_under_adaptive_policy(
         length_policy=policy,
         stop_threshold=threshold,
         bound=bound,
+        round_prices=LAW_PRICES if head_kind == "priced" else None,
     )
     first_round = recorded[0][1]
     assert len(set(first_round)) > 1, sorted(set(first_round))

@@ -24,7 +24,13 @@ from specdecode.checks import (
     check_vocab_covers_tokenizer,
     context_length,
 )
-from specdecode.config import HEAD_POLICIES, DecodeConfig, SamplingConfig
+from specdecode.config import (
+    DEFAULT_BOUND,
+    HEAD_POLICIES,
+    DecodeConfig,
+    RoundPrices,
+    SamplingConfig,
+)
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
@@ -167,6 +173,7 @@ class SpeculativeDecoder:
         bound: tuple[int, int] | None = None,
         coupled: bool = False,
         max_draft_batch: int | None = None,
+        round_prices: RoundPrices | None = None,
     ) -> DecodeConfig:
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
@@ -182,7 +189,17 @@ class SpeculativeDecoder:
             bound=tuple(bound) if bound is not None else None,
             coupled=coupled,
             max_draft_batch=max_draft_batch,
+            round_prices=round_prices,
         )
+
+    def measure_round_prices(self, max_tokens: int = DEFAULT_BOUND[1]) -> RoundPrices:
+        """Time this pair's passes here (a few seconds): what a round of up to `max_tokens`
+        drafted tokens costs, for a head policy to weigh (`generate(..., round_prices=...)`)."""
+        if self.drafter is None:
+            raise ValueError("round prices price a drafter's tokens; this decoder has none")
+        from specdecode.timing import measure_round_prices
+
+        return measure_round_prices(self.target, self.drafter, max_tokens)
 
     def stream(
         self,

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from specdecode.config import POLICIES, max_draft_batch_option
+from specdecode.config import DEFAULT_BOUND, HEAD_POLICIES, POLICIES, max_draft_batch_option
 from specdecode.kernels import DRAFT_PRECISIONS, int8_draft_wanted
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -50,6 +50,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per round of the adaptive policies (default 1 8)",
     )
     parser.add_argument("--head", default=None, help="acceptance head directory (head policy)")
+    parser.add_argument(
+        "--priced",
+        action="store_true",
+        help="head policies weigh each further token against this machine's round prices "
+        "(a verify pass's cost grows with its length): generate times them at load, bench runs "
+        "every head method twice, flat and priced by its calibration",
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
         "--coupled",
@@ -98,6 +105,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.head is not None:
         decoder.load_head(args.head)
+    prices = None
+    if args.priced:
+        if args.length_policy not in HEAD_POLICIES or draft is None:
+            raise ValueError("--priced prices the head policies' rounds: use --length-policy head")
+        prices = decoder.measure_round_prices(args.bound[1] if args.bound else DEFAULT_BOUND[1])
+        print(f"[round prices] {prices.describe()}", file=sys.stderr)
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -110,6 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bound=tuple(args.bound) if args.bound else None,
         coupled=args.coupled,
         max_draft_batch=max_draft_batch_option(args.max_draft_batch),
+        round_prices=prices,
     )
     records = []
     for start in range(0, len(prompts), args.batch_size):

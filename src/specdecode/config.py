@@ -36,6 +36,48 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class RoundPrices:
+    """What a round costs on this machine, in steps of plain decoding (one target pass of one
+    token): `draft` a drafted token, `verify[m - 1]` the verify pass over m drafted tokens.
+
+    The SpecDec++ threshold rule is the optimal stop when every verify pass costs the same. A
+    real pass does not: on a 2-core CPU one of 1 to 6 drafted tokens costs about one step and
+    one of 6 or more about 1.1 to 1.35, as its products turn compute-bound; on a GPU the same
+    happens at a tile boundary or a larger batch. A head policy given prices weighs each
+    further token against what it adds to the round's cost (`length_policies.HeadLength`).
+    `SpeculativeDecoder.measure_round_prices` times them; the bench uses its calibration.
+    """
+
+    draft: float
+    verify: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify", tuple(float(v) for v in self.verify))
+        if not (math.isfinite(self.draft) and self.draft > 0):
+            raise ValueError(f"a drafted token's price must be finite and > 0, got {self.draft}")
+        if not self.verify:
+            raise ValueError("round prices need the verify pass's price for at least 1 token")
+        bad = [v for v in self.verify if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise ValueError(f"verify prices must be finite numbers > 0, got {bad}")
+
+    def describe(self) -> str:
+        verify = " / ".join(f"{v:.2f}" for v in self.verify)
+        return f"a drafted token {self.draft:.3f} steps; a verify pass of 1.. drafted: {verify}"
+
+    def added_cost(self, drafted: int, more: int) -> float:
+        """Steps that drafting `more` tokens after `drafted` adds to the round (drafts and the
+        verify pass's growth); drafted = 0 is the round's start (no verify pass priced yet)."""
+        if drafted + more > len(self.verify):
+            raise ValueError(
+                f"round prices cover rounds of up to {len(self.verify)} drafted tokens, not "
+                f"{drafted + more}"
+            )
+        grown = self.verify[drafted + more - 1] - (self.verify[drafted - 1] if drafted else 0.0)
+        return more * self.draft + grown
+
+
+@dataclass(frozen=True)
 class DecodeConfig:
     """One generation call: budget, stopping, speculation length and randomness.
 
@@ -60,6 +102,8 @@ class DecodeConfig:
     # (a CPU at batch 8 or more, `benchmarks/README.md`), verifying k + 1 positions a row costs
     # more than the drafts save. Rows that finish shrink the batch and drafting resumes.
     max_draft_batch: int | None = None
+    # head policies: what a round costs here; None prices every verify pass alike (SpecDec++)
+    round_prices: RoundPrices | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -109,6 +153,17 @@ class DecodeConfig:
             low, high = self.bound
             if not (1 <= low <= high):
                 raise ValueError(f"bound must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
+
+        if self.round_prices is not None:
+            if self.length_policy not in HEAD_POLICIES:
+                raise ValueError(
+                    f"round_prices are read by the head policies, not {self.length_policy!r}"
+                )
+            if len(self.round_prices.verify) < self.draft_bound[1]:
+                raise ValueError(
+                    f"round_prices cover rounds of up to {len(self.round_prices.verify)} drafted "
+                    f"tokens; the bound allows {self.draft_bound[1]}"
+                )
 
     @property
     def policy_threshold(self) -> float:

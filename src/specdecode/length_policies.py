@@ -18,6 +18,11 @@ One protocol, five policies, chosen by name (`POLICIES`):
   least as much as the drafter. The head's logit z and log u are combined by a logistic
   calibration fitted on the head's data (`AcceptanceHead.with_number`).
 
+Priced heads (`DecodeConfig.round_prices`): the threshold rule is optimal when a verify pass
+costs the same whatever its length. Where it does not (a CPU's products turn compute-bound past
+6 rows, a GPU's at a tile edge), a head given the machine's prices drafts on while some further
+stretch of tokens is worth its price: see `HeadLength`.
+
 Every row decides on its own; the token that triggers a stop is kept (it is already drafted and
 verifying it costs almost nothing), and the round ends when every row has stopped or reached the
 round's maximum. A policy only chooses how many tokens are drafted, never which: each verdict is
@@ -33,7 +38,7 @@ from typing import Protocol
 import torch
 
 from specdecode.acceptance_head import law_features
-from specdecode.config import POLICIES, DecodeConfig
+from specdecode.config import POLICIES, DecodeConfig, RoundPrices
 
 
 @dataclass(frozen=True)
@@ -165,8 +170,44 @@ class ConfidenceLength(_StopRule):
         return probs.max(-1).values < self.threshold  # [batch]
 
 
+def going_on_prices(prices: RoundPrices, threshold: float, max_tokens: int) -> torch.Tensor:
+    """[max_tokens, max_tokens] the bar `HeadLength` sets: entry [n - 1, m - 1] is what drafting
+    m more tokens after n must earn, (1 - h) x its added cost in drafted tokens' prices; inf
+    where n + m passes `max_tokens`."""
+    bar = torch.full((max_tokens, max_tokens), float("inf"), dtype=torch.float64)
+    for n in range(1, max_tokens):
+        for m in range(1, max_tokens - n + 1):
+            bar[n - 1, m - 1] = (1 - threshold) * prices.added_cost(n, m) / prices.draft
+    return bar
+
+
+def worth_drafting_on(
+    all_accepted: torch.Tensor, last: torch.Tensor, bar: torch.Tensor
+) -> torch.Tensor:
+    """all_accepted [batch] P(every token drafted so far is accepted), last [batch] the latest
+    token's predicted acceptance, bar [M] `going_on_prices`' row for this many drafted ->
+    [batch] whether some further stretch of m tokens is worth its price.
+
+    m more tokens add all_accepted x (a + a^2 + ... + a^m) expected tokens, taking the latest
+    prediction a for the unseen ones, and cost what the bar prices; the round goes on if that
+    beats the rate a draft must pay for: with a flat verify price, only m = 1 can, and the
+    rule is SpecDec++'s, all_accepted >= 1 - h.
+    """
+    steps = torch.arange(bar.shape[0], dtype=torch.float64, device=last.device)  # [M]
+    powers = last.double().clamp(0, 1)[:, None] ** steps  # [batch, M] 1, a, a^2, ...
+    gain = all_accepted.double()[:, None] * powers.cumsum(-1)  # [batch, M] / a, m = 1..M
+    return (gain >= bar.to(last.device)).any(-1)  # [batch]
+
+
 class HeadLength(_StopRule):
-    """SpecDec++: stop once P(some token of this round is rejected) > threshold."""
+    """SpecDec++: stop once P(some token of this round is rejected) > threshold.
+
+    Given the machine's `RoundPrices`, the rule looks past the next token: a round goes on if
+    some stretch of m more tokens earns what it adds to the round's cost, at the rate the
+    threshold sets for one drafted token (`worth_drafting_on`). Where the verify pass is flat
+    that is the threshold rule itself; where it jumps (7 positions on a 2-core CPU), a round
+    crosses the jump only if it is likely to go far enough beyond it to pay for it.
+    """
 
     name = "head"
     needs_hidden = True
@@ -178,11 +219,13 @@ class HeadLength(_StopRule):
         min_tokens: int,
         max_tokens: int,
         reads_number: bool = False,
+        prices: RoundPrices | None = None,
     ):
         super().__init__(threshold, min_tokens, max_tokens)
         self.head, self.needs_number = head, reads_number
         self.name = "head-u" if reads_number else "head"
         self.log_all_accepted = torch.zeros(0)
+        self.bar = None if prices is None else going_on_prices(prices, threshold, max_tokens)
 
     def begin_round(self, batch_size: int, device: torch.device) -> None:
         self.log_all_accepted = torch.zeros(batch_size, device=device)  # [batch]
@@ -204,6 +247,11 @@ class HeadLength(_StopRule):
             logit = self.head.with_number(logit, position.number)
         # log sigmoid is exact where the product of many probabilities would underflow
         self.log_all_accepted = self.log_all_accepted + torch.nn.functional.logsigmoid(logit)
+        if self.bar is not None:
+            if position.index + 1 >= self.max_tokens:
+                return torch.ones_like(logit, dtype=torch.bool)
+            row = self.bar[position.index]  # [max_tokens]
+            return ~worth_drafting_on(self.log_all_accepted.exp(), torch.sigmoid(logit), row)
         return -torch.expm1(self.log_all_accepted) > self.threshold  # 1 - prod a_i > h
 
 
@@ -223,7 +271,7 @@ def _head_policy(cfg: DecodeConfig, head: torch.nn.Module | None) -> HeadLength:
             "one has none (heads trained before it existed, or greedy heads): add it with "
             "`specdecode head calibrate HEAD DATA`, or use 'head'"
         )
-    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound, reads_number=reads_number)
+    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound, reads_number, cfg.round_prices)
 
 
 BUILDERS = {

@@ -143,6 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bounds=_bounds(args.bound),
         head=args.head,
         coupled=args.coupled,
+        priced=args.priced,
         device=args.device,
         dtype=args.dtype,
     )

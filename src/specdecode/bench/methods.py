@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.api import SpeculativeDecoder
+from specdecode.config import HEAD_POLICIES, RoundPrices
 from specdecode.kernels import quantize_int8, use_prepacked
 from specdecode.kv_cache import model_device
 from specdecode.stats import DecodeStats
@@ -47,6 +48,7 @@ class Method:
     policy: str = "constant"
     threshold: float | None = None  # confidence / head policies
     bound: tuple[int, int] | None = None  # adaptive policies: (MIN, MAX) tokens per round
+    priced: bool = False  # head policies: weigh tokens against the run's calibrated prices
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -62,6 +64,8 @@ class Method:
                 f"method {self.kind!r} with policy {self.policy!r}: a bound is "
                 f"{'required' if self.bound is None else 'unused'}"
             )
+        if self.priced and self.policy not in HEAD_POLICIES:
+            raise ValueError(f"only head policies are priced, not {self.policy!r}")
 
     @property
     def label(self) -> str:
@@ -71,7 +75,8 @@ class Method:
         elif self.policy == "heuristic":
             inner = f"[heuristic k0={self.k}{span}]"
         else:
-            inner = f"[{self.policy} t={self.threshold:g}{span}]"
+            priced = " priced" if self.priced else ""
+            inner = f"[{self.policy} t={self.threshold:g}{span}{priced}]"
         return self.kind + inner + ("+dense" if self.dense else "")
 
     @property
@@ -86,10 +91,12 @@ class Method:
         policies: list[str] = ("constant",),
         thresholds: dict[str, list[float]] | None = None,
         bounds: list[tuple[int, int]] = ((1, 8),),
+        priced: bool = False,
     ) -> list[Method]:
         """`sd` with ks [3, 4] gives sd[k=3] and sd[k=4]; `+dense` keeps default kernels.
 
-        Adaptive policies run once per bound (and per threshold), labelled `... 1..12]`."""
+        Adaptive policies run once per bound (and per threshold), labelled `... 1..12]`; with
+        `priced`, head policies run once more with the calibrated round prices."""
         thresholds = thresholds or {}
         methods = []
         for name in names:
@@ -103,8 +110,10 @@ class Method:
                 elif policy == "heuristic":
                     methods += [cls(kind, max(ks), dense, policy, None, b) for b in bounds]
                 else:
+                    pricing = (False, True) if priced and policy in HEAD_POLICIES else (False,)
                     methods += [
-                        cls(kind, max(ks), dense, policy, t, b)
+                        cls(kind, max(ks), dense, policy, t, b, p)
+                        for p in pricing
                         for b in bounds
                         for t in thresholds.get(policy, [])
                     ]
@@ -137,6 +146,7 @@ class Models:
     tokenizer: object
     drafter: torch.nn.Module
     head: str | None = None  # acceptance head directory, for the `head` policy
+    round_prices: dict[str, RoundPrices] = field(default_factory=dict)  # by kind, calibrated
     _decoders: dict[str, SpeculativeDecoder] = field(default_factory=dict)
 
     def decoder(self, kind: str) -> SpeculativeDecoder:
@@ -172,6 +182,7 @@ def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Sett
         stop_threshold=method.threshold,
         bound=method.bound,
         coupled=s.coupled,
+        round_prices=models.round_prices[method.kind] if method.priced else None,
     )
     # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to the
     # pairing, not to the method: the time they took, measured on their own, is left out.

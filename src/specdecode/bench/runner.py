@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import platform
 import resource
-import statistics
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -27,9 +25,10 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
+from specdecode.config import RoundPrices
 from specdecode.kernels import cpu_fp32, model_bytes
-from specdecode.kv_cache import model_device
 from specdecode.stats import CostFigures, RowStats
+from specdecode.timing import step_seconds
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,7 @@ class BenchConfig:
     bounds: tuple[tuple[int, int], ...] = ((1, 8),)  # adaptive policies' (MIN, MAX), a sweep
     head: str | None = None
     coupled: bool = False  # sampling: every policy of a drafter commits the same text
+    priced: bool = False  # head policies run twice: flat, and priced by the calibration
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -104,6 +104,7 @@ class BenchConfig:
             list(self.policies),
             thresholds,
             [tuple(b) for b in self.bounds],
+            self.priced,
         )
 
 
@@ -151,37 +152,6 @@ def machine_info() -> dict:
     }
 
 
-def step_seconds(
-    model: torch.nn.Module, context: list[int], counts: list[int], reps: int = 7
-) -> dict[int, float]:
-    """Median time of one forward over n new tokens after a cached context, for each n.
-
-    The counts are timed interleaved, round by round, so that a drift of the machine's speed
-    (frequency, a neighbour's load) lands on all of them alike rather than on the one timed
-    while it lasted: timed one after another, a 2-position pass once read 1.27 steps here
-    against 1.01 measured in the same run's rounds.
-    """
-    from transformers import DynamicCache
-
-    device = model_device(model)
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    times: dict[int, list[float]] = {n: [] for n in counts}
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        prefix = torch.tensor([context], device=device)
-        model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(reps + 1):
-            for n in counts:
-                new = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
-                sync()  # a GPU runs ahead of the host: time the kernels, not their launches
-                start = time.perf_counter()
-                model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
-                sync()
-                times[n].append(time.perf_counter() - start)
-                cache.crop(-n)
-    return {n: statistics.median(t[1:]) for n, t in times.items()}  # the first round: warm-up
-
-
 def calibrate(
     models: Models, methods: list[Method], context: list[int], longest_round: int = 0
 ) -> dict:
@@ -202,6 +172,14 @@ def calibrate(
     return costs
 
 
+def round_prices(costs: dict, longest_round: int) -> dict[str, RoundPrices]:
+    """The calibration as each drafter kind's round prices (rounds of 1..longest_round)."""
+    if longest_round < 1:
+        return {}
+    verify = tuple(costs["verify_cost_in_steps"][k] for k in range(1, longest_round + 1))
+    return {kind: RoundPrices(c, verify) for kind, c in costs["c"].items()}
+
+
 def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress=True):
     methods = cfg.method_list()
     settings = Settings(
@@ -215,6 +193,7 @@ def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], pro
     )
     longest = max((m.bound[1] for m in methods if m.bound is not None), default=0)
     costs = calibrate(models, methods, prompt_ids[0], longest)
+    models.round_prices = round_prices(costs, longest)
     warm = replace(settings, max_new_tokens=8)
     for method in methods:  # warm-up: first calls pay for allocation and lazy set-up
         run_method(method, models, prompt_ids[:1], warm)
