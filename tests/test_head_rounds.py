@@ -265,6 +265,25 @@ def test_a_verify_curve_prices_each_round_by_its_length():
             PreviewCosts(verify_curve=(1.0, bad))
 
 
+def test_priced_replay_rows_follow_the_prices():
+    """`priced h=...` rows: a head told the replay's own prices. Where the verify pass is
+    flat they replay as the threshold rule's rows; where the third token's pass is dear, a
+    head of middling predictions stops at two where the threshold rule drafted three."""
+    recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
+    label, _, *ints = replay_inputs(recorded)
+    middling = torch.full_like(label, 0.8)  # P(all accepted): 0.8, 0.64, 0.51
+    flat = preview_rounds(middling, label, *ints, (1, 3), PreviewCosts(0.2, 0.0))
+    for h in ("0.3", "0.5", "0.7", "0.9"):
+        assert flat[f"priced h={h}"] == flat[f"head h={h}"], h
+    jump = PreviewCosts(0.2, 0.0, verify_curve=(1.0, 1.0, 1.6))
+    dear = preview_rounds(middling, label, *ints, (1, 3), jump)
+    assert dear["head h=0.5"]["drafted_per_round"] == pytest.approx(3.0)  # risk 0.49 at 3
+    assert dear["priced h=0.5"]["est_speed"] == pytest.approx(dear["k=2"]["est_speed"])
+    assert dear["priced h=0.5"]["est_speed"] > dear["head h=0.5"]["est_speed"]
+    assert jump.round_prices(3).verify == pytest.approx((1.0, 1.0, 1.6))
+    assert "priced h=0.5" not in preview_rounds(middling, label, *ints, (1, 3), PreviewCosts(0.0))
+
+
 def test_a_rounds_first_token_can_be_predicted_apart():
     """`first_pred` serves a round's first drafted token only: a head sure of every token but
     told the first of each round is doomed stops every round after one token (as k = 1 does),

@@ -56,6 +56,8 @@ from specdecode.acceptance_head import (
     ModelIdentity,
     number_logit,
 )
+from specdecode.config import RoundPrices
+from specdecode.length_policies import going_on_prices, worth_drafting_on
 
 EXAMPLES_FILE = "examples.safetensors"
 META_FILE = "meta.json"
@@ -105,6 +107,11 @@ class PreviewCosts:
         else:
             verify = curve[-1] + self.verify_slope * (drafted - len(curve))
         return verify + self.draft_cost * drafted
+
+    def round_prices(self, most_drafted: int) -> RoundPrices:
+        """These prices as a priced head reads them, for rounds of 1..most_drafted tokens."""
+        verify = (self.round_cost(m) - self.draft_cost * m for m in range(1, most_drafted + 1))
+        return RoundPrices(self.draft_cost, tuple(verify))
 
     def describe(self) -> str:
         if not self.verify_curve:
@@ -1085,8 +1092,26 @@ def preview_rounds(
 
         return stop_after
 
+    def priced(values: list[float], h: float):
+        bar = going_on_prices(costs.round_prices(high), h, high)  # [high, high]
+
+        def stop_after(rows: list[int]) -> int:
+            keep = 1.0
+            for m, i in enumerate(rows, 1):
+                keep *= values[i]
+                last = torch.tensor([values[i]], dtype=torch.float64)
+                if low <= m < high and not worth_drafting_on(
+                    last.new_tensor([keep]), last, bar[m - 1]
+                ):
+                    return m
+            return len(rows)
+
+        return stop_after
+
     out = {f"k={k}": replay(lambda rows, k=k: min(k, len(rows))) for k in range(1, high + 1)}
     out |= {f"head h={h:g}": replay(threshold(pred_l, h, first_l)) for h in PREVIEW_THRESHOLDS}
+    if costs.draft_cost > 0 and first_l is None:  # the head told these prices (`--priced`)
+        out |= {f"priced h={h:g}": replay(priced(pred_l, h)) for h in PREVIEW_THRESHOLDS}
     out |= {f"oracle h={h:g}": replay(threshold(label_l, h)) for h in PREVIEW_THRESHOLDS}
     return out
 
