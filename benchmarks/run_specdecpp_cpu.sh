@@ -231,3 +231,13 @@ specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperatur
 python benchmarks/specdecpp_price_sweep.py data-rounds12-humaneval-40-72 \
   eval-rounds12-mtbench-10-t07 eval-rounds12-humaneval-0-16 > benchmarks/specdecpp-price-sweep.txt
 python benchmarks/round_cost_parts.py 3 48 > benchmarks/round-cost-parts.txt
+# seventeenth session: priced heads (--priced: each head method also run knowing the machine's
+# round prices, from the run's calibration), HumanEval 0-15 (24 minutes) and MT-Bench 81-96
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 4 5 6 8 --length-policy constant heuristic head-u \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
+  --out benchmarks/specdecpp-humaneval-t07-16-coupled-priced --quiet
+specdecode bench --prompts mtbench --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant heuristic head-u \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
+  --out benchmarks/specdecpp-mtbench-t07-16-coupled-priced --quiet
