@@ -241,3 +241,9 @@ specdecode bench --prompts mtbench --limit 16 --max-new-tokens 64 --temperature 
   --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant heuristic head-u \
   --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
   --out benchmarks/specdecpp-mtbench-t07-16-coupled-priced --quiet
+specdecode bench --prompts mtbench --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
+  --seed 0 --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head-u \
+  --stop-threshold 0.9 --bound 1 12 --coupled --priced \
+  --out benchmarks/specdecpp-mtbench-t07-16-31-coupled-priced --quiet
+python benchmarks/pool_runs.py "sd-int8[k=3]" "sd-int8[head-u t=0.9 1..12 priced]" \
+  benchmarks/specdecpp-mtbench-t07-16-coupled-priced benchmarks/specdecpp-mtbench-t07-16-31-coupled-priced
