@@ -107,8 +107,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         decoder.load_head(args.head)
     prices = None
     if args.priced:
-        if args.length_policy not in HEAD_POLICIES or draft is None:
+        if args.length_policy not in HEAD_POLICIES:
             raise ValueError("--priced prices the head policies' rounds: use --length-policy head")
+        if draft is None:
+            raise ValueError("--priced prices drafted tokens; it needs a drafter (no --no-draft)")
         prices = decoder.measure_round_prices(args.bound[1] if args.bound else DEFAULT_BOUND[1])
         print(f"[round prices] {prices.describe()}", file=sys.stderr)
     settings = dict(

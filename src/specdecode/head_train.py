@@ -1099,11 +1099,10 @@ def preview_rounds(
             keep = 1.0
             for m, i in enumerate(rows, 1):
                 keep *= values[i]
-                last = torch.tensor([values[i]], dtype=torch.float64)
-                if low <= m < high and not worth_drafting_on(
-                    last.new_tensor([keep]), last, bar[m - 1]
-                ):
-                    return m
+                if m >= low:  # the bar's row for `high` drafted is all inf: a stop there
+                    last = torch.tensor([values[i]], dtype=torch.float64)
+                    if not worth_drafting_on(last.new_tensor([keep]), last, bar[m - 1]):
+                        return m
             return len(rows)
 
         return stop_after

@@ -185,7 +185,8 @@ def worth_drafting_on(
     all_accepted: torch.Tensor, last: torch.Tensor, bar: torch.Tensor
 ) -> torch.Tensor:
     """all_accepted [batch] P(every token drafted so far is accepted), last [batch] the latest
-    token's predicted acceptance, bar [M] `going_on_prices`' row for this many drafted ->
+    token's predicted acceptance, bar [M] `going_on_prices`' row for this many drafted (on
+    their device) ->
     [batch] whether some further stretch of m tokens is worth its price.
 
     m more tokens add all_accepted x (a + a^2 + ... + a^m) expected tokens, taking the latest
@@ -196,7 +197,7 @@ def worth_drafting_on(
     steps = torch.arange(bar.shape[0], dtype=torch.float64, device=last.device)  # [M]
     powers = last.double().clamp(0, 1)[:, None] ** steps  # [batch, M] 1, a, a^2, ...
     gain = all_accepted.double()[:, None] * powers.cumsum(-1)  # [batch, M] / a, m = 1..M
-    return (gain >= bar.to(last.device)).any(-1)  # [batch]
+    return (gain >= bar).any(-1)  # [batch]
 
 
 class HeadLength(_StopRule):
@@ -229,6 +230,8 @@ class HeadLength(_StopRule):
 
     def begin_round(self, batch_size: int, device: torch.device) -> None:
         self.log_all_accepted = torch.zeros(batch_size, device=device)  # [batch]
+        if self.bar is not None:  # moved once, not at every drafted token (a no-op after)
+            self.bar = self.bar.to(device)
 
     def should_stop(self, position: DraftedPosition) -> torch.Tensor:
         if position.hidden is None:
@@ -247,9 +250,7 @@ class HeadLength(_StopRule):
             logit = self.head.with_number(logit, position.number)
         # log sigmoid is exact where the product of many probabilities would underflow
         self.log_all_accepted = self.log_all_accepted + torch.nn.functional.logsigmoid(logit)
-        if self.bar is not None:
-            if position.index + 1 >= self.max_tokens:
-                return torch.ones_like(logit, dtype=torch.bool)
+        if self.bar is not None:  # its last row (max_tokens drafted) is all inf: a stop
             row = self.bar[position.index]  # [max_tokens]
             return ~worth_drafting_on(self.log_all_accepted.exp(), torch.sigmoid(logit), row)
         return -torch.expm1(self.log_all_accepted) > self.threshold  # 1 - prod a_i > h
