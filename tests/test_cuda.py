@@ -19,6 +19,7 @@ from test_coupled import generate as coupled_generate
 from test_length_policies import PROMPTS, drawn_head, noisy_copy, spread_head
 
 from specdecode import SpeculativeDecoder
+from specdecode.config import RoundPrices
 from specdecode.timing import step_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -75,6 +76,29 @@ def test_step_timer_times_the_kernels_on_the_models_device() -> None:
     model = tiny_llama(seed=0, layers=4).to(CUDA)
     seconds = step_seconds(model, list(range(5, 60)), [1, 4, 8], reps=3)
     assert set(seconds) == {1, 4, 8} and all(0 < s < 1 for s in seconds.values())
+
+
+def test_priced_head_on_cuda(pair) -> None:
+    """Round prices timed on the GPU, and a head weighing them there: its table of bars moves
+    to the round's device, and the text is the target's under greedy and under coupling."""
+    gpu = on_cuda(pair[0], pair[1], spread_head(32))
+    prices = gpu.measure_round_prices(max_tokens=6)
+    assert len(prices.verify) == 6 and prices.draft > 0
+    assert all(0 < cost < 20 for cost in prices.verify)
+    jump = RoundPrices(0.2, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5))
+    policy = dict(length_policy="head", stop_threshold=0.5, bound=(1, 6))
+    plain = gpu.generate(PROMPTS, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
+    for round_prices in (prices, jump):
+        out = gpu.generate(
+            PROMPTS, max_new_tokens=24, stop_token_ids=[], round_prices=round_prices, **policy
+        )
+        assert out.new_tokens == plain.new_tokens
+    coupled = on_cuda(*pair)
+    texts = [
+        coupled_generate(coupled, True, **POLICIES["k=1"]).new_tokens,
+        coupled_generate(coupled, True, round_prices=jump, **POLICIES["head"]).new_tokens,
+    ]
+    assert texts[0] == texts[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
