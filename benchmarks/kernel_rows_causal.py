@@ -40,18 +40,18 @@ def main(n: int, new_tokens: int) -> None:
         "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True
     )
     packed = [m for m in decoder.target.modules() if isinstance(m, PrepackedLinear)]
-    timed = [(m.min_rows, m.pad_rows) for m in packed]
+    timed = [(m.min_rows, m.pad_to) for m in packed]
     chosen = kernel_summary(decoder.target)["row_plans"]  # before any switching
     plans = {
-        "from 2 rows": [(2, 1)] * len(packed),
-        "from 1 row": [(1, 1)] * len(packed),
+        "from 2 rows": [(2, ())] * len(packed),
+        "from 1 row": [(1, ())] * len(packed),
         "timed plans": timed,
     }
     prompts = [p.text for p in load_prompts("humaneval", limit=n)]
 
     def run(plan: str, method: str, prompt: str) -> tuple[float, list[int]]:
-        for module, (min_rows, pad_rows) in zip(packed, plans[plan], strict=True):
-            module.min_rows, module.pad_rows = min_rows, pad_rows
+        for module, (min_rows, pad_to) in zip(packed, plans[plan], strict=True):
+            module.min_rows, module.pad_to = min_rows, pad_to
         start = time.perf_counter()
         out = decoder.generate([prompt], max_new_tokens=new_tokens, **METHODS[method])
         return time.perf_counter() - start, out.new_tokens[0]
@@ -74,7 +74,7 @@ def main(n: int, new_tokens: int) -> None:
         f"qwen2.5-coder-1.5b (int8 qwen2.5-coder-0.5b drafting), greedy, {n} HumanEval prompts, "
         f"{new_tokens} new tokens, fastest of {REPEATS} interleaved repeats"
     )
-    print(f"timed plans (min_rows, pad_rows) by weight shape: {chosen}")
+    print(f"timed plans [min_rows, pad_to] by weight shape: {chosen}")
     reference = tokens["timed plans", "plain"]
     for method in METHODS:
         count = sum(len(t) for t in tokens["timed plans", method])

@@ -19,13 +19,20 @@ that machine, against about one for 3 to 12: an adaptive length policy paid thre
 for every short round.
 
 The packed kernel itself is not monotone in the rows either: oneDNN picks its blocking by the
-row count, and on a later 2-core EPYC the output layer took 32 / 39 / 26 / 23 / 24 ms for 1-5
-rows and the MLP's 8960 x 1536 1.69 / 1.85 / 1.70 / 1.52 / 1.48 ms, while the attention
-products (1536 x 1536) grow with every row. Each packed weight therefore also has `pad_rows`:
-a product of fewer rows is padded with zero rows up to it (each row of a product depends on
-that row alone, so padding changes nothing but the kernel). Both numbers are timed once per
-distinct weight shape at load (`row_plan`); on that machine a whole step of the 1.5B target
-went from 252 to 208 ms and a verify pass of 2 tokens from 342 to 200 ms.
+row count, and on a later 2-core EPYC the output layer took 30 / 38 / 26 / 23 / 23 / 23 / 29 /
+32 / 31 ms for 1-9 rows (medians) and the MLP's 8960 x 1536 1.36 / 1.49 / 1.38 / 1.24 / 1.21 /
+1.25 / 1.58 / 1.71 / 1.69 ms, while the attention products (1536 x 1536) grow with every row.
+Each packed weight therefore also has `pad_to`: the row count each short product is padded to
+with zero rows, the cheapest count at or above its own (each row of a product depends on that
+row alone, so padding changes nothing but the kernel). Both are timed once per distinct weight
+shape at load (`row_plan`); on that machine a whole step of the 1.5B target went from 252 to
+208 ms and a verify pass of 2 tokens from 342 to 200 ms.
+
+The plan is read off median times, not the best of a few: a one-row product of the MLP's weight
+now and then runs as fast as five rows (1.20 ms best) but typically takes 1.36 ms, and plans
+read off best times left it unpadded in two runs of three, which made a verify pass of 2
+positions cost 1.14-1.20 target steps where one of 3-6 cost 0.8-0.9 (`benchmarks/README.md`,
+eighteenth session).
 
 The dense weight stays the module's parameter (nothing else changes for `transformers`); the
 packed copy costs one more copy of the linear weights in memory. Results agree with the default
@@ -40,35 +47,62 @@ little, never the target's output, since every token is verified by the target.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 import warnings
 
 import torch
 
 
+def padding_up_to(pad_rows: int) -> tuple[int, ...]:
+    """`pad_to` that pads every product of fewer than `pad_rows` rows up to `pad_rows`."""
+    return (pad_rows,) * (pad_rows - 1)
+
+
+def checked_padding(pad_to) -> tuple[int, ...]:
+    """`pad_to` as a tuple, refused unless each count is at least its own row count; counts
+    equal to their own at the end are dropped (rows past the end are not padded)."""
+    pad_to = tuple(int(n) for n in pad_to)
+    short = [(rows, n) for rows, n in enumerate(pad_to, 1) if n < rows]
+    if short:
+        raise ValueError(f"pad_to must pad each row count up, not down: (rows, to) {short}")
+    while pad_to and pad_to[-1] == len(pad_to):
+        pad_to = pad_to[:-1]
+    return pad_to
+
+
 class _Packed(torch.nn.Module):
     """A oneDNN-prepacked copy of a weight, used for products of at least `min_rows` rows;
-    products of fewer than `pad_rows` rows are padded with zero rows up to that count."""
+    a product of r rows, r <= len(pad_to), is padded with zero rows up to `pad_to[r - 1]`."""
 
-    def __init__(self, weight: torch.Tensor, min_rows: int, pad_rows: int = 1) -> None:
+    def __init__(self, weight: torch.Tensor, min_rows: int, pad_to=()) -> None:
         super().__init__()
         self.min_rows = min_rows
-        self.pad_rows = pad_rows
+        self.pad_to = pad_to
         self.enabled = True
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
+    @property
+    def pad_to(self) -> tuple[int, ...]:
+        return self._pad_to
+
+    @pad_to.setter
+    def pad_to(self, pad_to) -> None:
+        self._pad_to = checked_padding(pad_to)
+
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         """x @ weight.T + bias, by the packed copy when there are enough rows (inference only);
-        a product of fewer than `pad_rows` rows is padded with zero rows."""
+        a short product is padded with zero rows as `pad_to` says."""
         rows = x.numel() // weight.shape[1]
         if not self.enabled or rows < self.min_rows or torch.is_grad_enabled():
             return torch.nn.functional.linear(x, weight, bias)
         bias = None if bias is None else bias.detach()
-        if rows >= self.pad_rows:
+        to = self.pad_to[rows - 1] if rows <= len(self.pad_to) else rows
+        if to == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         flat = x.reshape(rows, x.shape[-1])
-        padded = torch.cat([flat, flat.new_zeros(self.pad_rows - rows, flat.shape[1])])
+        padded = torch.cat([flat, flat.new_zeros(to - rows, flat.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(padded, self.packed, bias, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])  # [..., out_features]
 
@@ -76,8 +110,8 @@ class _Packed(torch.nn.Module):
 class PrepackedLinear(_Packed):
     """`nn.Linear` with a oneDNN-prepacked copy of its weight for multi-row products."""
 
-    def __init__(self, linear: torch.nn.Linear, min_rows: int, pad_rows: int = 1) -> None:
-        super().__init__(linear.weight, min_rows, pad_rows)
+    def __init__(self, linear: torch.nn.Linear, min_rows: int, pad_to=()) -> None:
+        super().__init__(linear.weight, min_rows, pad_to)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -94,9 +128,9 @@ class PackedTiedOutput(_Packed):
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int, pad_rows: int = 1
+        self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int, pad_to=()
     ) -> None:
-        super().__init__(weight, min_rows, pad_rows)
+        super().__init__(weight, min_rows, pad_to)
         self._tied = (weight, bias)
 
     @property
@@ -111,13 +145,14 @@ def kernel_summary(model: torch.nn.Module) -> dict:
     """Which fp32 kernels a model runs: the verify cost of short rounds depends on it.
 
     `packed_from_rows` is the switch of the largest packed weight (the product that decides a
-    step's cost); `row_plans` maps each weight shape to its (min_rows, pad_rows).
+    step's cost); `row_plans` maps each weight shape to [min_rows, pad_to], pad_to listing the
+    row count that a product of 1, 2, ... rows is padded to.
     """
     packed = [m for m in model.modules() if isinstance(m, _Packed)]
     if not packed:
         return {"prepacked": False, "packed_from_rows": None, "row_plans": {}}
     largest = max(packed, key=lambda m: m.weight.numel())
-    plans = {_shape_name(m): [m.min_rows, m.pad_rows] for m in packed}
+    plans = {_shape_name(m): [m.min_rows, list(m.pad_to)] for m in packed}
     return {"prepacked": True, "packed_from_rows": largest.min_rows, "row_plans": plans}
 
 
@@ -143,10 +178,11 @@ def _packable(module: torch.nn.Module) -> bool:
 
 MOST_PADDED_ROWS = 8  # row counts timed for padding; larger products are never padded
 PAD_TOLERANCE = 1.03  # the fewest rows within 3% of the fastest: no padding bought on noise
+Plan = tuple[int, tuple[int, ...]]  # (min_rows, pad_to)
 
 
-def row_plan(module: _Packed, repeats: int = 5, clock=time.perf_counter) -> tuple[int, int]:
-    """(min_rows, pad_rows) fastest for `module`'s weight on this machine, timed on its copy.
+def row_plan(module: _Packed, repeats: int = 7, clock=time.perf_counter) -> Plan:
+    """(min_rows, pad_to) fastest for `module`'s weight on this machine, timed on its copy.
 
     Which kernel is faster for one row depends on the CPU: on the 2-core Intel Xeon the
     project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
@@ -170,21 +206,25 @@ def row_plan(module: _Packed, repeats: int = 5, clock=time.perf_counter) -> tupl
     candidates = {("packed", rows): repeated(packed(rows)) for rows in inputs}
     candidates["dense", 1] = repeated(lambda: torch.nn.functional.linear(inputs[1], weight))
     with torch.inference_mode():
-        return plan_from_times(best_times(candidates, repeats, clock))
+        return plan_from_times(median_times(candidates, repeats, clock))
 
 
-def plan_from_times(times: dict[tuple[str, int], float]) -> tuple[int, int]:
-    """(min_rows, pad_rows) from the best times of ("packed", rows) for 1..n rows and of
-    ("dense", 1): pad to the fewest rows within `PAD_TOLERANCE` of the fastest packed product,
-    and take the dense weight for one row only where it beats that."""
+def plan_from_times(times: dict[tuple[str, int], float]) -> Plan:
+    """(min_rows, pad_to) from the times of ("packed", rows) for 1..n rows and of ("dense", 1):
+    a product of r rows is padded to the fewest rows, r or more, within `PAD_TOLERANCE` of the
+    fastest packed product of r or more rows; one row takes the dense weight only where that
+    beats its padded packed product."""
     packed = {rows: t for (kind, rows), t in times.items() if kind == "packed"}
-    best = min(packed.values())
-    pad_rows = min(rows for rows, t in packed.items() if t <= PAD_TOLERANCE * best)
-    min_rows = 1 if packed[pad_rows] <= times["dense", 1] else 2
-    return min_rows, pad_rows
+    pad_to = []
+    for rows in sorted(packed):
+        above = {n: t for n, t in packed.items() if n >= rows}
+        best = min(above.values())
+        pad_to.append(min(n for n, t in above.items() if t <= PAD_TOLERANCE * best))
+    min_rows = 1 if packed[pad_to[0]] <= times["dense", 1] else 2
+    return min_rows, checked_padding(pad_to)
 
 
-def choose_row_plans(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+def choose_row_plans(model: torch.nn.Module) -> dict[str, Plan]:
     """Time `row_plan` once per distinct weight shape of the model's packed modules and give
     every module of that shape its plan; returns the plans by shape."""
     plans: dict[str, tuple[int, int]] = {}
@@ -193,19 +233,21 @@ def choose_row_plans(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             name = _shape_name(module)
             if name not in plans:
                 plans[name] = row_plan(module)
-            module.min_rows, module.pad_rows = plans[name]
+            module.min_rows, module.pad_to = plans[name]
     return plans
 
 
-def best_times(candidates: dict, repeats: int, clock=time.perf_counter) -> dict:
-    """The best time of each callable: interleaved, the best of `repeats` after a warm-up."""
-    best = dict.fromkeys(candidates, float("inf"))
-    for _ in range(repeats + 1):  # the first round warms each up
+def median_times(candidates: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """The typical time of each callable: interleaved, the median of `repeats` after a
+    warm-up. A real pass pays the typical time; the best of a few is an occasional fast run."""
+    times: dict = {key: [] for key in candidates}
+    for round_ in range(repeats + 1):
         for key, run in candidates.items():
             start = clock()
             run()
-            best[key] = min(best[key], clock() - start)
-    return best
+            if round_:  # the first round warms each up
+                times[key].append(clock() - start)
+    return {key: statistics.median(seen) for key, seen in times.items()}
 
 
 def prepack_linears(
@@ -214,8 +256,9 @@ def prepack_linears(
     """Give every fp32 CPU `nn.Linear` of `model` a prepacked path, in place; returns `model`.
 
     The packed copy serves products of `min_rows` rows or more, and pads those of fewer than
-    `pad_rows` rows with zero rows. None: timed per weight shape on this machine (`row_plan`;
-    packed from 1 or 2 rows, padded up to at most `MOST_PADDED_ROWS`).
+    `pad_rows` rows with zero rows up to `pad_rows` (1: no padding). None: timed per weight
+    shape on this machine (`row_plan`; packed from 1 or 2 rows, each short row count padded to
+    the cheapest count at or above it, up to `MOST_PADDED_ROWS`).
     """
     for name, value in (("min_rows", min_rows), ("pad_rows", pad_rows)):
         if value is not None and value < 1:
@@ -225,19 +268,20 @@ def prepack_linears(
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if _packable(child):
-                setattr(module, name, PrepackedLinear(child, min_rows or 2, pad_rows or 1))
+                setattr(module, name, PrepackedLinear(child, min_rows or 2))
     set_row_plans(model, min_rows, pad_rows)
     return model
 
 
 def set_row_plans(model: torch.nn.Module, min_rows: int | None, pad_rows: int | None) -> None:
-    """Give the model's packed modules the given row numbers, timing those left None."""
+    """Give the model's packed modules the given row numbers, timing those left None
+    (`pad_rows` p pads every product of fewer than p rows up to p)."""
     if min_rows is None or pad_rows is None:
         choose_row_plans(model)
     for module in model.modules():
         if isinstance(module, _Packed):
             module.min_rows = min_rows or module.min_rows
-            module.pad_rows = pad_rows or module.pad_rows
+            module.pad_to = module.pad_to if pad_rows is None else padding_up_to(pad_rows)
 
 
 def model_bytes(model: torch.nn.Module) -> int:
