@@ -247,3 +247,19 @@ specdecode bench --prompts mtbench --skip 16 --limit 16 --max-new-tokens 64 --te
   --out benchmarks/specdecpp-mtbench-t07-16-31-coupled-priced --quiet
 python benchmarks/pool_runs.py "sd-int8[k=3]" "sd-int8[head-u t=0.9 1..12 priced]" \
   benchmarks/specdecpp-mtbench-t07-16-coupled-priced benchmarks/specdecpp-mtbench-t07-16-31-coupled-priced
+# eighteenth session: row plans per row count (each short product padded to the cheapest count at
+# or above it, read off medians), the same benches on them, and the replay at their prices
+python benchmarks/kernel_row_counts.py 6 48 > benchmarks/kernel-row-counts.txt
+specdecode bench --prompts mtbench --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant heuristic head-u \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
+  --out benchmarks/specdecpp-mtbench-t07-16-coupled-rowcounts --quiet
+specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 --num-draft-tokens 4 5 6 8 --length-policy constant heuristic head-u \
+  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
+  --out benchmarks/specdecpp-humaneval-t07-16-coupled-rowcounts --quiet
+for set in eval-rounds12-humaneval-0-16 eval-rounds12-mtbench-10-t07; do
+  specdecode head replay "$HOME/.cache/specdecode/heads/$set" --head src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling \
+    --bound 1 12 --costs 0.15 0.02 \
+    --verify-curve 1.00 0.97 0.96 0.93 0.92 1.13 1.21 1.22 1.26 1.26 1.37 1.50
+done > benchmarks/specdecpp-replay-rowcounts.txt
