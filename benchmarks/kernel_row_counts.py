@@ -30,8 +30,11 @@ from specdecode.kernels import (
     PAD_TOLERANCE,
     _Packed,
     _shape_name,
+    calls_per_sample,
     padding_up_to,
     plan_from_times,
+    product_candidates,
+    timed_samples,
 )
 from specdecode.prompts import load_prompts
 from specdecode.timing import step_seconds
@@ -46,20 +49,14 @@ LAST_RUNS = {"151936x1536": (4, 4, 4), "1536x8960": (), "8960x1536": (), "1536x1
 
 def product_samples(module: _Packed) -> dict[int, list[float]]:
     """Seconds of the packed product at each row count, one sample per round (interleaved)."""
-    weight = module.weight
-    calls = max(1, min(200, round(2e7 / weight.numel())))
-    inputs = {rows: torch.randn(rows, weight.shape[1]) for rows in ROWS}
-    samples: dict[int, list[float]] = {rows: [] for rows in ROWS}
+    calls = calls_per_sample(module.weight)
     with torch.inference_mode():
-        for _ in range(ROUNDS + 1):
-            for rows in ROWS:
-                start = time.perf_counter()
-                for _ in range(calls):
-                    torch.ops.mkldnn._linear_pointwise(
-                        inputs[rows], module.packed, None, "none", [], ""
-                    )
-                samples[rows].append((time.perf_counter() - start) / calls)
-    return {rows: seen[1:] for rows, seen in samples.items()}  # the first round: warm-up
+        samples = timed_samples(product_candidates(module, ROWS), ROUNDS)
+    return {
+        rows: [t / calls for t in seen]
+        for (kind, rows), seen in samples.items()
+        if kind == "packed"
+    }
 
 
 def old_padding(samples: dict[int, list[float]], draw) -> tuple[int, ...]:

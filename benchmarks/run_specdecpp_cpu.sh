@@ -233,14 +233,13 @@ python benchmarks/specdecpp_price_sweep.py data-rounds12-humaneval-40-72 \
 python benchmarks/round_cost_parts.py 3 48 > benchmarks/round-cost-parts.txt
 # seventeenth session: priced heads (--priced: each head method also run knowing the machine's
 # round prices, from the run's calibration), HumanEval 0-15 (24 minutes) and MT-Bench 81-96
-specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
-  --methods ar sd-int8 --num-draft-tokens 4 5 6 8 --length-policy constant heuristic head-u \
-  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
-  --out benchmarks/specdecpp-humaneval-t07-16-coupled-priced --quiet
-specdecode bench --prompts mtbench --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
-  --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant heuristic head-u \
-  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
-  --out benchmarks/specdecpp-mtbench-t07-16-coupled-priced --quiet
+priced_bench() {  # PROMPTS "CONSTANT KS" OUT: constants, heuristic, head-u flat and priced
+  specdecode bench --prompts "$1" --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+    --methods ar sd-int8 --num-draft-tokens $2 --length-policy constant heuristic head-u \
+    --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced --out "$3" --quiet
+}
+priced_bench humaneval "4 5 6 8" benchmarks/specdecpp-humaneval-t07-16-coupled-priced
+priced_bench mtbench "2 3 4 5" benchmarks/specdecpp-mtbench-t07-16-coupled-priced
 specdecode bench --prompts mtbench --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
   --seed 0 --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head-u \
   --stop-threshold 0.9 --bound 1 12 --coupled --priced \
@@ -250,14 +249,8 @@ python benchmarks/pool_runs.py "sd-int8[k=3]" "sd-int8[head-u t=0.9 1..12 priced
 # eighteenth session: row plans per row count (each short product padded to the cheapest count at
 # or above it, read off medians), the same benches on them, and the replay at their prices
 python benchmarks/kernel_row_counts.py 6 48 > benchmarks/kernel-row-counts.txt
-specdecode bench --prompts mtbench --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
-  --methods ar sd-int8 --num-draft-tokens 2 3 4 5 --length-policy constant heuristic head-u \
-  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
-  --out benchmarks/specdecpp-mtbench-t07-16-coupled-rowcounts --quiet
-specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
-  --methods ar sd-int8 --num-draft-tokens 4 5 6 8 --length-policy constant heuristic head-u \
-  --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced \
-  --out benchmarks/specdecpp-humaneval-t07-16-coupled-rowcounts --quiet
+priced_bench mtbench "2 3 4 5" benchmarks/specdecpp-mtbench-t07-16-coupled-rowcounts
+priced_bench humaneval "4 5 6 8" benchmarks/specdecpp-humaneval-t07-16-coupled-rowcounts
 for set in eval-rounds12-humaneval-0-16 eval-rounds12-mtbench-10-t07; do
   specdecode head replay "$HOME/.cache/specdecode/heads/$set" --head src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling \
     --bound 1 12 --costs 0.15 0.02 \

@@ -188,12 +188,25 @@ def row_plan(module: _Packed, repeats: int = 7, clock=time.perf_counter) -> Plan
     project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
     on the 2-core AMD EPYC, the packed copy (whole decodes 1.40x faster for the 1.5B target and
     1.21x for the seq2seq verifier, `benchmarks/kernel_rows_causal.py`, `specdec_kernel_rows.py`).
-    Plain decoding is the baseline of every speedup, so it gets the faster one. Small weights
-    are timed over several calls a sample, so that a sample is not all timer noise.
+    Plain decoding is the baseline of every speedup, so it gets the faster one.
     """
+    candidates = product_candidates(module, range(1, MOST_PADDED_ROWS + 1))
+    with torch.inference_mode():
+        return plan_from_times(median_times(candidates, repeats, clock))
+
+
+def calls_per_sample(weight: torch.Tensor) -> int:
+    """Products a timing sample runs: several for small weights, so that a sample is not all
+    timer noise."""
+    return max(1, min(200, round(2e7 / weight.numel())))
+
+
+def product_candidates(module: _Packed, row_counts) -> dict:
+    """Callables timing `module`'s packed product at each row count ("packed", rows) and the
+    dense one-row product ("dense", 1), each `calls_per_sample` products long."""
     weight = module.weight
-    calls = max(1, min(200, round(2e7 / weight.numel())))
-    inputs = {rows: torch.randn(rows, weight.shape[1]) for rows in range(1, MOST_PADDED_ROWS + 1)}
+    calls = calls_per_sample(weight)
+    inputs = {rows: torch.randn(rows, weight.shape[1]) for rows in {1, *row_counts}}
 
     def repeated(product):
         return lambda: [product() for _ in range(calls)]
@@ -203,10 +216,9 @@ def row_plan(module: _Packed, repeats: int = 7, clock=time.perf_counter) -> Plan
             inputs[rows], module.packed, None, "none", [], ""
         )
 
-    candidates = {("packed", rows): repeated(packed(rows)) for rows in inputs}
+    candidates = {("packed", rows): repeated(packed(rows)) for rows in row_counts}
     candidates["dense", 1] = repeated(lambda: torch.nn.functional.linear(inputs[1], weight))
-    with torch.inference_mode():
-        return plan_from_times(median_times(candidates, repeats, clock))
+    return candidates
 
 
 def plan_from_times(times: dict[tuple[str, int], float]) -> Plan:
@@ -237,9 +249,8 @@ def choose_row_plans(model: torch.nn.Module) -> dict[str, Plan]:
     return plans
 
 
-def median_times(candidates: dict, repeats: int, clock=time.perf_counter) -> dict:
-    """The typical time of each callable: interleaved, the median of `repeats` after a
-    warm-up. A real pass pays the typical time; the best of a few is an occasional fast run."""
+def timed_samples(candidates: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """`repeats` times of each callable, interleaved round by round, after a warm-up round."""
     times: dict = {key: [] for key in candidates}
     for round_ in range(repeats + 1):
         for key, run in candidates.items():
@@ -247,7 +258,14 @@ def median_times(candidates: dict, repeats: int, clock=time.perf_counter) -> dic
             run()
             if round_:  # the first round warms each up
                 times[key].append(clock() - start)
-    return {key: statistics.median(seen) for key, seen in times.items()}
+    return times
+
+
+def median_times(candidates: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """The typical time of each callable: the median of `timed_samples`. A real pass pays the
+    typical time; the best of a few is an occasional fast run."""
+    samples = timed_samples(candidates, repeats, clock)
+    return {key: statistics.median(seen) for key, seen in samples.items()}
 
 
 def prepack_linears(
