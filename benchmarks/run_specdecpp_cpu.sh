@@ -256,3 +256,6 @@ for set in eval-rounds12-humaneval-0-16 eval-rounds12-mtbench-10-t07; do
     --bound 1 12 --costs 0.15 0.02 \
     --verify-curve 1.00 0.97 0.96 0.93 0.92 1.13 1.21 1.22 1.26 1.26 1.37 1.50
 done > benchmarks/specdecpp-replay-rowcounts.txt
+# nineteenth session: shared Gumbel noise, a colder drafter and the target's view one position
+# back, scored on texts the target sampled (the laws are collected once into the cache, 12 min)
+python benchmarks/specdecpp_predictability.py > benchmarks/specdecpp-predictability.txt
