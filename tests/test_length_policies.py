@@ -37,6 +37,7 @@ from specdecode.acceptance_head import (
     ModelIdentity,
     law_features,
     load_head,
+    top_two,
 )
 from specdecode.config import DecodeConfig, RoundPrices, SamplingConfig
 from specdecode.drafters import Draft, ModelDrafter
@@ -966,6 +967,34 @@ def test_law_features_on_a_hand_built_law() -> None:
     expected_entropy = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))
     torch.testing.assert_close(got[0], torch.tensor([math.log(0.5), expected_entropy, math.log(2)]))
     assert got[1, 0] == 0 and got[1, 1] == 0 and got[1, 2] == 30.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 700),
+    rows=st.integers(1, 3),
+    levels=st.integers(1, 6),
+    chunk=st.sampled_from([2, 4, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_top_two_is_topk(n: int, rows: int, levels: int, chunk: int, seed: int) -> None:
+    """The chunked top-2 equals `topk(2)` exactly: few distinct values make ties inside and
+    across chunks, and lengths that fill no whole chunk leave a tail."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, levels, (rows, 2, n), generator=gen).float() / levels  # [r, 2, n]
+    assert torch.equal(top_two(values, chunk), values.topk(2, dim=-1).values)
+    law = torch.randn(rows, n, generator=gen).softmax(-1)
+    assert torch.equal(top_two(law, chunk), law.topk(2, dim=-1).values)
+
+
+def test_top_two_finds_both_in_one_chunk_or_in_two() -> None:
+    values = torch.zeros(1, 1000)
+    values[0, 130], values[0, 131] = 5.0, 4.0  # both in chunk 1
+    assert top_two(values).tolist() == [[5.0, 4.0]]
+    values[0, 999] = 4.5  # the tail past the last whole chunk beats the runner-up
+    assert top_two(values).tolist() == [[5.0, 4.5]]
+    values[0, 3] = 4.75  # another chunk's maximum beats the best chunk's second entry
+    assert top_two(values).tolist() == [[5.0, 4.75]]
 
 
 def test_head_reads_the_law_it_was_drafted_from() -> None:

@@ -46,13 +46,35 @@ _MAX_MARGIN = 30.0  # a filtered law (top-k = 1) has a zero runner-up: cap its l
 SHIPPED_DIR = Path(__file__).parent / "heads"  # heads trained by the project for default pairs
 
 
+def top_two(values: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """values [..., n] -> [..., 2] the two largest, descending: the values of `topk(2)`.
+
+    The policy takes them once per drafted token over the whole vocabulary, where `topk` on the
+    CPU costs 0.25-0.3 ms (151,936 entries, 2 cores): most of the law features' time. The maxima
+    of fixed chunks are one vectorised pass; the largest is the best chunk's maximum, and the
+    runner-up is either the best chunk's second entry or the next chunk's maximum. 0.04 ms.
+    """
+    n = values.shape[-1]
+    whole = n - n % chunk
+    if whole < 2 * chunk:
+        return values.topk(2, dim=-1).values
+    blocks = values[..., :whole].unflatten(-1, (whole // chunk, chunk))  # [..., C, chunk]
+    maxima, best = blocks.amax(-1).topk(2, dim=-1)  # [..., 2] the two largest chunk maxima
+    index = best[..., :1, None].expand(*best.shape[:-1], 1, chunk)  # [..., 1, chunk]
+    inside = blocks.gather(-2, index).squeeze(-2).topk(2, dim=-1).values  # [..., 2]
+    pair = torch.stack([inside[..., 0], torch.maximum(inside[..., 1], maxima[..., 1])], -1)
+    if whole < n:  # the entries that fill no chunk
+        pair = torch.cat([pair, values[..., whole:]], -1).topk(2, dim=-1).values
+    return pair
+
+
 def law_features(law: torch.Tensor, drawn: torch.Tensor | None = None) -> torch.Tensor:
     """law [..., vocab] probabilities (the law the token is drafted from) -> [..., 3] float32.
 
     With `drawn` [...] (the token drawn from it), a fourth column: its log probability.
     """
     law = law.float()
-    top2 = law.topk(2, dim=-1).values.clamp_min(1e-30).log()  # [..., 2]
+    top2 = top_two(law).clamp_min(1e-30).log()  # [..., 2]
     # p log p with p clamped inside the log: 0 log 0 = 0 as in xlogy, at a fifth of its time
     # over a 151k vocabulary (this runs once per drafted token)
     entropy = -(law * law.clamp_min(1e-30).log()).sum(-1)  # [...]
