@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.head_train import auc
 from specdecode.kernels import quantize_int8
 from specdecode.model_store import load_causal_lm
 from specdecode.prompts import load_prompts, render_chat
@@ -84,10 +85,6 @@ def collect(num_prompts: int, path: Path) -> dict[str, list[tuple[torch.Tensor, 
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
     return out
-
-
-def renormalised(log_law: torch.Tensor) -> torch.Tensor:
-    return log_law.log_softmax(-1)
 
 
 def standard_verdicts(log_p, log_q, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,14 +157,6 @@ def cross_fitted(features: list[torch.Tensor], labels: list[torch.Tensor]) -> li
     return out
 
 
-def auc(score: torch.Tensor, label: torch.Tensor) -> float:
-    ranks = torch.empty_like(score)
-    ranks[score.argsort()] = torch.arange(len(score), dtype=score.dtype)
-    kept = label == 1
-    n1, n0 = int(kept.sum()), int((~kept).sum())
-    return float((ranks[kept].sum() - n1 * (n1 - 1) / 2) / (n1 * n0))
-
-
 def replay(labels: list[float], accept: list[float] | None, k: int | None, h: float | None):
     """Rounds along one text -> (tokens committed, cost in target steps). A constant drafts k;
     the head drafts until 1 - prod P(accept) > h (1..12)."""
@@ -216,8 +205,8 @@ def variant(laws, verdicts, extra=None, drafter_temperature: float = TEMPERATURE
     for _ in range(DRAWS):
         labels, features = [], []
         for log_p, log_q in laws:
-            log_p = renormalised(log_p)
-            log_q = renormalised(log_q * (TEMPERATURE / drafter_temperature))
+            log_p = log_p.log_softmax(-1)  # over the kept tokens
+            log_q = (log_q * (TEMPERATURE / drafter_temperature)).log_softmax(-1)
             y, f = verdicts(log_p, log_q, gen)
             if extra is not None:
                 f = torch.cat([f, extra(log_p, log_q)], -1)

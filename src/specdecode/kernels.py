@@ -239,7 +239,7 @@ def plan_from_times(times: dict[tuple[str, int], float]) -> Plan:
 def choose_row_plans(model: torch.nn.Module) -> dict[str, Plan]:
     """Time `row_plan` once per distinct weight shape of the model's packed modules and give
     every module of that shape its plan; returns the plans by shape."""
-    plans: dict[str, tuple[int, int]] = {}
+    plans: dict[str, Plan] = {}
     for module in model.modules():
         if isinstance(module, _Packed):
             name = _shape_name(module)

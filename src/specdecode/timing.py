@@ -3,13 +3,13 @@ reads (`config.RoundPrices`) and the bench's calibration."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 from specdecode.checks import context_length
 from specdecode.config import RoundPrices
+from specdecode.kernels import median_times
 from specdecode.kv_cache import model_device
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
@@ -23,27 +23,34 @@ def step_seconds(
     The counts are timed interleaved, round by round, so that a drift of the machine's speed
     (frequency, a neighbour's load) lands on all of them alike rather than on the one timed
     while it lasted: timed one after another, a 2-position pass once read 1.27 steps here
-    against 1.01 measured in the same run's rounds.
+    against 1.01 measured in the same run's rounds. The rounds are `kernels.median_times`'s
+    (the first one warms up); rolling the cache back after each pass is timed with it: a view
+    of each layer's keys and values, far under 1% of a pass.
     """
     from transformers import DynamicCache
 
     device = model_device(model)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    times: dict[int, list[float]] = {n: [] for n in counts}
+
+    def clock() -> float:  # a GPU runs ahead of the host: time the kernels, not their launches
+        sync()
+        return time.perf_counter()
+
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         prefix = torch.tensor([context], device=device)
         model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(reps + 1):
-            for n in counts:
-                new = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
-                sync()  # a GPU runs ahead of the host: time the kernels, not their launches
-                start = time.perf_counter()
+
+        def forward(n: int):
+            new = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
+
+            def run() -> None:
                 model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
-                sync()
-                times[n].append(time.perf_counter() - start)
                 cache.crop(-n)
-    return {n: statistics.median(t[1:]) for n, t in times.items()}  # the first round: warm-up
+
+            return run
+
+        return median_times({n: forward(n) for n in counts}, reps, clock)
 
 
 def measure_round_prices(
