@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.head_train import auc
+from specdecode.head_metrics import auc
 from specdecode.kernels import quantize_int8
 from specdecode.model_store import load_causal_lm
 from specdecode.prompts import load_prompts, render_chat

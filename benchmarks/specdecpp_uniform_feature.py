@@ -11,7 +11,7 @@ For every drafted token of a collection made inside rounds (`head collect --roun
 drawn from its law given the recorded verdict (U(0, r) for an accepted token, U(r, 1) for the
 rejected one, U(0, 1) past it, r = min(1, p/q) recorded), so (u, verdict) have their true joint
 law. The calibration of the shipped head's logit z against u that policy `head-u` reads,
-    logit P(accept) = bias + a z + b log u   (`head_train.fit_number_calibration`),
+    logit P(accept) = bias + a z + b log u   (`head_calibration.fit_number_calibration`),
 is fitted on a code collection (u drawn afresh, verdict 1[u < r], the head's loss weights) and
 replayed on the evaluation collections at the 2-core AMD EPYC's prices, beside the head alone,
 a head that knew r = p/q, and one that knew the verdicts.
@@ -29,14 +29,9 @@ from pathlib import Path
 import torch
 
 from specdecode.acceptance_head import load_head, number_logit
-from specdecode.head_train import (
-    NUMBER_DRAWS,
-    PreviewCosts,
-    fit_number_calibration,
-    load_examples,
-    preview_rounds,
-    rounds_by_prompt,
-)
+from specdecode.head_calibration import NUMBER_DRAWS, fit_number_calibration
+from specdecode.head_examples import load_examples
+from specdecode.head_replay import PreviewCosts, preview_rounds, rounds_by_prompt
 
 CACHE = Path.home() / ".cache" / "specdecode" / "heads"
 HEAD = Path(__file__).parents[1] / "src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling"

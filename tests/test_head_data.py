@@ -366,7 +366,7 @@ def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_
 
 def test_policy_preview_replays_decoding_like_a_direct_walk():
     """On 0/1 labels decoding is deterministic: walk each response round by round."""
-    from specdecode.head_train import PreviewCosts, preview_policies
+    from specdecode.head_replay import PreviewCosts, preview_policies
 
     gen = torch.Generator().manual_seed(0)
     label = (torch.rand(40, generator=gen) < 0.7).float()
@@ -430,7 +430,7 @@ def test_policy_preview_replays_decoding_like_a_direct_walk():
 
 def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
     """Two positions, k = 1, acceptance a0 and a1: the replay's expectations by hand."""
-    from specdecode.head_train import PreviewCosts, preview_policies
+    from specdecode.head_replay import PreviewCosts, preview_policies
 
     a0, a1 = 0.3, 0.8
     rows = preview_policies(

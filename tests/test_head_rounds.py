@@ -19,13 +19,8 @@ from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
 from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
-from specdecode.head_train import (
-    PreviewCosts,
-    TrainConfig,
-    preview_rounds,
-    replay_heads,
-    train_head,
-)
+from specdecode.head_replay import PreviewCosts, preview_rounds, replay_heads
+from specdecode.head_train import TrainConfig, train_head
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import ConstantLength
 from specdecode.sampling import logits_to_probs

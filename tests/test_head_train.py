@@ -15,27 +15,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.acceptance_head import load_head
+from specdecode.head_calibration import (
+    calibrate_head,
+    fit_number_calibration,
+    number_calibration_report,
+)
 from specdecode.head_cli import (
     add_calibrate_arguments,
     add_train_arguments,
     cmd_calibrate,
     cmd_train,
 )
-from specdecode.head_train import (
-    PreviewCosts,
-    TrainConfig,
-    auc,
-    calibrate_head,
-    expected_calibration_error,
-    fit_number_calibration,
-    load_collections,
-    load_examples,
-    number_calibration_report,
-    reliability_bins,
-    split_by_prompt,
-    train_head,
-    weighted_bce,
-)
+from specdecode.head_examples import load_collections, load_examples, split_by_prompt
+from specdecode.head_metrics import auc, expected_calibration_error, reliability_bins, weighted_bce
+from specdecode.head_replay import PreviewCosts
+from specdecode.head_train import TrainConfig, train_head
 
 HIDDEN = 16
 PROMPTS = 12

@@ -22,13 +22,8 @@ import math
 from pathlib import Path
 
 from specdecode.acceptance_head import RULES
-from specdecode.head_train import (
-    RELIABILITY_FILE,
-    TRAINING_FILE,
-    PreviewCosts,
-    TrainConfig,
-    train_head,
-)
+from specdecode.head_replay import PreviewCosts
+from specdecode.head_train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
 
 _DEFAULTS = TrainConfig()
 
@@ -303,7 +298,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Print each policy's replayed speed against the best constant k."""
     import json
 
-    from specdecode.head_train import replay_heads
+    from specdecode.head_replay import replay_heads
 
     costs = replay_costs(args, "--")
     result = replay_heads(args.data_dir, args.head, tuple(args.bound), costs)
@@ -354,7 +349,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the head's calibration against acceptance numbers and say what it gains."""
-    from specdecode.head_train import NUMBER_DRAWS, calibrate_head
+    from specdecode.head_calibration import NUMBER_DRAWS, calibrate_head
 
     result = calibrate_head(args.head_dir, args.data_dir, args.out, args.reject_weight)
     bias, a, b = result["weights"]

@@ -56,11 +56,9 @@ from safetensors.torch import load_file, save_file
 from specdecode.acceptance_head import ModelIdentity, law_features
 from specdecode.config import SamplingConfig
 from specdecode.drafters import align_vocab
+from specdecode.head_examples import EXAMPLES_FILE, META_FILE
 from specdecode.kv_cache import CachedModel
 from specdecode.sampling import logits_to_probs
-
-EXAMPLES_FILE = "examples.safetensors"
-META_FILE = "meta.json"
 
 
 @dataclass(frozen=True)

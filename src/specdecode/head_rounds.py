@@ -19,7 +19,7 @@ Every drafted token is labelled, also those after the first rejection: the head 
 token before any verdict, so those states are ones it meets too. The committed text is the
 engine's output, so it follows the target's law; nothing is mixed. Each example also records
 its round and its slot in the round, so `head train` can replay any stopping rule round by round
-(`head_train.preview_rounds`).
+(`head_replay.preview_rounds`).
 """
 
 from __future__ import annotations
