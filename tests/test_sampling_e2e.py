@@ -42,13 +42,14 @@ def chi2(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum()) - 1
 
 
-def exact_marginals(model) -> list[torch.Tensor]:
+def exact_marginals(model, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
+    """The target's exact laws of the first three generated tokens after `prompt`."""
     with torch.no_grad():
 
         def law(prefixes: torch.Tensor) -> torch.Tensor:
             return logits_to_probs(model(prefixes).logits[:, -1], SAMPLING)
 
-        base = torch.tensor([PROMPT])
+        base = torch.tensor([prompt])
         p1 = law(base)[0]  # [vocab]
         one = torch.cat([base.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
         p2 = law(one)  # [t1, vocab]

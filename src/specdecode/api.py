@@ -4,6 +4,8 @@
     out = decoder.generate(["def fib(n):"], max_new_tokens=64, num_draft_tokens=4)
     out.texts[0], out.stats.summary()
 
+    SpeculativeDecoder(target, tokenizer, drafter=PromptLookup())  # drafts with no model
+
 `generate` and `stream` take the same keyword arguments as `transformers` users expect
 (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`); `use_drafter=False` runs plain
 autoregressive decoding on the same engine, the baseline of every speedup.
@@ -27,11 +29,13 @@ from specdecode.checks import (
 from specdecode.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
+    PROMPT_LOOKUP,
     DecodeConfig,
+    PromptLookup,
     RoundPrices,
     SamplingConfig,
 )
-from specdecode.drafters import ModelDrafter
+from specdecode.drafters import ModelDrafter, PromptLookupDrafter
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import make_policy
@@ -51,19 +55,26 @@ class GenerationOutput:
 
 
 class SpeculativeDecoder:
-    """A target model, optionally a drafter, and the engine that pairs them."""
+    """A target model, optionally a drafter, and the engine that pairs them.
+
+    The drafter is a small causal LM sharing the target's vocabulary, or `PromptLookup()` for
+    drafting by n-gram lookup in the text itself.
+    """
 
     def __init__(
         self,
         target: torch.nn.Module,
         tokenizer=None,
-        drafter: torch.nn.Module | None = None,
+        drafter: torch.nn.Module | PromptLookup | None = None,
         drafter_tokenizer=None,
         acceptance_head: torch.nn.Module | None = None,
     ) -> None:
         check_vocab_covers_tokenizer(target, tokenizer, "target")
         self._target_lm = CachedModel(target.eval(), "target")
         self._draft_lm = None
+        self.lookup = drafter if isinstance(drafter, PromptLookup) else None
+        if self.lookup is not None:
+            drafter = None
         if drafter is not None:
             check_same_device(target, drafter)
             self._draft_lm = CachedModel(drafter.eval(), "drafter")
@@ -87,7 +98,8 @@ class SpeculativeDecoder:
         prepack: bool | None = None,
         drafter_int8: bool = False,
     ) -> SpeculativeDecoder:
-        """Load local model directories (or known model names) offline.
+        """Load local model directories (or known model names) offline; the drafter
+        "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
 
         `prepack` gives the target's linear layers oneDNN-packed copies for products of 2+ rows
         (`kernels.prepack_linears`): on CPUs where the default fp32 kernel runs a few rows at
@@ -111,14 +123,16 @@ class SpeculativeDecoder:
             )
         if drafter_int8 and not fits:
             raise ValueError(f"an int8 drafter needs float32 on the CPU; got {dtype} on {device}")
-        if drafter_int8 and drafter is None:
-            raise ValueError("drafter_int8 needs a drafter")
+        if drafter_int8 and drafter in (None, PROMPT_LOOKUP):
+            raise ValueError("drafter_int8 needs a drafter model")
         target_model, tokenizer = load_causal_lm(target, dtype=dtype, device=device)
         pack = prepack or (prepack is None and fits and prepack_available())
         if pack:
             prepack_linears(target_model)
         if drafter is None:
             return cls(target_model, tokenizer)
+        if drafter == PROMPT_LOOKUP:
+            return cls(target_model, tokenizer, PromptLookup())
         draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
         if drafter_int8:
             draft_model = quantize_int8(draft_model)
@@ -220,6 +234,17 @@ class SpeculativeDecoder:
         if use_drafter and self._draft_lm is not None:
             policy = make_policy(cfg, self._checked_head(cfg, verification.name))
             drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
+        elif use_drafter and self.lookup is not None:
+            if cfg.length_policy in HEAD_POLICIES:  # before make_policy asks for a head
+                raise ValueError(
+                    f"prompt lookup drafts without a model: the length policy "
+                    f"{cfg.length_policy!r} has no drafter state to read; use constant or "
+                    "heuristic"
+                )
+            policy = make_policy(cfg)
+            drafter = PromptLookupDrafter(
+                self.lookup, policy, self.vocab_size, self._target_lm.device
+            )
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
 
     def _checked_head(self, cfg: DecodeConfig, rule: str) -> torch.nn.Module | None:

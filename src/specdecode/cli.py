@@ -12,7 +12,13 @@ import sys
 
 import torch
 
-from specdecode.config import DEFAULT_BOUND, HEAD_POLICIES, POLICIES, max_draft_batch_option
+from specdecode.config import (
+    DEFAULT_BOUND,
+    HEAD_POLICIES,
+    POLICIES,
+    PROMPT_LOOKUP,
+    max_draft_batch_option,
+)
 from specdecode.kernels import DRAFT_PRECISIONS, int8_draft_wanted
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -100,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype,
         args.device,
         prepack=False if args.no_prepack else None,
-        drafter_int8=draft is not None
+        drafter_int8=draft not in (None, PROMPT_LOOKUP)
         and int8_draft_wanted(args.draft_precision, args.device, dtype),
     )
     if args.head is not None:
@@ -163,7 +169,12 @@ def stream_to_terminal(decoder, prompts: list[str], chat: bool, settings: dict, 
 def add_generate(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="drafter directory or known name")
+    p.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (n-gram lookup in the text "
+        "itself, no drafter model)",
+    )
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
     p.add_argument(
         "--draft-precision",

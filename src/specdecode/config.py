@@ -35,6 +35,35 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+PROMPT_LOOKUP = "prompt-lookup"  # the drafter name that asks for `PromptLookup` (CLI, bench)
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """Drafting by n-gram lookup in the text so far (prompt lookup decoding): no drafter model.
+
+    The last `max_ngram` committed tokens are looked for earlier in the row's text (prompt and
+    output), then the last `max_ngram - 1`, down to `min_ngram`; the tokens that followed their
+    most recent earlier occurrence are the draft. A draft costs no model pass, so it pays
+    wherever the output copies its context (code edits, quoting, extraction) and costs only
+    the longer verify pass where it does not.
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_ngram, bool) or not isinstance(self.min_ngram, int):
+            raise ValueError(f"min_ngram must be an integer, got {self.min_ngram!r}")
+        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int):
+            raise ValueError(f"max_ngram must be an integer, got {self.max_ngram!r}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(
+                f"prompt lookup needs 1 <= min_ngram <= max_ngram, got min_ngram "
+                f"{self.min_ngram} and max_ngram {self.max_ngram}"
+            )
+
+
 @dataclass(frozen=True)
 class RoundPrices:
     """What a round costs on this machine, in steps of plain decoding (one target pass of one

@@ -6,9 +6,12 @@ committed lengths and the accepted counts through `rollback`, and drop finished 
 `select_rows`.
 
 `ModelDrafter` is a small causal LM that drafts autoregressively, k sequential forward passes,
-with its own ragged cache. How many tokens each row drafts in a round is the job of a length
-policy (`length_policies`): the constant policy fixes it up front; adaptive policies decide after
-every drafted position, per row, and the round ends when every row has stopped.
+with its own ragged cache. `PromptLookupDrafter` drafts with no model at all: the tokens that
+followed the latest earlier occurrence of the text's last few tokens (prompt lookup decoding).
+
+How many tokens each row drafts in a round is the job of a length policy (`length_policies`):
+the constant policy fixes it up front; adaptive policies decide after every drafted position,
+per row, and the round ends when every row has stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from specdecode.config import SamplingConfig
+from specdecode.config import PromptLookup, SamplingConfig
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import DraftedPosition, LengthPolicy
 from specdecode.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
@@ -169,4 +172,90 @@ class ModelDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.lm.select_rows(rows)
+        self.policy.select_rows(rows)
+
+
+def lookup_continuation(text: torch.Tensor, limit: int, lookup: PromptLookup) -> torch.Tensor:
+    """text [length] committed tokens of one row -> [<= limit] the tokens that followed the most
+    recent earlier occurrence of its last n tokens, for the largest n in
+    max_ngram..min_ngram that occurs; empty if none does.
+
+    The most recent occurrence rather than the first: a text that repeats itself (a loop
+    unrolled, a list, code edited in place) is most like its latest copy.
+    """
+    length = text.shape[0]
+    for n in range(min(lookup.max_ngram, length - 1), lookup.min_ngram - 1, -1):
+        # windows[i] = text[i : i + n] for every start whose continuation is not empty
+        windows = text[: length - 1].unfold(0, n, 1)  # [length - n, n]
+        hits = (windows == text[length - n :]).all(-1).nonzero()  # [matches, 1]
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return text[start : min(start + limit, length)]
+    return text[:0]
+
+
+class PromptLookupDrafter:
+    """Drafts by n-gram lookup in each row's own text (`PromptLookup`); no model, no cache.
+
+    A draft is deterministic, so it goes to verification with no law (`Draft.probs` None):
+    lossless sampling then accepts a drafted token x with probability p(x) and otherwise
+    resamples from the target's law without x, which keeps the output law the target's. Only
+    policies that fix a round's length up front apply (`constant`, `heuristic`): the others
+    read a drafter model's logits or hidden states, which there are none of.
+    """
+
+    def __init__(
+        self, lookup: PromptLookup, policy: LengthPolicy, vocab_size: int, device: torch.device
+    ) -> None:
+        if policy.stops_early or policy.needs_hidden:
+            raise ValueError(
+                f"prompt lookup drafts without a model, so the length policy {policy.name!r} "
+                "has no drafter law or hidden state to read; use constant or heuristic"
+            )
+        self.lookup, self.policy, self.device = lookup, policy, device
+        self.vocab_size = vocab_size
+
+    def start(self, batch_size: int) -> None:
+        self.policy.start(batch_size, self.device)
+
+    def _continuations(self, sequences, seq_lens, limits) -> list[torch.Tensor]:
+        """One host copy of the committed texts (the round's one sync), then each row's draft."""
+        texts, lens = sequences.cpu(), seq_lens.tolist()
+        return [
+            lookup_continuation(texts[b, : lens[b]], limit, self.lookup)
+            for b, limit in enumerate(limits)
+        ]
+
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        limits = self.policy.round_limits(max_tokens).tolist()  # most tokens per row
+        drafts = self._continuations(sequences, seq_lens, limits)
+        width = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), width, dtype=torch.long)  # [batch, width]
+        for b, draft in enumerate(drafts):
+            tokens[b, : len(draft)] = draft
+        lengths = torch.tensor([len(d) for d in drafts])  # [batch]
+        device = sequences.device
+        return Draft(
+            tokens.to(device),
+            None,
+            lengths.to(device),
+            row_passes=torch.zeros_like(lengths, device=device),  # no drafter pass at all
+        )
+
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        """[batch, vocab] a point mass on the token lookup would draft next (on the last
+        committed token where nothing matches): a law a bonus token can be drawn from and
+        verified against, like any drafted token's."""
+        drafts = self._continuations(sequences, seq_lens, [1] * len(seq_lens))
+        lens = seq_lens.tolist()
+        texts = sequences.cpu()
+        nxt = [d[0] if len(d) else texts[b, lens[b] - 1] for b, d in enumerate(drafts)]
+        token = torch.stack(nxt).to(sequences.device)  # [batch]
+        law = torch.nn.functional.one_hot(token, self.vocab_size).float()  # [batch, vocab]
+        return torch.where(rows[:, None], law, 1.0 / self.vocab_size)
+
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
+        self.policy.observe(num_drafted, num_accepted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
         self.policy.select_rows(rows)

@@ -7,6 +7,10 @@
 * `hf-assisted-k`: the same with the constant schedule of k tokens and no confidence cut.
 * `sd`: this engine with the fp32 drafter (the same one `hf-assisted` gets), k draft tokens.
 * `sd-int8`: this engine with an int8 dynamically quantized copy of the drafter.
+* `sd-lookup`: this engine drafting by prompt lookup (`PromptLookup`: n-grams of 3 down to 1,
+  the latest earlier occurrence), no drafter model; k tokens at most a round.
+* `hf-lookup`: `transformers` prompt lookup decoding (`prompt_lookup_num_tokens=k`, n-grams of 3
+  down to 1 as ours, its first occurrence); batch size 1 only.
 
 A `+dense` suffix runs a method with the default PyTorch kernels instead of the prepacked ones
 (target and fp32 drafter alike).
@@ -27,14 +31,15 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.api import SpeculativeDecoder
-from specdecode.config import HEAD_POLICIES, RoundPrices
+from specdecode.config import HEAD_POLICIES, PromptLookup, RoundPrices
 from specdecode.kernels import quantize_int8, use_prepacked
 from specdecode.kv_cache import model_device
 from specdecode.stats import DecodeStats
 
-KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8")
+KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8", "sd-lookup", "hf-lookup")
 KINDS = ("ar", "hf", "hf-assisted", *KINDS_WITH_K)
-BATCH1_ONLY = ("hf-assisted", "hf-assisted-k")
+BATCH1_ONLY = ("hf-assisted", "hf-assisted-k", "hf-lookup")
+LOOKUP_KINDS = ("sd-lookup", "hf-lookup")  # no drafter model
 
 
 ENGINE_KINDS = ("sd", "sd-int8")  # the kinds that take a length policy
@@ -154,14 +159,16 @@ class Models:
             drafter = None if kind == "ar" else self.drafter
             if kind == "sd-int8":
                 drafter = quantize_int8(self.drafter)
+            if kind == "sd-lookup":
+                drafter = PromptLookup()
             decoder = SpeculativeDecoder(self.target, self.tokenizer, drafter)
-            if self.head is not None and drafter is not None:
+            if self.head is not None and decoder.drafter is not None:
                 decoder.load_head(self.head)
             self._decoders[kind] = decoder
         return self._decoders[kind]
 
     def drafter_model(self, kind: str) -> torch.nn.Module | None:
-        if kind in ("ar", "hf"):
+        if kind in ("ar", "hf", *LOOKUP_KINDS):
             return None
         return self.decoder(kind).drafter if kind.startswith("sd") else self.drafter
 
@@ -216,6 +223,8 @@ def run_transformers(method: Method, models: Models, prompts: list[list[int]], s
             config.num_assistant_tokens_schedule = "heuristic"
             config.num_assistant_tokens = 20
             config.assistant_confidence_threshold = 0.4
+    if method.kind == "hf-lookup":
+        kwargs.update(prompt_lookup_num_tokens=method.k, max_matching_ngram_size=3)
     torch.manual_seed(s.seed)
     start = time.perf_counter()
     with torch.no_grad():
@@ -232,6 +241,8 @@ RUNNERS: dict[str, Callable[[Method, Models, list[list[int]], Settings], Result]
     "ar": run_engine,
     "sd": run_engine,
     "sd-int8": run_engine,
+    "sd-lookup": run_engine,
+    "hf-lookup": run_transformers,
     "hf": run_transformers,
     "hf-assisted": run_transformers,
     "hf-assisted-k": run_transformers,

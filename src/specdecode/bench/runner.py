@@ -270,7 +270,7 @@ def draft_figures(method: Method, rec: MethodRecord, costs: dict, batch_size: in
         accepted_hist=stats.accepted_hist,
         c=costs["c"].get(method.kind),
         policy_seconds=rec.policy_seconds,
-        policy_ms_per_drafted_token=1000 * rec.policy_seconds / stats.drafted,
+        policy_ms_per_drafted_token=1000 * rec.policy_seconds / max(stats.drafted, 1),
         policy_share_of_time=rec.policy_seconds / sum(rec.seconds),
     )
     add_modelled(row, costs, batch_size)

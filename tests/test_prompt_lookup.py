@@ -1,0 +1,160 @@
+"""Prompt lookup drafting: n-gram matches in the text itself, verified like any draft.
+
+The lookup is checked against a brute-force reading of its rule; decoding with it must equal
+plain greedy decoding token for token and, under sampling, follow the target's exact law (the
+draft is a point mass, so a rejected token is resampled from the target's law without it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_sampling_e2e import SAMPLING, VOCAB, chi2, chi2_critical, exact_marginals
+
+from specdecode import SpeculativeDecoder
+from specdecode.cli import main
+from specdecode.config import PromptLookup
+from specdecode.drafters import lookup_continuation
+from specdecode.sampling import logits_to_probs
+
+
+def brute_force(text: list[int], limit: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The rule in words: the longest n-gram (max_ngram down to min_ngram) ending the text that
+    occurs earlier, its latest earlier occurrence, and what followed it, at most `limit`."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= len(text):
+            continue
+        pattern = text[-n:]
+        starts = [i for i in range(len(text) - n) if text[i : i + n] == pattern]
+        if starts:
+            follow = starts[-1] + n
+            return text[follow : follow + limit]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.lists(st.integers(0, 3), min_size=0, max_size=30),
+    limit=st.integers(1, 6),
+    ngrams=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+)
+def test_lookup_follows_its_rule(text: list[int], limit: int, ngrams: tuple[int, int]) -> None:
+    low, extra = ngrams
+    lookup = PromptLookup(max_ngram=low + extra, min_ngram=low)
+    got = lookup_continuation(torch.tensor(text, dtype=torch.long), limit, lookup).tolist()
+    assert got == brute_force(text, limit, low + extra, low)
+
+
+def test_lookup_on_hand_built_texts() -> None:
+    def look(text, limit=8, **kw):
+        return lookup_continuation(torch.tensor(text), limit, PromptLookup(**kw)).tolist()
+
+    assert look([1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2, 3]
+    assert look([1, 2, 3, 9, 1, 2, 3], limit=2) == [9, 1]
+    assert look([5, 1, 7, 5, 1, 8, 5, 1]) == [8, 5, 1]  # the latest occurrence, not the first
+    assert look([4, 2, 3, 7, 9, 3, 6, 2, 3]) == [7, 9, 3, 6, 2, 3]  # [2, 3] before [3]
+    assert look([1, 2, 3]) == []
+    assert look([4, 5, 6, 5], min_ngram=2) == []  # only a 1-gram recurs
+    assert look([4]) == [] and look([]) == []
+
+
+@pytest.mark.parametrize("bad", [dict(min_ngram=0), dict(max_ngram=1, min_ngram=2)])
+def test_bad_lookup_settings_are_refused(bad) -> None:
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(**bad)
+
+
+@pytest.fixture(scope="module")
+def decoder() -> SpeculativeDecoder:
+    return SpeculativeDecoder(tiny_llama(seed=0, init=0.3), drafter=PromptLookup())
+
+
+PROMPTS = [[5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [4, 11, 2], [1, 2, 3, 4, 5, 6, 7, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [dict(num_draft_tokens=1), dict(num_draft_tokens=4), dict(length_policy="heuristic")],
+)
+def test_greedy_output_equals_plain_decoding(decoder: SpeculativeDecoder, policy) -> None:
+    kwargs = dict(max_new_tokens=40, stop_token_ids=[])
+    plain = decoder.generate(PROMPTS, use_drafter=False, **kwargs)
+    for batch in (PROMPTS, PROMPTS[2:3]):  # a batch of rows drafting ragged lengths, and alone
+        out = decoder.generate(batch, **kwargs, **policy)
+        want = plain.new_tokens if batch is PROMPTS else plain.new_tokens[2:3]
+        assert out.new_tokens == want
+    total = decoder.generate(PROMPTS, **kwargs, **policy).stats.total
+    assert total.drafted > 0 and 0 < total.accepted < total.drafted  # drafts kept and refused
+    assert decoder.generate(PROMPTS, **kwargs, **policy).stats.drafter_forwards == 0
+
+
+def repeating_prompt(target) -> list[int]:
+    """[3, 7, x, 9, 3, 7]: lookup drafts x first, x the token the target likes most there, so
+    that drafts are both kept and refused."""
+    candidates = torch.tensor([[3, 7, x, 9, 3, 7] for x in range(VOCAB)])  # [VOCAB, 6]
+    with torch.no_grad():
+        law = logits_to_probs(target(candidates).logits[:, -1], SAMPLING)  # [VOCAB, VOCAB]
+    x = int(law.diagonal().argmax())
+    return candidates[x].tolist()
+
+
+def test_sampled_law_equals_target() -> None:
+    """The first three tokens of thousands of seeded rows follow the target's exact law."""
+    target = tiny_llama(seed=0, vocab=VOCAB, init=0.4)
+    prompt = repeating_prompt(target)
+    rows = 3000
+    out = SpeculativeDecoder(target, drafter=PromptLookup()).generate(
+        [prompt] * rows,
+        max_new_tokens=3,
+        temperature=SAMPLING.temperature,
+        top_k=SAMPLING.top_k,
+        top_p=SAMPLING.top_p,
+        row_seeds=range(rows),
+        stop_token_ids=[],
+        num_draft_tokens=3,
+    )
+    total = out.stats.total
+    assert total.accepted > 0 and total.recovered > 0  # drafts kept and drafts resampled
+    tokens = torch.tensor(out.new_tokens)  # [rows, 3]
+    for position, law in enumerate(exact_marginals(target, prompt)):
+        stat, df = chi2(torch.bincount(tokens[:, position], minlength=VOCAB).float(), law)
+        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+
+
+def test_coupled_lookup_commits_one_text_for_every_k(decoder: SpeculativeDecoder) -> None:
+    texts = [
+        decoder.generate(
+            PROMPTS,
+            max_new_tokens=24,
+            temperature=0.9,
+            row_seeds=[1, 2, 3, 4],
+            stop_token_ids=[],
+            coupled=True,
+            **policy,
+        )
+        for policy in (dict(num_draft_tokens=1), dict(num_draft_tokens=5))
+    ]
+    assert texts[0].new_tokens == texts[1].new_tokens
+    assert texts[0].stats.total.drafted != texts[1].stats.total.drafted
+
+
+@pytest.mark.parametrize("policy", ["confidence", "head"])
+def test_policies_that_read_a_drafter_model_are_refused(decoder, policy) -> None:
+    with pytest.raises(ValueError, match="prompt lookup drafts without a model"):
+        decoder.generate(PROMPTS, max_new_tokens=4, length_policy=policy, bound=(1, 4))
+
+
+def test_cli_generates_with_prompt_lookup(tiny_pair, capsys) -> None:
+    target, _, _ = tiny_pair
+    args = ["generate", "--target", str(target), "--prompt", "t5 t6 t7 t5 t6"]
+    assert main([*args, "--draft", "prompt-lookup", "--max-new-tokens", "12", "--json"]) == 0
+    lookup = json.loads(capsys.readouterr().out)[0]
+    assert main([*args, "--no-draft", "--max-new-tokens", "12", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)[0]
+    assert lookup["tokens"] == plain["tokens"] and len(plain["tokens"]) > 0
+    assert lookup["batch_stats"]["total"]["drafted"] > 0
