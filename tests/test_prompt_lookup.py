@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sampling_e2e import SAMPLING, VOCAB, chi2, chi2_critical, exact_marginals
+from test_sampling_e2e import SAMPLING, VOCAB, assert_decoder_follows_target
 
 from specdecode import SpeculativeDecoder
 from specdecode.cli import main
@@ -107,23 +107,9 @@ def test_sampled_law_equals_target() -> None:
     """The first three tokens of thousands of seeded rows follow the target's exact law."""
     target = tiny_llama(seed=0, vocab=VOCAB, init=0.4)
     prompt = repeating_prompt(target)
-    rows = 3000
-    out = SpeculativeDecoder(target, drafter=PromptLookup()).generate(
-        [prompt] * rows,
-        max_new_tokens=3,
-        temperature=SAMPLING.temperature,
-        top_k=SAMPLING.top_k,
-        top_p=SAMPLING.top_p,
-        row_seeds=range(rows),
-        stop_token_ids=[],
-        num_draft_tokens=3,
-    )
-    total = out.stats.total
+    decoder = SpeculativeDecoder(target, drafter=PromptLookup())
+    total = assert_decoder_follows_target(decoder, target, prompt, 3000, 3, num_draft_tokens=3)
     assert total.accepted > 0 and total.recovered > 0  # drafts kept and drafts resampled
-    tokens = torch.tensor(out.new_tokens)  # [rows, 3]
-    for position, law in enumerate(exact_marginals(target, prompt)):
-        stat, df = chi2(torch.bincount(tokens[:, position], minlength=VOCAB).float(), law)
-        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
 
 
 def test_coupled_lookup_commits_one_text_for_every_k(decoder: SpeculativeDecoder) -> None:

@@ -61,6 +61,26 @@ def exact_marginals(model, prompt: list[int] = PROMPT) -> list[torch.Tensor]:
     return [p1, joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))]
 
 
+def assert_decoder_follows_target(decoder, target, prompt, rows, new_tokens, **kwargs):
+    """`decoder` samples `rows` seeded rows after `prompt` (SAMPLING), and their first three
+    tokens follow `target`'s exact law (chi-square); returns the run's total statistics."""
+    out = decoder.generate(
+        [prompt] * rows,
+        max_new_tokens=new_tokens,
+        temperature=SAMPLING.temperature,
+        top_k=SAMPLING.top_k,
+        top_p=SAMPLING.top_p,
+        row_seeds=range(rows),
+        stop_token_ids=[],
+        **kwargs,
+    )
+    tokens = torch.tensor(out.new_tokens)  # [rows, new_tokens]
+    for position, law in enumerate(exact_marginals(target, prompt)):
+        stat, df = chi2(torch.bincount(tokens[:, position], minlength=VOCAB).float(), law)
+        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+    return out.stats.total
+
+
 def sample_positions(target, drafter, rule) -> torch.Tensor:
     cfg = DecodeConfig(
         max_new_tokens=3, num_draft_tokens=2, sampling=SAMPLING, row_seeds=tuple(range(N))
