@@ -14,6 +14,7 @@ import torch
 from conftest import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_length_policies import noisy_copy
 from test_sampling_e2e import SAMPLING, VOCAB, assert_decoder_follows_target
 
 from specdecode import SpeculativeDecoder
@@ -144,3 +145,68 @@ def test_cli_generates_with_prompt_lookup(tiny_pair, capsys) -> None:
     plain = json.loads(capsys.readouterr().out)[0]
     assert lookup["tokens"] == plain["tokens"] and len(plain["tokens"]) > 0
     assert lookup["batch_stats"]["total"]["drafted"] > 0
+
+
+# --- prompt lookup before a drafter model (LookupFirstDrafter) ---------------------------------
+
+LOOKUP_2 = PromptLookup(max_ngram=3, min_ngram=2)
+
+
+@pytest.fixture(scope="module")
+def paired() -> SpeculativeDecoder:
+    target = tiny_llama(seed=0, init=0.3)
+    return SpeculativeDecoder(target, drafter=noisy_copy(target, 0.3))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(num_draft_tokens=4),
+        dict(length_policy="heuristic", num_draft_tokens=2, bound=(1, 6)),
+        dict(length_policy="confidence", stop_threshold=0.6, bound=(1, 6)),
+    ],
+)
+def test_lookup_first_greedy_equals_plain_decoding(paired: SpeculativeDecoder, policy) -> None:
+    kwargs = dict(max_new_tokens=40, stop_token_ids=[])
+    plain = paired.generate(PROMPTS, use_drafter=False, **kwargs)
+    out = paired.generate(PROMPTS, lookup_first=LOOKUP_2, **kwargs, **policy)
+    assert out.new_tokens == plain.new_tokens
+    total = out.stats.total
+    # both kinds of round: some drafted by the model (passes), some by lookup (no pass)
+    assert 0 < total.drafter_calls < total.drafted, total
+    alone = paired.generate(PROMPTS, **kwargs, **policy).stats.total
+    assert alone.drafter_calls == alone.drafted  # the control: the model drafts every token
+
+
+def test_lookup_first_keeps_the_sampled_law() -> None:
+    target = tiny_llama(seed=0, vocab=VOCAB, init=0.4)
+    drafter = tiny_llama(seed=9, vocab=VOCAB, init=0.4, layers=1)
+    prompt = repeating_prompt(target)
+    decoder = SpeculativeDecoder(target, drafter=drafter)
+    total = assert_decoder_follows_target(
+        decoder, target, prompt, 3000, 3, num_draft_tokens=2, lookup_first=LOOKUP_2
+    )
+    assert total.accepted > 0 and total.recovered > 0
+    assert 0 < total.drafter_calls < total.drafted  # lookup and model drafts both verified
+
+
+def test_coupled_lookup_first_commits_one_text_for_every_k(paired) -> None:
+    def run(k: int):
+        return paired.generate(
+            PROMPTS,
+            max_new_tokens=24,
+            temperature=0.9,
+            row_seeds=[1, 2, 3, 4],
+            stop_token_ids=[],
+            coupled=True,
+            num_draft_tokens=k,
+            lookup_first=LOOKUP_2,
+        ).new_tokens
+
+    assert run(1) == run(5)
+
+
+def test_lookup_first_needs_a_drafter_model(decoder, paired) -> None:
+    for dec, kwargs in ((decoder, {}), (paired, dict(use_drafter=False))):
+        with pytest.raises(ValueError, match="lookup_first looks up before a drafter model"):
+            dec.generate(PROMPTS, max_new_tokens=4, lookup_first=LOOKUP_2, **kwargs)

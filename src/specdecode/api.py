@@ -35,7 +35,7 @@ from specdecode.config import (
     RoundPrices,
     SamplingConfig,
 )
-from specdecode.drafters import ModelDrafter, PromptLookupDrafter
+from specdecode.drafters import LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import make_policy
@@ -223,17 +223,29 @@ class SpeculativeDecoder:
         chat: bool = False,
         stats: DecodeStats | None = None,
         rule: str | None = None,
+        lookup_first: PromptLookup | None = None,
         **kwargs,
     ) -> Iterator[StepEvent]:
-        """Yield the tokens each step commits, per row (original prompt indices)."""
+        """Yield the tokens each step commits, per row (original prompt indices).
+
+        `lookup_first` (with a drafter model): a row whose text repeats itself drafts by that
+        lookup, the others with the model (`LookupFirstDrafter`; `config.LOOKUP_FIRST`).
+        """
         cfg = self.config(**kwargs)
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         drafter = None
         verification = make_rule(rule, cfg.sampling)
+        if lookup_first is not None and not (use_drafter and self._draft_lm is not None):
+            raise ValueError(
+                "lookup_first looks up before a drafter model: it needs a decoder with a "
+                "drafter model, drafting (use_drafter=True)"
+            )
         if use_drafter and self._draft_lm is not None:
             policy = make_policy(cfg, self._checked_head(cfg, verification.name))
             drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
+            if lookup_first is not None:
+                drafter = LookupFirstDrafter(lookup_first, drafter)
         elif use_drafter and self.lookup is not None:
             if cfg.length_policy in HEAD_POLICIES:  # before make_policy asks for a head
                 raise ValueError(

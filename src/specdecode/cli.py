@@ -15,6 +15,7 @@ import torch
 from specdecode.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
+    LOOKUP_FIRST,
     POLICIES,
     PROMPT_LOOKUP,
     max_draft_batch_option,
@@ -133,6 +134,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_draft_batch=max_draft_batch_option(args.max_draft_batch),
         round_prices=prices,
     )
+    if args.lookup_first:
+        if draft in (None, PROMPT_LOOKUP):
+            raise ValueError("--lookup-first looks up before a drafter model; give one (--draft)")
+        settings["lookup_first"] = LOOKUP_FIRST
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]
@@ -200,6 +205,12 @@ def add_generate(subparsers) -> None:
         default=None,
         help="draft only while at most N rows of a batch are running, plain steps above "
         "(default: always draft; greedy output is the same either way)",
+    )
+    p.add_argument(
+        "--lookup-first",
+        action="store_true",
+        help="where a row's last 3 or 4 tokens occurred before, draft what followed them (prompt "
+        "lookup) instead of running the drafter that round (the bench's sd-int8-lookup)",
     )
     p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
     add_decoding_arguments(p)

@@ -259,3 +259,70 @@ class PromptLookupDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.policy.select_rows(rows)
+
+
+class LookupFirstDrafter:
+    """Prompt lookup where the text repeats itself, the drafter model everywhere else.
+
+    Per row and round: if the text's last n tokens (n >= `lookup.min_ngram`) occurred before,
+    the row drafts what followed them, at no model pass; the other rows draft with the model,
+    under its length policy. A row's model cache catches up on the committed tokens the next
+    time it drafts with the model (`CachedModel.pending`). Replayed on the default pair's
+    greedy HumanEval outputs, looking up 3-grams first drafts 34% of positions by lookup, which
+    accept 2.7 of 4 tokens there (the model accepts 2.6 of 4 on average, at 0.15 target steps a
+    drafted token): +6% tokens per unit time in the replay.
+    """
+
+    def __init__(self, lookup: PromptLookup, model: ModelDrafter) -> None:
+        self.lookup, self.model = lookup, model
+        self.looked_up: torch.Tensor | None = None  # [batch] rows that drafted by lookup
+
+    def start(self, batch_size: int) -> None:
+        self.model.start(batch_size)
+
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        texts, lens = sequences.cpu(), seq_lens.tolist()
+        found = [
+            lookup_continuation(texts[b, : lens[b]], limit, self.lookup)
+            for b, limit in enumerate(self.model.policy.round_limits(max_tokens).tolist())
+        ]
+        use = torch.tensor([len(f) > 0 for f in found], device=sequences.device)  # [batch]
+        self.looked_up = use
+        draft = self.model.propose(sequences, seq_lens, max_tokens.masked_fill(use, 0), rng)
+        if not bool(use.any()):
+            return draft
+        width = max(draft.tokens.shape[1], *(len(f) for f in found))
+        tokens = torch.nn.functional.pad(draft.tokens, (0, width - draft.tokens.shape[1]))
+        lengths = draft.lengths.clone()  # [batch]
+        for b, f in enumerate(found):
+            if len(f):
+                tokens[b, : len(f)] = f.to(tokens.device)
+                lengths[b] = len(f)
+        probs = draft.probs  # [batch, drafted, vocab] or None
+        if probs is not None:  # sampling: the looked-up rows' laws are point masses
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
+            point = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
+            probs = torch.where(use[:, None, None], point, probs)
+        passes = draft.row_passes if draft.row_passes is not None else draft.lengths
+        return Draft(
+            tokens,
+            probs,
+            lengths,
+            draft.forwards,
+            draft.invalid_logits,
+            draft.policy_seconds,
+            row_passes=passes.masked_fill(use, 0),
+        )
+
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        return self.model.next_law(sequences, seq_lens, rows)
+
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
+        if self.looked_up is not None:  # the model's policy hears only its own rounds: a
+            # looked-up row drafted nothing with the model (a heuristic k stays as it was)
+            num_drafted = num_drafted.masked_fill(self.looked_up, 0)
+        self.model.rollback(lengths, num_drafted, num_accepted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.model.select_rows(rows)
+        self.looked_up = None

@@ -9,6 +9,8 @@
 * `sd-int8`: this engine with an int8 dynamically quantized copy of the drafter.
 * `sd-lookup`: this engine drafting by prompt lookup (`PromptLookup`: n-grams of 3 down to 1,
   the latest earlier occurrence), no drafter model; k tokens at most a round.
+* `sd-int8-lookup`: `sd-int8` where a row's last 3 or 4 tokens occurred before, prompt lookup
+  drafts instead of the model for that round (`LookupFirstDrafter`, `config.LOOKUP_FIRST`).
 * `hf-lookup`: `transformers` prompt lookup decoding (`prompt_lookup_num_tokens=k`, n-grams of 3
   down to 1 as ours, its first occurrence); batch size 1 only.
 
@@ -31,18 +33,18 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.api import SpeculativeDecoder
-from specdecode.config import HEAD_POLICIES, PromptLookup, RoundPrices
+from specdecode.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
 from specdecode.kernels import quantize_int8, use_prepacked
 from specdecode.kv_cache import model_device
 from specdecode.stats import DecodeStats
 
-KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8", "sd-lookup", "hf-lookup")
+KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8", "sd-int8-lookup", "sd-lookup", "hf-lookup")
 KINDS = ("ar", "hf", "hf-assisted", *KINDS_WITH_K)
 BATCH1_ONLY = ("hf-assisted", "hf-assisted-k", "hf-lookup")
 LOOKUP_KINDS = ("sd-lookup", "hf-lookup")  # no drafter model
 
 
-ENGINE_KINDS = ("sd", "sd-int8")  # the kinds that take a length policy
+ENGINE_KINDS = ("sd", "sd-int8", "sd-int8-lookup")  # the kinds that take a length policy
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,8 @@ class Models:
     _decoders: dict[str, SpeculativeDecoder] = field(default_factory=dict)
 
     def decoder(self, kind: str) -> SpeculativeDecoder:
+        if kind == "sd-int8-lookup":  # the same decoder (one int8 copy), looking up first
+            return self.decoder("sd-int8")
         if kind not in self._decoders:
             drafter = None if kind == "ar" else self.drafter
             if kind == "sd-int8":
@@ -190,6 +194,7 @@ def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Sett
         bound=method.bound,
         coupled=s.coupled,
         round_prices=models.round_prices[method.kind] if method.priced else None,
+        lookup_first=LOOKUP_FIRST if method.kind == "sd-int8-lookup" else None,
     )
     # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to the
     # pairing, not to the method: the time they took, measured on their own, is left out.
@@ -241,6 +246,7 @@ RUNNERS: dict[str, Callable[[Method, Models, list[list[int]], Settings], Result]
     "ar": run_engine,
     "sd": run_engine,
     "sd-int8": run_engine,
+    "sd-int8-lookup": run_engine,
     "sd-lookup": run_engine,
     "hf-lookup": run_transformers,
     "hf": run_transformers,
