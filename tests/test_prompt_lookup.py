@@ -113,21 +113,24 @@ def test_sampled_law_equals_target() -> None:
     assert total.accepted > 0 and total.recovered > 0  # drafts kept and drafts resampled
 
 
+def coupled_run(decoder: SpeculativeDecoder, k: int, **kwargs):
+    """Seeded sampling with coupled randomness: one text per seed, whatever k drafts."""
+    return decoder.generate(
+        PROMPTS,
+        max_new_tokens=24,
+        temperature=0.9,
+        row_seeds=[1, 2, 3, 4],
+        stop_token_ids=[],
+        coupled=True,
+        num_draft_tokens=k,
+        **kwargs,
+    )
+
+
 def test_coupled_lookup_commits_one_text_for_every_k(decoder: SpeculativeDecoder) -> None:
-    texts = [
-        decoder.generate(
-            PROMPTS,
-            max_new_tokens=24,
-            temperature=0.9,
-            row_seeds=[1, 2, 3, 4],
-            stop_token_ids=[],
-            coupled=True,
-            **policy,
-        )
-        for policy in (dict(num_draft_tokens=1), dict(num_draft_tokens=5))
-    ]
-    assert texts[0].new_tokens == texts[1].new_tokens
-    assert texts[0].stats.total.drafted != texts[1].stats.total.drafted
+    one, five = coupled_run(decoder, 1), coupled_run(decoder, 5)
+    assert one.new_tokens == five.new_tokens
+    assert one.stats.total.drafted != five.stats.total.drafted
 
 
 @pytest.mark.parametrize("policy", ["confidence", "head"])
@@ -191,19 +194,10 @@ def test_lookup_first_keeps_the_sampled_law() -> None:
 
 
 def test_coupled_lookup_first_commits_one_text_for_every_k(paired) -> None:
-    def run(k: int):
-        return paired.generate(
-            PROMPTS,
-            max_new_tokens=24,
-            temperature=0.9,
-            row_seeds=[1, 2, 3, 4],
-            stop_token_ids=[],
-            coupled=True,
-            num_draft_tokens=k,
-            lookup_first=LOOKUP_2,
-        ).new_tokens
-
-    assert run(1) == run(5)
+    one = coupled_run(paired, 1, lookup_first=LOOKUP_2)
+    five = coupled_run(paired, 5, lookup_first=LOOKUP_2)
+    assert one.new_tokens == five.new_tokens
+    assert one.stats.total.drafted != five.stats.total.drafted
 
 
 def test_lookup_first_needs_a_drafter_model(decoder, paired) -> None:
