@@ -23,14 +23,17 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.config import PromptLookup
 from specdecode.drafters import lookup_continuation
+from specdecode.head_replay import PreviewCosts
 from specdecode.kernels import quantize_int8
 from specdecode.model_store import load_causal_lm
 from specdecode.prompts import load_prompts
 
 CACHE = Path.home() / ".cache" / "specdecode" / "lookup-replay.json"
 PROMPTS, NEW_TOKENS = 8, 128
+# this CPU's prices, as the predictability study reads them (eighteenth session's calibration)
 DRAFT_PRICE = 0.15
 VERIFY = (1.00, 0.97, 0.96, 0.93, 0.92, 1.13, 1.21, 1.22, 1.26, 1.26, 1.37, 1.50)
+COSTS = PreviewCosts(draft_cost=DRAFT_PRICE, verify_slope=0.0, verify_curve=VERIFY)
 
 
 def texts_and_drafter_hits() -> list[dict]:
@@ -75,14 +78,14 @@ def replay(rows: list[dict], k: int, lookup: PromptLookup | None, lookup_k: int)
             draft = []
             if lookup is not None and room > 0:
                 draft = lookup_continuation(torch.tensor(full[:t]), min(lookup_k, room), lookup)
-            if len(draft):
+            if len(draft):  # a looked-up round: its verify pass, no drafter pass
                 kept = kept_of(draft, full, t)
-                steps += VERIFY[len(draft) - 1]
+                steps += COSTS.round_cost(len(draft)) - DRAFT_PRICE * len(draft)
             else:
                 m, kept = min(k, room), 0
                 while kept < m and row["hits"][t + kept]:
                     kept += 1
-                steps += (VERIFY[m - 1] if m else 1.0) + DRAFT_PRICE * m
+                steps += COSTS.round_cost(m)
             tokens += kept + 1
             t += kept + 1
     return tokens / steps

@@ -35,7 +35,12 @@ from specdecode.config import (
     RoundPrices,
     SamplingConfig,
 )
-from specdecode.drafters import LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
+from specdecode.drafters import (
+    LookupFirstDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    check_lookup_policy,
+)
 from specdecode.engine import StepEvent, decode
 from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import make_policy
@@ -247,12 +252,7 @@ class SpeculativeDecoder:
             if lookup_first is not None:
                 drafter = LookupFirstDrafter(lookup_first, drafter)
         elif use_drafter and self.lookup is not None:
-            if cfg.length_policy in HEAD_POLICIES:  # before make_policy asks for a head
-                raise ValueError(
-                    f"prompt lookup drafts without a model: the length policy "
-                    f"{cfg.length_policy!r} has no drafter state to read; use constant or "
-                    "heuristic"
-                )
+            check_lookup_policy(cfg.length_policy)  # before make_policy asks for a head
             policy = make_policy(cfg)
             drafter = PromptLookupDrafter(
                 self.lookup, policy, self.vocab_size, self._target_lm.device

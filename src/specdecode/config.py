@@ -53,10 +53,10 @@ class PromptLookup:
     min_ngram: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_ngram, bool) or not isinstance(self.min_ngram, int):
-            raise ValueError(f"min_ngram must be an integer, got {self.min_ngram!r}")
-        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int):
-            raise ValueError(f"max_ngram must be an integer, got {self.max_ngram!r}")
+        for name in ("min_ngram", "max_ngram"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(
                 f"prompt lookup needs 1 <= min_ngram <= max_ngram, got min_ngram "

@@ -194,6 +194,32 @@ def lookup_continuation(text: torch.Tensor, limit: int, lookup: PromptLookup) ->
     return text[:0]
 
 
+def lookup_drafts(
+    sequences: torch.Tensor, seq_lens: torch.Tensor, limits: list[int], lookup: PromptLookup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's `lookup_continuation` (at most limits[b] tokens), from one host copy of the
+    committed texts (the round's one sync) ->
+    tokens [batch, width] on the host (zero past each draft), lengths [batch] on the host."""
+    lens = seq_lens.tolist()
+    texts = sequences[:, : max(lens, default=0)].cpu()  # [batch, longest]
+    drafts = [lookup_continuation(texts[b, : lens[b]], lim, lookup) for b, lim in enumerate(limits)]
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)  # [batch]
+    width = int(lengths.max()) if drafts else 0
+    tokens = torch.zeros(len(drafts), width, dtype=torch.long)  # [batch, width]
+    for b, draft in enumerate(drafts):
+        tokens[b, : len(draft)] = draft
+    return tokens, lengths
+
+
+def check_lookup_policy(name: str) -> None:
+    """Lookup drafts without a model: policies that read a drafter's law or state cannot run."""
+    if name not in ("constant", "heuristic"):
+        raise ValueError(
+            f"prompt lookup drafts without a model, so the length policy {name!r} has no "
+            "drafter law or hidden state to read; use constant or heuristic"
+        )
+
+
 class PromptLookupDrafter:
     """Drafts by n-gram lookup in each row's own text (`PromptLookup`); no model, no cache.
 
@@ -207,50 +233,32 @@ class PromptLookupDrafter:
     def __init__(
         self, lookup: PromptLookup, policy: LengthPolicy, vocab_size: int, device: torch.device
     ) -> None:
-        if policy.stops_early or policy.needs_hidden:
-            raise ValueError(
-                f"prompt lookup drafts without a model, so the length policy {policy.name!r} "
-                "has no drafter law or hidden state to read; use constant or heuristic"
-            )
+        check_lookup_policy(policy.name)
         self.lookup, self.policy, self.device = lookup, policy, device
         self.vocab_size = vocab_size
 
     def start(self, batch_size: int) -> None:
         self.policy.start(batch_size, self.device)
 
-    def _continuations(self, sequences, seq_lens, limits) -> list[torch.Tensor]:
-        """One host copy of the committed texts (the round's one sync), then each row's draft."""
-        texts, lens = sequences.cpu(), seq_lens.tolist()
-        return [
-            lookup_continuation(texts[b, : lens[b]], limit, self.lookup)
-            for b, limit in enumerate(limits)
-        ]
-
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         limits = self.policy.round_limits(max_tokens).tolist()  # most tokens per row
-        drafts = self._continuations(sequences, seq_lens, limits)
-        width = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(drafts), width, dtype=torch.long)  # [batch, width]
-        for b, draft in enumerate(drafts):
-            tokens[b, : len(draft)] = draft
-        lengths = torch.tensor([len(d) for d in drafts])  # [batch]
-        device = sequences.device
+        tokens, lengths = lookup_drafts(sequences, seq_lens, limits, self.lookup)
+        lengths = lengths.to(sequences.device)
         return Draft(
-            tokens.to(device),
+            tokens.to(sequences.device),
             None,
-            lengths.to(device),
-            row_passes=torch.zeros_like(lengths, device=device),  # no drafter pass at all
+            lengths,
+            row_passes=torch.zeros_like(lengths),  # no drafter pass at all
         )
 
     def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
         """[batch, vocab] a point mass on the token lookup would draft next (on the last
         committed token where nothing matches): a law a bonus token can be drawn from and
         verified against, like any drafted token's."""
-        drafts = self._continuations(sequences, seq_lens, [1] * len(seq_lens))
-        lens = seq_lens.tolist()
-        texts = sequences.cpu()
-        nxt = [d[0] if len(d) else texts[b, lens[b] - 1] for b, d in enumerate(drafts)]
-        token = torch.stack(nxt).to(sequences.device)  # [batch]
+        tokens, lengths = lookup_drafts(sequences, seq_lens, [1] * len(seq_lens), self.lookup)
+        first = torch.nn.functional.pad(tokens, (0, 1))[:, 0].to(sequences.device)  # [batch]
+        last = sequences.gather(1, (seq_lens - 1)[:, None])[:, 0]  # [batch]
+        token = torch.where(lengths.to(sequences.device) > 0, first, last)
         law = torch.nn.functional.one_hot(token, self.vocab_size).float()  # [batch, vocab]
         return torch.where(rows[:, None], law, 1.0 / self.vocab_size)
 
@@ -282,23 +290,20 @@ class LookupFirstDrafter:
         self.model.start(batch_size)
 
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
-        texts, lens = sequences.cpu(), seq_lens.tolist()
-        found = [
-            lookup_continuation(texts[b, : lens[b]], limit, self.lookup)
-            for b, limit in enumerate(self.model.policy.round_limits(max_tokens).tolist())
-        ]
-        use = torch.tensor([len(f) > 0 for f in found], device=sequences.device)  # [batch]
+        # a looked-up row drafts at most what the model's policy would let it this round
+        limits = self.model.policy.round_limits(max_tokens).tolist()
+        looked, looked_lengths = lookup_drafts(sequences, seq_lens, limits, self.lookup)
+        device = sequences.device
+        use = (looked_lengths > 0).to(device)  # [batch]
         self.looked_up = use
         draft = self.model.propose(sequences, seq_lens, max_tokens.masked_fill(use, 0), rng)
-        if not bool(use.any()):
+        if looked.shape[1] == 0:  # no row found a match: the model drafted every row
             return draft
-        width = max(draft.tokens.shape[1], *(len(f) for f in found))
-        tokens = torch.nn.functional.pad(draft.tokens, (0, width - draft.tokens.shape[1]))
-        lengths = draft.lengths.clone()  # [batch]
-        for b, f in enumerate(found):
-            if len(f):
-                tokens[b, : len(f)] = f.to(tokens.device)
-                lengths[b] = len(f)
+        width = max(draft.tokens.shape[1], looked.shape[1])
+        padded = torch.nn.functional.pad(draft.tokens, (0, width - draft.tokens.shape[1]))
+        looked = torch.nn.functional.pad(looked, (0, width - looked.shape[1])).to(device)
+        tokens = torch.where(use[:, None], looked, padded)  # [batch, width]
+        lengths = torch.where(use, looked_lengths.to(device), draft.lengths)  # [batch]
         probs = draft.probs  # [batch, drafted, vocab] or None
         if probs is not None:  # sampling: the looked-up rows' laws are point masses
             probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
