@@ -32,8 +32,8 @@ from round_cost_parts import instrument, measure, print_parts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdecode import SpeculativeDecoder
+from specdecode.backends.timing import step_seconds
 from specdecode.bench.runner import machine_info
-from specdecode.timing import step_seconds
 
 LONGEST = 12
 

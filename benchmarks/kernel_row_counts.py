@@ -26,7 +26,7 @@ import time
 import torch
 
 from specdecode.api import SpeculativeDecoder
-from specdecode.kernels import (
+from specdecode.backends.kernels import (
     PAD_TOLERANCE,
     _Packed,
     _shape_name,
@@ -36,8 +36,8 @@ from specdecode.kernels import (
     product_candidates,
     timed_samples,
 )
+from specdecode.backends.timing import step_seconds
 from specdecode.prompts import load_prompts
-from specdecode.timing import step_seconds
 
 ROWS = list(range(1, 14))
 ROUNDS = 12

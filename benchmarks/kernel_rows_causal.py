@@ -22,7 +22,7 @@ import time
 import torch
 
 from specdecode.api import SpeculativeDecoder
-from specdecode.kernels import PrepackedLinear, kernel_summary
+from specdecode.backends.kernels import PrepackedLinear, kernel_summary
 from specdecode.prompts import load_prompts
 
 REPEATS = 2

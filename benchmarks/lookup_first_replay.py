@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from specdecode.acceptance.replay import PreviewCosts
 from specdecode.api import SpeculativeDecoder
+from specdecode.backends.kernels import quantize_int8
 from specdecode.config import PromptLookup
 from specdecode.drafters import lookup_continuation
-from specdecode.head_replay import PreviewCosts
-from specdecode.kernels import quantize_int8
-from specdecode.model_store import load_causal_lm
+from specdecode.models.store import load_causal_lm
 from specdecode.prompts import load_prompts
 
 CACHE = Path.home() / ".cache" / "specdecode" / "lookup-replay.json"

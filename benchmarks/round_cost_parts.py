@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 
 from specdecode import SpeculativeDecoder, engine, verification
-from specdecode.kv_cache import CachedModel
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.prompts import load_prompts
 
 KS = (4, 5, 6, 8)

@@ -20,8 +20,8 @@ import time
 
 import torch
 
+from specdecode.cli.seq2seq import SHIPPED_PAIR
 from specdecode.seq2seq.api import TranslationPair
-from specdecode.seq2seq.cli import SHIPPED_PAIR
 from specdecode.seq2seq.corpus import read_split
 
 

@@ -21,7 +21,7 @@ import time
 import torch
 from transformers import MarianConfig, MarianMTModel
 
-from specdecode.kernels import prepack_linears
+from specdecode.backends.kernels import prepack_linears
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter

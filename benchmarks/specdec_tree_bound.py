@@ -31,8 +31,8 @@ import time
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from specdecode.cli.seq2seq import SHIPPED_PAIR
 from specdecode.seq2seq.api import TranslationPair
-from specdecode.seq2seq.cli import SHIPPED_PAIR
 from specdecode.seq2seq.corpus import read_split
 
 SHAPES = [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 1, 1), (2, 2, 1, 1), (3, 2, 1, 1), (2, 2, 2, 1),

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.acceptance_head import load_head
-from specdecode.head_examples import load_examples
-from specdecode.head_replay import PreviewCosts, preview_rounds, rounds_by_prompt
+from specdecode.acceptance.examples import load_examples
+from specdecode.acceptance.head import load_head
+from specdecode.acceptance.replay import PreviewCosts, preview_rounds, rounds_by_prompt
 
 CACHE = Path.home() / ".cache" / "specdecode" / "heads"
 HEAD = Path(__file__).parents[1] / "src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling"

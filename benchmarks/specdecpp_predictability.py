@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.head_metrics import auc
-from specdecode.kernels import quantize_int8
-from specdecode.model_store import load_causal_lm
+from specdecode.acceptance.metrics import auc
+from specdecode.backends.kernels import quantize_int8
+from specdecode.models.store import load_causal_lm
 from specdecode.prompts import load_prompts, render_chat
 
 TEMPERATURE = 0.7

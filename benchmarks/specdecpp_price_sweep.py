@@ -26,8 +26,8 @@ import sys
 import torch
 from specdecpp_uniform_feature import fitted_head, numbers, scored, verdicts
 
-from specdecode.acceptance_head import number_logit
-from specdecode.head_replay import PreviewCosts, preview_rounds
+from specdecode.acceptance.head import number_logit
+from specdecode.acceptance.replay import PreviewCosts, preview_rounds
 
 DRAFT_COSTS = (0.05, 0.1, 0.14, 0.2, 0.3, 0.5, 0.7)
 # The 2-core AMD EPYC's verify pass on the padded kernels, in target steps for k = 1..12

@@ -19,7 +19,7 @@ from specdecode.bench.metrics import (
     summarize,
 )
 from specdecode.bench.runner import round_prices
-from specdecode.cli import main
+from specdecode.cli.main import main
 from specdecode.config import RoundPrices
 from specdecode.prompts import load_prompts
 
@@ -358,7 +358,7 @@ def test_from_pretrained_packs_the_target_and_can_draft_in_int8(tiny_pair):
     """On the CPU in fp32 the target gets packed kernels by default (verify passes cost about a
     step), and neither the packing nor an int8 drafter changes greedy output."""
     from specdecode.api import SpeculativeDecoder
-    from specdecode.kernels import kernel_summary, prepack_available
+    from specdecode.backends.kernels import kernel_summary, prepack_available
 
     target, draft, _ = tiny_pair
     plain = SpeculativeDecoder.from_pretrained(str(target), str(draft), prepack=False)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.cli import build_parser, main
-from specdecode.seq2seq import corpus, data_cli
+from specdecode.cli import data as data_cli
+from specdecode.cli.main import build_parser, main
+from specdecode.seq2seq import corpus
 from specdecode.seq2seq.corpus import (
     CorpusError,
     DebPackage,

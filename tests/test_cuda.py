@@ -19,8 +19,8 @@ from test_coupled import generate as coupled_generate
 from test_length_policies import PROMPTS, drawn_head, noisy_copy, spread_head
 
 from specdecode import SpeculativeDecoder
+from specdecode.backends.timing import step_seconds
 from specdecode.config import RoundPrices
-from specdecode.timing import step_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"
@@ -106,7 +106,7 @@ def test_bench_on_cuda(tiny_pair, tmp_path, dtype: str) -> None:
     """The bench's every GPU method on the models' device: calibration, ours, transformers'."""
     import json
 
-    from specdecode.cli import main
+    from specdecode.cli.main import main
 
     target, draft, prompts = tiny_pair
     out = tmp_path / dtype

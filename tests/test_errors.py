@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from transformers import MistralConfig, MistralForCausalLM
 
 from specdecode import DecodeConfig, SamplingConfig, SpeculativeDecoder
+from specdecode.backends.torch_eager import UnsupportedModelError
 from specdecode.checks import IncompatibleModelsError
-from specdecode.kv_cache import UnsupportedModelError
 from specdecode.sampling import InvalidLogitsError, bad_logits
 
 

@@ -12,10 +12,10 @@ import torch
 from conftest import tiny_llama
 from safetensors.torch import load_file, save_file
 
-from specdecode.acceptance_head import law_features
-from specdecode.cli import main
+from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect
+from specdecode.acceptance.head import law_features
+from specdecode.cli.main import main
 from specdecode.config import SamplingConfig
-from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
 from specdecode.sampling import RowRandom, logits_to_probs
 from specdecode.verification import GreedyRule, LosslessSamplingRule
 
@@ -338,7 +338,7 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
 
 
 def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_path, capsys):
-    from specdecode.acceptance_head import AcceptanceHead, HeadConfig, ModelIdentity
+    from specdecode.acceptance.head import AcceptanceHead, HeadConfig, ModelIdentity
 
     target, draft, _ = tiny_pair
     AcceptanceHead(HeadConfig(32, drafter=ModelIdentity("other", "0" * 16), target=None)).save(
@@ -366,7 +366,7 @@ def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_
 
 def test_policy_preview_replays_decoding_like_a_direct_walk():
     """On 0/1 labels decoding is deterministic: walk each response round by round."""
-    from specdecode.head_replay import PreviewCosts, preview_policies
+    from specdecode.acceptance.replay import PreviewCosts, preview_policies
 
     gen = torch.Generator().manual_seed(0)
     label = (torch.rand(40, generator=gen) < 0.7).float()
@@ -430,7 +430,7 @@ def test_policy_preview_replays_decoding_like_a_direct_walk():
 
 def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
     """Two positions, k = 1, acceptance a0 and a1: the replay's expectations by hand."""
-    from specdecode.head_replay import PreviewCosts, preview_policies
+    from specdecode.acceptance.replay import PreviewCosts, preview_policies
 
     a0, a1 = 0.3, 0.8
     rows = preview_policies(
@@ -453,8 +453,8 @@ def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
 
 def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch):
     """A head shipped in the package is used for its pair and rule only, with no loading step."""
-    from specdecode import acceptance_head
-    from specdecode.acceptance_head import AcceptanceHead, HeadConfig, ModelIdentity, load_head
+    from specdecode.acceptance import head as acceptance_head
+    from specdecode.acceptance.head import AcceptanceHead, HeadConfig, ModelIdentity, load_head
     from specdecode.api import SpeculativeDecoder
 
     for shipped in sorted(acceptance_head.SHIPPED_DIR.glob("*/head_config.json")):

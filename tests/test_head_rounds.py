@@ -13,15 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from specdecode.acceptance_head import law_features
-from specdecode.cli import main
+from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect
+from specdecode.acceptance.head import law_features
+from specdecode.acceptance.replay import PreviewCosts, preview_rounds, replay_heads
+from specdecode.acceptance.train import TrainConfig, train_head
+from specdecode.backends.torch_eager import CachedModel
+from specdecode.cli.main import main
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
-from specdecode.head_data import EXAMPLES_FILE, CollectConfig, collect
-from specdecode.head_replay import PreviewCosts, preview_rounds, replay_heads
-from specdecode.head_train import TrainConfig, train_head
-from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import ConstantLength
 from specdecode.sampling import logits_to_probs
 from specdecode.verification import make_rule

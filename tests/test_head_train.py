@@ -14,22 +14,27 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.acceptance_head import load_head
-from specdecode.head_calibration import (
+from specdecode.acceptance.calibration import (
     calibrate_head,
     fit_number_calibration,
     number_calibration_report,
 )
-from specdecode.head_cli import (
+from specdecode.acceptance.examples import load_collections, load_examples, split_by_prompt
+from specdecode.acceptance.head import load_head
+from specdecode.acceptance.metrics import (
+    auc,
+    expected_calibration_error,
+    reliability_bins,
+    weighted_bce,
+)
+from specdecode.acceptance.replay import PreviewCosts
+from specdecode.acceptance.train import TrainConfig, train_head
+from specdecode.cli.head import (
     add_calibrate_arguments,
     add_train_arguments,
     cmd_calibrate,
     cmd_train,
 )
-from specdecode.head_examples import load_collections, load_examples, split_by_prompt
-from specdecode.head_metrics import auc, expected_calibration_error, reliability_bins, weighted_bce
-from specdecode.head_replay import PreviewCosts
-from specdecode.head_train import TrainConfig, train_head
 
 HIDDEN = 16
 PROMPTS = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.kernels import (
+from specdecode.backends.kernels import (
     PackedTiedOutput,
     PrepackedLinear,
     int8_draft_wanted,
@@ -105,7 +105,7 @@ def test_draft_precision_choice():
 
 
 def test_median_times_find_the_typically_cheaper_callable_on_a_clock():
-    from specdecode.kernels import median_times
+    from specdecode.backends.kernels import median_times
 
     now = [0.0]
     costs = {1: 5.0, 2: 3.0}
@@ -132,7 +132,7 @@ def test_median_times_find_the_typically_cheaper_callable_on_a_clock():
 def test_row_plans_are_timed_once_per_weight_shape(monkeypatch):
     """The timing runs once for each distinct weight shape, on a module's own packed copy, and
     every module of that shape gets the plan; explicit numbers override the timed ones."""
-    from specdecode import kernels
+    from specdecode.backends import kernels
 
     min_rows, pad_to = kernels.row_plan(prepack_linears(_model(), 2, 1)[0])
     assert min_rows in (1, 2) and len(pad_to) < kernels.MOST_PADDED_ROWS
@@ -184,7 +184,7 @@ def test_row_plans_are_timed_once_per_weight_shape(monkeypatch):
     ],
 )
 def test_plan_from_times(packed, dense, plan):
-    from specdecode.kernels import plan_from_times
+    from specdecode.backends.kernels import plan_from_times
 
     times = {("packed", rows): t for rows, t in enumerate(packed, 1)} | {("dense", 1): dense}
     assert plan_from_times(times) == plan

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES
 
-from specdecode.kv_cache import CachedModel
+from specdecode.backends.torch_eager import CachedModel
 
 
 def fresh_next_logits(model, rows: list[list[int]]) -> torch.Tensor:

@@ -29,7 +29,7 @@ from test_sampling_e2e import VOCAB as SMALL_VOCAB
 from torch import nn
 
 from specdecode import SpeculativeDecoder, api
-from specdecode.acceptance_head import (
+from specdecode.acceptance.head import (
     CONFIG_FILE,
     AcceptanceHead,
     HeadConfig,
@@ -39,9 +39,9 @@ from specdecode.acceptance_head import (
     load_head,
     top_two,
 )
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import DecodeConfig, RoundPrices, SamplingConfig
 from specdecode.drafters import Draft, ModelDrafter
-from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import (
     ConfidenceLength,
     ConstantLength,

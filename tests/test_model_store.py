@@ -23,8 +23,16 @@ import pytest
 import torch
 from conftest import make_fake_dist
 
-from specdecode import model_store, packages
-from specdecode.model_store import (
+from specdecode.models import packages
+from specdecode.models import store as model_store
+from specdecode.models.packages import (
+    PackageFileNotFoundError,
+    PackageInstallError,
+    PinnedPackage,
+    cache_root,
+    find_distribution,
+)
+from specdecode.models.store import (
     MODELS,
     ConversionError,
     DiskSpaceError,
@@ -41,13 +49,6 @@ from specdecode.model_store import (
     locate_chunk_files,
     resolve_model,
     strip_quantization_marker,
-)
-from specdecode.packages import (
-    PackageFileNotFoundError,
-    PackageInstallError,
-    PinnedPackage,
-    cache_root,
-    find_distribution,
 )
 
 # --------------------------------------------------------------------------- helpers

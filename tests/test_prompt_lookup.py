@@ -18,7 +18,7 @@ from test_length_policies import noisy_copy
 from test_sampling_e2e import SAMPLING, VOCAB, assert_decoder_follows_target
 
 from specdecode import SpeculativeDecoder
-from specdecode.cli import main
+from specdecode.cli.main import main
 from specdecode.config import PromptLookup
 from specdecode.drafters import lookup_continuation
 from specdecode.sampling import logits_to_probs

@@ -14,8 +14,8 @@ import json
 import pytest
 from conftest import make_fake_dist
 
-from specdecode import packages
-from specdecode.packages import PackageInstallError, package_dir
+from specdecode.models import packages
+from specdecode.models.packages import PackageInstallError, package_dir
 from specdecode.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl, require_prompts
 
 

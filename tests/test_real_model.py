@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.kernels import prepack_linears, quantize_int8
-from specdecode.packages import PackageInstallError
+from specdecode.backends.kernels import prepack_linears, quantize_int8
+from specdecode.models.packages import PackageInstallError
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\ndef mean("]
 
 
 @pytest.fixture(scope="module")
 def smollm():
-    from specdecode.model_store import load_causal_lm
+    from specdecode.models.store import load_causal_lm
 
     try:
         return load_causal_lm("smollm2-135m")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
-from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import ConstantLength
 from specdecode.sampling import logits_to_probs
 from specdecode.stats import DecodeStats, RowStats

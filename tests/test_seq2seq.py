@@ -16,10 +16,10 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from specdecode.backends.kernels import PackedTiedOutput, kernel_summary, prepack_available
+from specdecode.backends.torch_eager import UnsupportedModelError
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.engine import decode
-from specdecode.kernels import PackedTiedOutput, kernel_summary, prepack_available
-from specdecode.kv_cache import UnsupportedModelError
 from specdecode.sampling import InvalidLogitsError
 from specdecode.seq2seq import api
 from specdecode.seq2seq.api import AUTO_DRAFT_BATCH, TranslationPair
@@ -605,7 +605,7 @@ def test_int8_drafter_keeps_greedy_output(packed_first):
 def test_another_drafter_takes_the_packed_verifiers_kernels():
     """`with_drafter` packs a dense drafter as the verifier is packed (the same one-row switch),
     leaves an int8 one as it is, and packs nothing beside a dense verifier; output stays exact."""
-    from specdecode.kernels import kernel_summary
+    from specdecode.backends.kernels import kernel_summary
 
     model = tiny_marian()
     src, mask = sources()

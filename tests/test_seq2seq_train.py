@@ -53,7 +53,7 @@ def test_token_batches_cover_everything_within_budget():
 
 
 def test_train_distill_draft_export_translate(cache, tmp_path):
-    from specdecode.cli import main
+    from specdecode.cli.main import main
     from specdecode.seq2seq.api import TranslationPair
     from specdecode.seq2seq.block_drafter import BlockDrafter
     from specdecode.seq2seq.distill import distill
@@ -198,7 +198,7 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
 
 
 def test_translate_refuses_bad_input(cache, tmp_path):
-    from specdecode.cli import main
+    from specdecode.cli.main import main
 
     assert main(["translate", "--pair", str(tmp_path / "nowhere"), "hola"]) == 2
     assert main(["translate", "--pair", str(tmp_path)]) == 2  # nothing to translate

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.checks import (
     check_prompts,
     check_same_device,
@@ -42,7 +43,6 @@ from specdecode.drafters import (
     check_lookup_policy,
 )
 from specdecode.engine import StepEvent, decode
-from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import make_policy
 from specdecode.prompts import render_chat
 from specdecode.stats import DecodeStats, RowStats
@@ -117,8 +117,13 @@ class SpeculativeDecoder:
         dynamically quantized copy of the drafter (CPU) instead: cheaper drafts, the same output
         law (every token is verified).
         """
-        from specdecode.kernels import cpu_fp32, prepack_available, prepack_linears, quantize_int8
-        from specdecode.model_store import load_causal_lm
+        from specdecode.backends.kernels import (
+            cpu_fp32,
+            prepack_available,
+            prepack_linears,
+            quantize_int8,
+        )
+        from specdecode.models.store import load_causal_lm
 
         fits = cpu_fp32(device, dtype)
         if prepack and not (fits and prepack_available()):
@@ -147,7 +152,7 @@ class SpeculativeDecoder:
 
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
-        from specdecode.acceptance_head import load_head
+        from specdecode.acceptance.head import load_head
 
         if self.drafter is None:
             raise ValueError("an acceptance head needs a drafter; this decoder has none")
@@ -216,7 +221,7 @@ class SpeculativeDecoder:
         drafted tokens costs, for a head policy to weigh (`generate(..., round_prices=...)`)."""
         if self.drafter is None:
             raise ValueError("round prices price a drafter's tokens; this decoder has none")
-        from specdecode.timing import measure_round_prices
+        from specdecode.backends.timing import measure_round_prices
 
         return measure_round_prices(self.target, self.drafter, max_tokens)
 
@@ -271,7 +276,7 @@ class SpeculativeDecoder:
         head = self.acceptance_head
         if head is None:
             if rule not in self._shipped_heads:
-                from specdecode.acceptance_head import find_shipped_head, load_head
+                from specdecode.acceptance.head import find_shipped_head, load_head
 
                 found = find_shipped_head(self.drafter, self.target, rule)
                 self._shipped_heads[rule] = load_head(found, rule=rule) if found else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.kv_cache import model_device
+from specdecode.backends.torch_eager import model_device
 
 
 class IncompatibleModelsError(ValueError):

@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import PromptLookup, SamplingConfig
-from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import DraftedPosition, LengthPolicy
 from specdecode.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
 

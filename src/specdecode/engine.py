@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import DecodeConfig
 from specdecode.drafters import Draft, Drafter
-from specdecode.kv_cache import CachedModel
 from specdecode.sampling import (
     InvalidLogitsError,
     PositionRandom,

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from specdecode.acceptance_head import law_features
+from specdecode.acceptance.head import law_features
 from specdecode.config import POLICIES, DecodeConfig, RoundPrices
 
 

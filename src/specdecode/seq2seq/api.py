@@ -69,7 +69,7 @@ class TranslationPair:
         speedup, gets the faster kernel as well. Results agree with the default kernels to
         fp32 rounding.
         """
-        from specdecode.kernels import cpu_fp32, prepack_linears
+        from specdecode.backends.kernels import cpu_fp32, prepack_linears
 
         if not cpu_fp32(self.verifier.device, self.verifier.dtype):
             raise ValueError(
@@ -92,7 +92,7 @@ class TranslationPair:
     def _drafter_on_verifier_kernels(self) -> None:
         """A dense drafter takes the packing (and one-row switch) the verifier has, so both
         decode on one kernel; an int8 or already packed drafter (`output_kernel`) keeps its."""
-        from specdecode.kernels import kernel_summary
+        from specdecode.backends.kernels import kernel_summary
 
         rows = kernel_summary(self.verifier)["packed_from_rows"]
         if rows is not None and self.drafter is not None and self.drafter.output_kernel is None:

@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kernels import (
+from specdecode.backends.kernels import (
     PackedTiedOutput,
     prepack_linears,
     quantize_int8,
     set_row_plans,
 )
-from specdecode.kv_cache import HOLE, CachedModel
+from specdecode.backends.torch_eager import HOLE, CachedModel
 
 
 @dataclass(frozen=True)

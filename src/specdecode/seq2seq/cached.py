@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from specdecode.kv_cache import HOLE, CachedModel, UnsupportedModelError, model_device
+from specdecode.backends.torch_eager import HOLE, CachedModel, UnsupportedModelError, model_device
 
 
 class RowPositions(torch.nn.Module):

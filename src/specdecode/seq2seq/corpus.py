@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.packages import cache_root
+from specdecode.models.packages import cache_root
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.acceptance_head import law_features
+from specdecode.acceptance.collect import acceptance_labels
+from specdecode.acceptance.head import law_features
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
-from specdecode.head_data import acceptance_labels
-from specdecode.kv_cache import CachedModel
 from specdecode.length_policies import ConstantLength, DraftedPosition, LengthPolicy
 from specdecode.sampling import logits_to_probs
 from specdecode.verification import Verdict, VerificationRule, drafted_mask, make_rule

@@ -53,11 +53,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.acceptance_head import ModelIdentity, law_features
+from specdecode.acceptance.examples import EXAMPLES_FILE, META_FILE
+from specdecode.acceptance.head import ModelIdentity, law_features
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import SamplingConfig
 from specdecode.drafters import align_vocab
-from specdecode.head_examples import EXAMPLES_FILE, META_FILE
-from specdecode.kv_cache import CachedModel
 from specdecode.sampling import logits_to_probs
 
 
@@ -316,7 +316,7 @@ def collect(
             continue
         batch = prompts[start : start + cfg.batch_size]
         if cfg.rounds:
-            from specdecode.head_rounds import collect_rounds
+            from specdecode.acceptance.rounds import collect_rounds
 
             seeds = tuple(cfg.seed * 1_000_003 + start + i for i in range(len(batch)))
             part = collect_rounds(

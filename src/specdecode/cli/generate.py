@@ -1,8 +1,4 @@
-"""The `specdecode` command line: one console script, one subcommand per job.
-
-Each subcommand lives next to the code it drives and registers itself through an
-`add_subcommands(subparsers)` function; this module only gathers them.
-"""
+"""`specdecode generate`: decode prompts with the engine and stream the text to the terminal."""
 
 from __future__ import annotations
 
@@ -10,86 +6,22 @@ import argparse
 import json
 import sys
 
-import torch
-
+from specdecode.backends.kernels import DRAFT_PRECISIONS, int8_draft_wanted
+from specdecode.cli.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    DTYPES,
+    add_decoding_arguments,
+    read_prompts,
+    set_threads,
+)
 from specdecode.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
     LOOKUP_FIRST,
-    POLICIES,
     PROMPT_LOOKUP,
     max_draft_batch_option,
 )
-from specdecode.kernels import DRAFT_PRECISIONS, int8_draft_wanted
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments shared by every command that decodes (generate, bench)."""
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus sampling")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
-    parser.add_argument(
-        "--length-policy",
-        choices=POLICIES,
-        default="constant",
-        help="how many tokens to draft per round (head: SpecDec++; head-u: the head also "
-        "reads each token's acceptance number, sampling only; the default pair's heads ship)",
-    )
-    parser.add_argument(
-        "--stop-threshold",
-        type=float,
-        default=None,
-        help="confidence: least drafter top probability (0.4); head, head-u: stop once "
-        "P(some drafted token rejected) exceeds it (0.7, 0.8)",
-    )
-    parser.add_argument(
-        "--bound",
-        type=int,
-        nargs=2,
-        metavar=("MIN", "MAX"),
-        default=None,
-        help="tokens per round of the adaptive policies (default 1 8)",
-    )
-    parser.add_argument("--head", default=None, help="acceptance head directory (head policy)")
-    parser.add_argument(
-        "--priced",
-        action="store_true",
-        help="head policies weigh each further token against this machine's round prices "
-        "(a verify pass's cost grows with its length): generate times them at load, bench runs "
-        "every head method twice, flat and priced by its calibration",
-    )
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(
-        "--coupled",
-        action="store_true",
-        help="sampling: key random numbers to positions and draw bonus tokens via the drafter, "
-        "so every length policy commits the same text for a seed (paired comparisons; one "
-        "extra drafter pass after a fully accepted round, timed apart)",
-    )
-    parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
-
-
-def set_threads(threads: int | None) -> None:
-    import os
-
-    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    if args.prompt:
-        return list(args.prompt)
-    from specdecode.prompts import load_prompts
-
-    return [p.text for p in load_prompts(args.prompts, limit=args.limit)]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -171,7 +103,7 @@ def stream_to_terminal(decoder, prompts: list[str], chat: bool, settings: dict, 
     return decoder.generate(prompts, chat=chat, on_step=show, **settings)
 
 
-def add_generate(subparsers) -> None:
+def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
     p.add_argument(
@@ -215,35 +147,3 @@ def add_generate(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_generate)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from specdecode import head_cli, model_store
-    from specdecode.bench import cli as bench_cli
-    from specdecode.seq2seq import cli as seq2seq_cli
-    from specdecode.seq2seq import data_cli
-
-    parser = argparse.ArgumentParser(
-        prog="specdecode", description="Speculative decoding for Hugging Face models."
-    )
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_generate(subparsers)
-    model_store.add_subcommands(subparsers)
-    bench_cli.add_subcommands(subparsers)
-    head_cli.add_subcommands(subparsers)
-    data_cli.add_subcommands(subparsers)
-    seq2seq_cli.add_subcommands(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as error:
-        print(f"specdecode {args.command}: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

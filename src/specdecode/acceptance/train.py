@@ -43,16 +43,16 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from specdecode.acceptance_head import RULES, AcceptanceHead, HeadConfig, ModelIdentity
-from specdecode.head_calibration import with_number_calibration
-from specdecode.head_examples import LABEL_KEYS, HeadData, load_collections, split_by_prompt
-from specdecode.head_metrics import (
+from specdecode.acceptance.calibration import with_number_calibration
+from specdecode.acceptance.examples import LABEL_KEYS, HeadData, load_collections, split_by_prompt
+from specdecode.acceptance.head import RULES, AcceptanceHead, HeadConfig, ModelIdentity
+from specdecode.acceptance.metrics import (
     evaluate_predictions,
     plot_reliability,
     reliability_bins,
     weighted_bce,
 )
-from specdecode.head_replay import PreviewCosts, preview_policies, preview_rounds
+from specdecode.acceptance.replay import PreviewCosts, preview_policies, preview_rounds
 
 TRAINING_FILE = "training.json"
 RELIABILITY_FILE = "reliability.png"

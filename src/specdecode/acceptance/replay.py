@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from specdecode.acceptance.examples import HeadData, load_examples
 from specdecode.config import RoundPrices
-from specdecode.head_examples import HeadData, load_examples
 from specdecode.length_policies import going_on_prices, worth_drafting_on
 
 
@@ -376,7 +376,7 @@ def replay_heads(
     Returns {"examples", "best_constant", "constants": rows, "heads": {dir: rows}}, rows as
     `preview_rounds` gives them, with `vs_best_constant` added.
     """
-    from specdecode.acceptance_head import load_head
+    from specdecode.acceptance.head import load_head
 
     loaded = [(str(h), load_head(h).float()) for h in heads]
     if not loaded:

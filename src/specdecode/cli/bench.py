@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.cli import DEFAULT_DRAFT, DEFAULT_TARGET, set_threads
+from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET, set_threads
 from specdecode.config import HEAD_POLICIES
 
 
 def model_identity(name_or_path: str) -> dict:
-    from specdecode.model_store import resolve_model
+    from specdecode.models.store import resolve_model
 
     path = resolve_model(name_or_path)
     info = {"name": name_or_path, "path": str(path)}
@@ -26,15 +26,15 @@ def model_identity(name_or_path: str) -> dict:
 
 def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
     """`bench --pair`: an encoder-decoder verifier with its block drafter (SpecDec)."""
+    from specdecode.backends.kernels import cpu_fp32
     from specdecode.bench.seq2seq import (
         Seq2SeqBenchConfig,
         markdown_table,
         plot,
         run_seq2seq_bench,
     )
-    from specdecode.cli import DTYPES
-    from specdecode.kernels import cpu_fp32
-    from specdecode.seq2seq.cli import SHIPPED_PAIR
+    from specdecode.cli.common import DTYPES
+    from specdecode.cli.seq2seq import SHIPPED_PAIR
 
     if not cpu_fp32(args.device, DTYPES[args.dtype]):
         raise ValueError(
@@ -109,12 +109,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "--max-draft-batch is a --pair (seq2seq) bench option; for a causal pair, "
             "`specdecode generate --max-draft-batch N` gates drafting by batch"
         )
+    from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
     from specdecode.bench.report import markdown_table, write_report
     from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.cli import DTYPES
-    from specdecode.kernels import cpu_fp32, kernel_summary, prepack_linears
-    from specdecode.model_store import load_causal_lm
+    from specdecode.cli.common import DTYPES
+    from specdecode.models.store import load_causal_lm
     from specdecode.prompts import require_prompts
 
     set_threads(args.threads)
@@ -188,7 +188,7 @@ def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:
 
 def _measured_head(cfg, target, drafter) -> dict | None:
     """The head the `head` policy ran with: --head, or the one shipped for this pair and rule."""
-    from specdecode.acceptance_head import find_shipped_head, head_provenance
+    from specdecode.acceptance.head import find_shipped_head, head_provenance
     from specdecode.config import SamplingConfig
     from specdecode.verification import make_rule
 
@@ -199,7 +199,7 @@ def _measured_head(cfg, target, drafter) -> dict | None:
 
 
 def add_subcommands(subparsers) -> None:
-    from specdecode.cli import add_decoding_arguments
+    from specdecode.cli.common import add_decoding_arguments
 
     p = subparsers.add_parser("bench", help="compare decoding methods on the same prompts")
     p.add_argument("--target", default=DEFAULT_TARGET)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from specdecode.acceptance_head import AcceptanceHead, number_logit
-from specdecode.head_examples import HeadData, load_collections, split_by_prompt
-from specdecode.head_metrics import auc, weighted_bce
+from specdecode.acceptance.examples import HeadData, load_collections, split_by_prompt
+from specdecode.acceptance.head import AcceptanceHead, number_logit
+from specdecode.acceptance.metrics import auc, weighted_bce
 
 NUMBER_DRAWS = 8  # acceptance numbers drawn per example to fit `fit_number_calibration`
 
@@ -112,7 +112,7 @@ def calibrate_head(
     trained on: the calibration has three weights. Prompts are split as in training, and the
     report is on the held-out ones.
     """
-    from specdecode.acceptance_head import CONFIG_FILE, WEIGHTS_FILE, load_head
+    from specdecode.acceptance.head import CONFIG_FILE, WEIGHTS_FILE, load_head
 
     head = load_head(head_dir)
     config = head.config

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from specdecode.acceptance_head import LAW_FEATURES
+from specdecode.acceptance.head import LAW_FEATURES
 
 EXAMPLES_FILE = "examples.safetensors"
 META_FILE = "meta.json"

@@ -21,9 +21,9 @@ import argparse
 import math
 from pathlib import Path
 
-from specdecode.acceptance_head import RULES
-from specdecode.head_replay import PreviewCosts
-from specdecode.head_train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
+from specdecode.acceptance.head import RULES
+from specdecode.acceptance.replay import PreviewCosts
+from specdecode.acceptance.train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
 
 _DEFAULTS = TrainConfig()
 
@@ -183,8 +183,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.cli import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specdecode.head_data import CollectConfig
+    from specdecode.acceptance.collect import CollectConfig
+    from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 
     d = CollectConfig()
     parser.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
@@ -231,11 +231,11 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
+    from specdecode.acceptance.collect import CollectConfig, collect
     from specdecode.api import SpeculativeDecoder
-    from specdecode.cli import set_threads
-    from specdecode.head_data import CollectConfig, collect
-    from specdecode.kernels import prepack_linears, quantize_int8
-    from specdecode.model_store import load_causal_lm
+    from specdecode.backends.kernels import prepack_linears, quantize_int8
+    from specdecode.cli.common import set_threads
+    from specdecode.models.store import load_causal_lm
     from specdecode.prompts import require_prompts
 
     set_threads(args.threads)
@@ -298,7 +298,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Print each policy's replayed speed against the best constant k."""
     import json
 
-    from specdecode.head_replay import replay_heads
+    from specdecode.acceptance.replay import replay_heads
 
     costs = replay_costs(args, "--")
     result = replay_heads(args.data_dir, args.head, tuple(args.bound), costs)
@@ -349,7 +349,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the head's calibration against acceptance numbers and say what it gains."""
-    from specdecode.head_calibration import NUMBER_DRAWS, calibrate_head
+    from specdecode.acceptance.calibration import NUMBER_DRAWS, calibrate_head
 
     result = calibrate_head(args.head_dir, args.data_dir, args.out, args.reject_weight)
     bias, a, b = result["weights"]

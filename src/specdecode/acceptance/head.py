@@ -43,7 +43,9 @@ RULES = ("greedy", "sampling")
 LAW_FEATURES = ("log top probability", "entropy", "log margin top-1 / top-2")
 DRAWN_FEATURE = "log probability of the drawn token"
 _MAX_MARGIN = 30.0  # a filtered law (top-k = 1) has a zero runner-up: cap its log margin
-SHIPPED_DIR = Path(__file__).parent / "heads"  # heads trained by the project for default pairs
+SHIPPED_DIR = (
+    Path(__file__).parent.parent / "heads"
+)  # heads trained by the project for default pairs
 
 
 def top_two(values: torch.Tensor, chunk: int = 128) -> torch.Tensor:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.packages import (
+from specdecode.models.packages import (
     PackageFileNotFoundError,
     PackageInstallError,
     PinnedPackage,

@@ -7,10 +7,10 @@ import time
 
 import torch
 
+from specdecode.backends.kernels import median_times
+from specdecode.backends.torch_eager import model_device
 from specdecode.checks import context_length
 from specdecode.config import RoundPrices
-from specdecode.kernels import median_times
-from specdecode.kv_cache import model_device
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
 

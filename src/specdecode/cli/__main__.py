@@ -1,0 +1,5 @@
+import sys
+
+from specdecode.cli.main import main
+
+sys.exit(main())
