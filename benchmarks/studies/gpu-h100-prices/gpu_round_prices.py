@@ -1,21 +1,21 @@
 """What a speculative round costs on a GPU, for the default pair's architectures, at batch 1.
 
 Whether an adaptive draft length pays depends on prices: what a drafted token costs next to a
-target step (c), and what a verify pass over k + 1 positions costs (`specdecpp_price_sweep.py`
-replays the recorded rounds at any such prices). A forward pass's time depends on the shapes,
-not on the weights' values, so this builds the target and drafter from their `config.json`
-files alone, with random weights on the GPU (the weights themselves need not travel), and
-times:
+target step (c), and what a verify pass over k + 1 positions costs
+(`../specdecpp-price-sweep/specdecpp_price_sweep.py` replays the recorded rounds at any such
+prices). A forward pass's time depends on the shapes, not on the weights' values, so this
+builds the target and drafter from their `config.json` files alone, with random weights on the
+GPU (the weights themselves need not travel), and times:
 
 - the target's forward over n = 1..13 new positions after a cached context, and the drafter's
   one-token step (the bench's own `calibrate` timer, which waits for the device);
-- whole speculative rounds of constant k with the engine (`round_cost_parts.py`'s parts: the
-  target's forward, the rule, the rest of the verify step, drafting), so the engine's own
-  per-round work is priced in target steps as well. The random models' text is meaningless;
-  only the time of each part per round is read.
+- whole speculative rounds of constant k with the engine (the parts of
+  `../round-cost-parts/round_cost_parts.py`: the target's forward, the rule, the rest of the
+  verify step, drafting), so the engine's own per-round work is priced in target steps as
+  well. The random models' text is meaningless; only the time of each part per round is read.
 
-    python benchmarks/gpu_round_prices.py TARGET_CONFIG DRAFT_CONFIG [--dtype bfloat16]
-        [--context 256] [--json FILE]
+    python benchmarks/studies/gpu-h100-prices/gpu_round_prices.py TARGET_CONFIG DRAFT_CONFIG
+        [--dtype bfloat16] [--context 256] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import time
 from pathlib import Path
 
 import torch
-from round_cost_parts import instrument, measure, print_parts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdecode import SpeculativeDecoder
 from specdecode.backends.timing import step_seconds
 from specdecode.bench.runner import machine_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "round-cost-parts"))
+from round_cost_parts import instrument, measure, print_parts
 
 LONGEST = 12
 

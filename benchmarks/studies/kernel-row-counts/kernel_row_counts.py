@@ -1,19 +1,21 @@
 """Row plans read off median times, each row count padded to the cheapest count at or above it,
-against the rule of earlier sessions (one padding count per weight, read off the best of five).
+against the earlier rule (one padding count per weight, read off the best of five; before
+2026-11-24).
 
 1. Every distinct packed weight of the target is timed at 1..13 rows, interleaved, twelve
    rounds. How stable each rule's plan is: both rules applied to 2,000 random draws of the
    samples they read (5 for the old rule, 7 for the new), the share of draws that leave a
    weight's one-row product unpadded.
 2. The new plans and the plans two of the last three recorded runs got from the old rule (the
-   MLP's weights unpadded, the output layer padded to 4: `specdecpp-*-priced/record.json`) are
+   MLP's weights unpadded, the output layer padded to 4:
+   `results/specdecpp-humaneval-t07-priced-mlp-unpadded/record.json`) are
    installed in turn on the same model objects, and a forward pass over 1..13 new positions
    after 256 cached tokens is timed under each, alternating (the bench's calibration timer): a
    plain step, and a verify pass of k drafted tokens in plain steps.
 3. Plain greedy decoding of a few HumanEval prompts under each, rotating the order, fastest of
    two: the baseline of every speedup; the tokens must not change.
 
-    python benchmarks/kernel_row_counts.py [N_PROMPTS] [NEW_TOKENS]
+    python benchmarks/studies/kernel-row-counts/kernel_row_counts.py [N_PROMPTS] [NEW_TOKENS]
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import (
     PAD_TOLERANCE,
-    _Packed,
-    _shape_name,
+    PackedTiedOutput,
+    PrepackedLinear,
     calls_per_sample,
     padding_up_to,
     plan_from_times,
@@ -44,10 +46,16 @@ ROUNDS = 12
 OLD_REPEATS = 5  # the earlier rule: the best of five after a warm-up
 NEW_REPEATS = 7  # `kernels.row_plan`: the median of seven after a warm-up
 DRAWS = 2000
+PACKED = (PrepackedLinear, PackedTiedOutput)
 LAST_RUNS = {"151936x1536": (4, 4, 4), "1536x8960": (), "8960x1536": (), "1536x1536": (2,)}
 
 
-def product_samples(module: _Packed) -> dict[int, list[float]]:
+def shape_name(module: torch.nn.Module) -> str:
+    """A packed weight's shape as `kernels.kernel_summary` names it in a record: "OUTxIN"."""
+    return "x".join(str(n) for n in module.weight.shape)
+
+
+def product_samples(module: torch.nn.Module) -> dict[int, list[float]]:
     """Seconds of the packed product at each row count, one sample per round (interleaved)."""
     calls = calls_per_sample(module.weight)
     with torch.inference_mode():
@@ -88,8 +96,8 @@ def main(n_prompts: int, new_tokens: int) -> None:
     decoder = SpeculativeDecoder.from_pretrained(
         "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True
     )
-    packed = [m for m in decoder.target.modules() if isinstance(m, _Packed)]
-    shapes = {_shape_name(m): m for m in reversed(packed)}
+    packed = [m for m in decoder.target.modules() if isinstance(m, PACKED)]
+    shapes = {shape_name(m): m for m in reversed(packed)}
     plans: dict[str, dict[str, tuple[int, ...]]] = {
         "median, per count": {},
         "last runs' plans": LAST_RUNS | {"256x1536": ()},
@@ -113,7 +121,7 @@ def main(n_prompts: int, new_tokens: int) -> None:
 
     def install(label: str) -> None:
         for module in packed:
-            module.pad_to = plans[label][_shape_name(module)]
+            module.pad_to = plans[label][shape_name(module)]
 
     context = [(1000 + i) % 151936 for i in range(256)]
     curves: dict[str, list[dict[int, float]]] = {label: [] for label in plans}

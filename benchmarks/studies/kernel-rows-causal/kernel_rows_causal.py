@@ -3,14 +3,14 @@ packed modules' row numbers switched between runs, prompt by prompt, rotating th
 fastest of the repeats kept.
 
 - `from 2 rows`: one-row products on MKL, every larger one packed (the first engine);
-- `from 1 row`: every product packed, none padded (the one-row switch of earlier sessions);
+- `from 1 row`: every product packed, none padded (the one-row switch used before 2026-11-24);
 - `timed plans`: what `prepack_linears` now picks per weight shape at load, the zero-row padding
   of short products included (`kernels.row_plan`).
 
 Plain greedy decoding (the baseline of every speedup) and speculative decoding with the int8
 drafter at k = 2 (verify passes of 3 positions) are both timed; the tokens must not change.
 
-    python benchmarks/kernel_rows_causal.py [N_PROMPTS] [NEW_TOKENS]
+    python benchmarks/studies/kernel-rows-causal/kernel_rows_causal.py [N_PROMPTS] [NEW_TOKENS]
 """
 
 from __future__ import annotations

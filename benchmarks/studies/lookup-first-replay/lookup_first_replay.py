@@ -4,12 +4,13 @@ The target's greedy completions of HumanEval prompts 0-7 (128 tokens) are decode
 drafter reads each text once, teacher-forced, which gives at every position whether its greedy
 draft there equals the text (a greedy model round keeps drafts while they do). Then decoding is
 replayed round by round at this CPU's prices (a drafted token 0.15 target steps; a verify pass
-of m drafted tokens as measured in the eighteenth session), for the drafter alone at k = 4 and
-5, and for lookup first (`LookupFirstDrafter`: matches of min_ngram..4 tokens, up to k looked-up
-tokens) with the drafter elsewhere. Output: tokens per target step, and the share of positions
-with a match and what lookup keeps there.
+of m drafted tokens as calibrated on 2026-11-24 with per-count row plans), for the drafter
+alone at k = 4 and 5, and for lookup first (`LookupFirstDrafter`: matches of min_ngram..4
+tokens, up to k looked-up tokens) with the drafter elsewhere. Output: tokens per target step,
+and the share of positions with a match and what lookup keeps there.
 
-    python benchmarks/lookup_first_replay.py     # about 4 minutes; texts cached after that
+    python benchmarks/studies/lookup-first-replay/lookup_first_replay.py
+    (about 4 minutes; the texts are cached after that)
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from specdecode.prompts import load_prompts
 
 CACHE = Path.home() / ".cache" / "specdecode" / "lookup-replay.json"
 PROMPTS, NEW_TOKENS = 8, 128
-# this CPU's prices, as the predictability study reads them (eighteenth session's calibration)
+# this CPU's prices, as the predictability study reads them (the calibration of 2026-11-24,
+# per-count row plans)
 DRAFT_PRICE = 0.15
 VERIFY = (1.00, 0.97, 0.96, 0.93, 0.92, 1.13, 1.21, 1.22, 1.26, 1.26, 1.37, 1.50)
 COSTS = PreviewCosts(draft_cost=DRAFT_PRICE, verify_slope=0.0, verify_curve=VERIFY)

@@ -1,12 +1,13 @@
 """Pool per-prompt speed ratios of two methods over several bench records, with a paired interval.
 
-Used for the pooled SpecDec++ figures in `benchmarks/README.md` (runs on disjoint prompts, same
+Used for the pooled SpecDec++ figures in `docs/findings.md` (runs on disjoint prompts, same
 settings): the ratio is the geometric mean of per-prompt time ratios, and the 95% interval
 resamples prompts (bootstrap, 4,000 draws, seed 0).
 
-    python benchmarks/pool_runs.py BASE METHOD RECORD_DIR [RECORD_DIR ...]
-    python benchmarks/pool_runs.py "sd-int8[k=2]" "sd-int8[head t=0.8 1..12]" \\
-        benchmarks/specdecpp-mtbench-t07-10-coupled benchmarks/specdecpp-mtbench-t07-10-30-coupled
+    python benchmarks/studies/pooled-runs/pool_runs.py BASE METHOD RECORD_DIR [RECORD_DIR ...]
+    python benchmarks/studies/pooled-runs/pool_runs.py "sd-int8[k=3]" \\
+        "sd-int8[head-u t=0.9 1..12 priced]" \\
+        benchmarks/results/specdecpp-mtbench-t07 benchmarks/results/specdecpp-mtbench-t07-97-112
 """
 
 from __future__ import annotations

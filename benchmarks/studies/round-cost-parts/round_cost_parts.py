@@ -2,15 +2,16 @@
 
 The bench's model prices a round by its forward passes as calibrated (a target pass over k + 1
 positions, k drafter passes). Measured after the first round, rounds of 6 or more drafted
-tokens came out some 8% dearer, next to rounds of 4 or 5, than that model says
-(`specdecpp-humaneval-t07-16-coupled-padded/`). This decodes the same prompts with constant
+tokens came out some 8% dearer, next to rounds of 4 or 5, than that model says (a coupled
+HumanEval 0-15 bench on the padded kernels, 2026-11-24: measured over modelled 1.08-1.11 for
+k = 4-5, 1.02 for k = 6 and 8). This decodes the same prompts with constant
 k = 2, 4, 5, 6, 8 (coupled, T = 0.7, so every k commits the same text), rotated, and splits each
 method's time, first rounds left out, into: the target's forward passes, the verification rule,
 the rest of the verify step (cache rollback, commit, checks), the drafter's forward passes and
 the rest of drafting (its sampling laws, the policy). Times are in target steps (the mean
 forward pass of plain decoding in the same process).
 
-    python benchmarks/round_cost_parts.py [PROMPTS] [NEW_TOKENS]
+    python benchmarks/studies/round-cost-parts/round_cost_parts.py [PROMPTS] [NEW_TOKENS]
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def decode_parts(decoder: SpeculativeDecoder, prompt: str, k: int | None, tokens
 
 def instrument(decoder: SpeculativeDecoder, sync=lambda: None) -> None:
     """Time the decoder's parts: target and drafter forwards, the rule, the coupling pass."""
-    target = decoder._target_lm
+    target = decoder.target  # the model that the target's CachedModel wraps
     coupling = [False]  # inside the coupling pass: its drafter pass is not drafting
     inner = engine.coupled_next_tokens
 
@@ -99,7 +100,7 @@ def instrument(decoder: SpeculativeDecoder, sync=lambda: None) -> None:
     timed(
         CachedModel,
         "forward",
-        lambda self: "target" if self is target else "coupling" if coupling[0] else "drafter",
+        lambda self: "target" if self.model is target else "coupling" if coupling[0] else "drafter",
         sync,
     )
     timed(

@@ -10,7 +10,8 @@ Last, the same batch-32 run with the batches formed from sources of similar leng
 default of `translate` since): plain decoding and SpecDec's default against plain decoding of
 unsorted batches. The first two parts run unsorted, as they were recorded.
 
-    python benchmarks/specdec_draft_batch.py [--verses N] [--parts sweep batch32 sorted]
+    python benchmarks/studies/specdec-draft-batch/specdec_draft_batch.py [--verses N]
+        [--parts sweep batch32 sorted]
 """
 
 from __future__ import annotations

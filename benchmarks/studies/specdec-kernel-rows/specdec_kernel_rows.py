@@ -8,7 +8,7 @@ default was kept. This measures the whole decode instead: the shipped pair at ba
 first N test verses, plain greedy decoding and exact SpecDec (int8 drafter, k = 4), each with the
 verifier packed from 2 rows and from 1 row, interleaved verse by verse, the fastest of 2 repeats.
 
-    python benchmarks/specdec_kernel_rows.py [N]
+    python benchmarks/studies/specdec-kernel-rows/specdec_kernel_rows.py [N]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Each size runs twice: with the engine's kernels (oneDNN-packed copies for produc
 or more, MKL for one row) and with every product packed, since the faster one-row kernel is the
 fair baseline for plain decoding.
 
-    python benchmarks/specdec_round_cost.py
+    python benchmarks/studies/specdec-round-cost/specdec_round_cost.py
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ whose tokens the verifier's greedy output follows. Steps:
    time of its nodes. Building tree masks and compacting the accepted path's cache cost nothing
    here, which is what makes the figure an upper bound.
 
-    python benchmarks/specdec_tree_bound.py [--verses 100]
+    python benchmarks/studies/specdec-tree-bound/specdec_tree_bound.py [--verses 100]
 """
 
 from __future__ import annotations

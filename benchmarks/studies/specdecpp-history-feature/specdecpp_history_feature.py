@@ -7,7 +7,7 @@ with the label, next to the shipped sampling head's; then a logistic fit of the 
 head's logit plus the feature (trained on the code and chat training collections), replayed on
 the evaluation collections at the 2-core AMD EPYC's prices against the head alone.
 
-    python benchmarks/specdecpp_history_feature.py [WINDOW]
+    python benchmarks/studies/specdecpp-history-feature/specdecpp_history_feature.py [WINDOW]
 """
 
 from __future__ import annotations

@@ -26,10 +26,11 @@ carries under 1e-4 of either law). Each position then gets a drafted token and a
 each rule, drawn from its law (several draws, averaged), and a logistic head on drafter-side
 features is fitted on half the prompts and scores the other half (cross-fitted). Rounds are
 replayed along the text at this CPU's prices (a drafted token 0.15 target steps; the verify pass
-of the eighteenth session's row plans): the best constant k of 1..12 against the head's
+of the per-count row plans, 2026-11-24): the best constant k of 1..12 against the head's
 threshold rule (1 - prod P(accept) > h, rounds of 1..12) at its best h.
 
-    python benchmarks/specdecpp_predictability.py [--prompts 12] [--cache PATH]
+    python benchmarks/studies/specdecpp-predictability/specdecpp_predictability.py
+        [--prompts 12] [--cache PATH]
 
 The laws are collected once into `--cache` (about 30 s a prompt on 2 cores) and reused.
 """
@@ -51,7 +52,8 @@ TEMPERATURE = 0.7
 NEW_TOKENS = 64
 KEPT = 1024  # tokens of most joint mass kept per position
 DRAFT_PRICE = 0.15  # a drafted token, in target steps (int8 drafter, this CPU)
-# verify pass for 1..12 drafted tokens, in target steps (eighteenth session's calibration)
+# verify pass for 1..12 drafted tokens, in target steps (the calibration of 2026-11-24,
+# per-count row plans)
 VERIFY = (1.00, 0.97, 0.96, 0.93, 0.92, 1.13, 1.21, 1.22, 1.26, 1.26, 1.37, 1.50)
 THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DRAWS = 4  # verdict draws per position, averaged

@@ -16,22 +16,27 @@ only (the most a head could learn from the target's state where a round starts: 
 not seen the drafts yet), a head that knew r = p/q of every token, and one that knew the
 verdicts. The same text and verdicts at every price; only the prices change.
 
-    python benchmarks/specdecpp_price_sweep.py TRAIN_DIR EVAL_DIR [EVAL_DIR ...]
+    python benchmarks/studies/specdecpp-price-sweep/specdecpp_price_sweep.py TRAIN_DIR EVAL_DIR
+        [EVAL_DIR ...]
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
-from specdecpp_uniform_feature import fitted_head, numbers, scored, verdicts
 
 from specdecode.acceptance.head import number_logit
 from specdecode.acceptance.replay import PreviewCosts, preview_rounds
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "specdecpp-uniform-feature"))
+from specdecpp_uniform_feature import fitted_head, numbers, scored, verdicts
+
 DRAFT_COSTS = (0.05, 0.1, 0.14, 0.2, 0.3, 0.5, 0.7)
 # The 2-core AMD EPYC's verify pass on the padded kernels, in target steps for k = 1..12
-# drafted tokens, as calibrated by `specdecpp-humaneval-t07-16-coupled-padded`
+# drafted tokens, as calibrated by a coupled HumanEval 0-15 bench on the padded kernels
+# (2026-11-24)
 PADDED_EPYC = (1.02, 1.00, 0.99, 0.97, 0.96, 1.08, 1.14, 1.13, 1.19, 1.17, 1.22, 1.32)
 # (bound, verify line slope, verify curve): rounds of 1..6 at a flat verify cost, the padded
 # kernels' curve over 1..12, and the line the replays used before the padding

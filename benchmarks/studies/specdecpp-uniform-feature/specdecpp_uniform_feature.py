@@ -16,7 +16,8 @@ is fitted on a code collection (u drawn afresh, verdict 1[u < r], the head's los
 replayed on the evaluation collections at the 2-core AMD EPYC's prices, beside the head alone,
 a head that knew r = p/q, and one that knew the verdicts.
 
-    python benchmarks/specdecpp_uniform_feature.py TRAIN_DIR EVAL_DIR [EVAL_DIR ...]
+    python benchmarks/studies/specdecpp-uniform-feature/specdecpp_uniform_feature.py TRAIN_DIR
+        EVAL_DIR [EVAL_DIR ...]
 """
 
 from __future__ import annotations
