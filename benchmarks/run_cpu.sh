@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# The recorded CPU benchmark of the default pair (qwen2.5-coder-1.5b + qwen2.5-coder-0.5b).
-# 1. a draft-length sweep on the first 3 HumanEval prompts (chooses k for each method);
-# 2. the main run: HumanEval first 20 prompts, 128 new tokens, greedy, batch 1;
-# 3. sampling at temperature 0.7 with batches of 4 and 8 (and 1 for the engine).
-# About 100 minutes on a 2-core machine. Results land in benchmarks/<run><suffix>/, the suffix
-# naming the machine (the records without one are the 2-core Xeon's; `-epyc` the AMD EPYC's):
-#   benchmarks/run_cpu.sh -epyc
+# The batched engine's recorded CPU benchmarks on the default pair (qwen2.5-coder-1.5b target,
+# qwen2.5-coder-0.5b drafter), each into benchmarks/results/<experiment>/:
+# 1. humaneval-k-sweep: the draft length, first 3 HumanEval prompts (chooses k for each method);
+# 2. humaneval-greedy-b1: HumanEval first 20 prompts, 128 new tokens, greedy, batch 1 (the
+#    README's table);
+# 3. humaneval-sample-batch: temperature 0.7, batches of 4 and 8;
+# 4. prompt lookup and lookup first (humaneval-lookup, humaneval-lookup-first,
+#    humaneval-lookup-first-t07, mtbench-lookup-first).
+# The first three take about 100 minutes on a 2-core machine. `docs/benchmarks.md` lists each
+# command with its table; `benchmarks/README.md` says which machine recorded each folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=benchmarks
-suffix=${1:-}
+out=benchmarks/results
 specdecode bench --prompts humaneval --limit 3 --max-new-tokens 128 \
   --methods ar hf-assisted hf-assisted-k sd-int8 --num-draft-tokens 3 4 5 6 \
-  --out $out/humaneval-k-sweep$suffix --quiet
+  --out $out/humaneval-k-sweep --quiet
 best() {  # best k of a method family in the sweep record
-  python - "$1" "$out/humaneval-k-sweep$suffix/record.json" <<'PY'
+  python - "$1" "$out/humaneval-k-sweep/record.json" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[2]))["methods"]
 fam = [r for r in rows if r["method"].startswith(sys.argv[1] + "[k=")]
@@ -27,6 +29,7 @@ read -r k_sd _ < <(best sd-int8)
 read -r k_hf hf_better < <(best hf-assisted-k)
 # sd (the fp32 drafter hf-assisted also gets) runs at the same k as sd-int8, so the engine and
 # the drafter's speed are seen apart; hf-assisted-k joins when a constant k beat its defaults.
+# The recorded run: --methods ar hf-assisted sd sd-int8 --num-draft-tokens 4.
 methods="ar hf-assisted sd sd-int8"
 ks="$k_sd"
 if [ "$hf_better" = 1 ]; then
@@ -34,7 +37,18 @@ if [ "$hf_better" = 1 ]; then
 fi
 echo "sweep: best sd-int8 k=$k_sd, best hf-assisted-k k=$k_hf (beats defaults: $hf_better)"
 specdecode bench --prompts humaneval --limit 20 --max-new-tokens 128 \
-  --methods $methods --num-draft-tokens $ks --out $out/humaneval-greedy-b1$suffix --quiet
+  --methods $methods --num-draft-tokens $ks --out $out/humaneval-greedy-b1 --quiet
 specdecode bench --prompts humaneval --limit 8 --max-new-tokens 128 --temperature 0.7 --seed 0 \
   --methods ar hf sd-int8 --num-draft-tokens 2 3 --batch-sizes 8 4 \
-  --out $out/humaneval-sample-batch$suffix --quiet
+  --out $out/humaneval-sample-batch --quiet
+# prompt lookup (no drafter model) against transformers' prompt lookup decoding
+specdecode bench --prompts humaneval --limit 8 --max-new-tokens 128 \
+  --methods ar hf-lookup sd-lookup --num-draft-tokens 4 10 --out $out/humaneval-lookup --quiet
+# lookup first, the drafter elsewhere: code, chat, and code sampled at temperature 0.7
+specdecode bench --prompts humaneval --limit 12 --max-new-tokens 128 \
+  --methods ar sd-int8 sd-int8-lookup --num-draft-tokens 4 5 --out $out/humaneval-lookup-first --quiet
+specdecode bench --prompts mtbench --limit 12 --max-new-tokens 128 \
+  --methods ar sd-int8 sd-int8-lookup --num-draft-tokens 4 --out $out/mtbench-lookup-first --quiet
+specdecode bench --prompts humaneval --limit 12 --max-new-tokens 128 --temperature 0.7 --seed 0 \
+  --methods ar sd-int8 sd-int8-lookup --num-draft-tokens 4 \
+  --out $out/humaneval-lookup-first-t07 --quiet
