@@ -8,7 +8,7 @@ import time
 import torch
 
 from specdecode.backends.kernels import median_times
-from specdecode.backends.torch_eager import model_device
+from specdecode.backends.torch_eager import cache_kwargs, model_device
 from specdecode.checks import context_length
 from specdecode.config import RoundPrices
 
@@ -39,13 +39,14 @@ def step_seconds(
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         prefix = torch.tensor([context], device=device)
-        model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        passed = cache_kwargs(model, cache)
+        model(prefix, use_cache=True, logits_to_keep=1, **passed)
 
         def forward(n: int):
             new = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
 
             def run() -> None:
-                model(new, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                model(new, use_cache=True, logits_to_keep=n, **passed)
                 cache.crop(-n)
 
             return run

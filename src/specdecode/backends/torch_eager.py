@@ -20,10 +20,10 @@ Design: one physical `transformers.DynamicCache` shared by the batch, plus a per
 Why not a static cache with per-row write pointers: `transformers` attention layers write a
 shared `cache_position` for the whole batch, so per-row offsets would need a custom attention
 path per architecture. This design uses only public model inputs (`attention_mask`,
-`position_ids`, `past_key_values`) and works for any decoder whose cache is a plain
-`DynamicCache` of full-attention layers. Models whose cache cannot be rolled back this way
-(sliding-window layers drop old slots; recurrent or linear-attention states cannot be truncated)
-are refused by `check_rollback_support` at set-up.
+`position_ids`, and the cache: `cache`, `past_key_values` in older releases) and works for any
+decoder whose cache is a plain `DynamicCache` of full-attention layers. Models whose cache cannot
+be rolled back this way (sliding-window layers drop old slots; recurrent or linear-attention states
+cannot be truncated) are refused by `check_rollback_support` at set-up.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def check_rollback_support(model: torch.nn.Module, role: str) -> None:
             f"{name} is an encoder-decoder model; the causal-LM engine needs a decoder-only model"
         )
     params = inspect.signature(model.forward).parameters
-    for arg in ("attention_mask", "position_ids", "past_key_values"):
+    for arg in ("attention_mask", "position_ids", cache_argument(model)):
         if arg not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             raise UnsupportedModelError(
                 f"{name}.forward takes no `{arg}`; per-row rollback needs it"
@@ -66,12 +66,39 @@ def check_rollback_support(model: torch.nn.Module, role: str) -> None:
         )
     probe = torch.zeros(1, 1, dtype=torch.long, device=model_device(model))
     with torch.no_grad():
-        out = model(input_ids=probe, past_key_values=cache, use_cache=True)
-    if out.past_key_values is not cache or any(type(x) is not DynamicLayer for x in cache.layers):
+        out = model(input_ids=probe, use_cache=True, **cache_kwargs(model, cache))
+    returned = returned_cache(out)
+    if returned is not cache or any(type(x) is not DynamicLayer for x in cache.layers):
         raise UnsupportedModelError(
-            f"{name} returned a {type(out.past_key_values).__name__} cache instead of the "
+            f"{name} returned a {type(returned).__name__} cache instead of the "
             "DynamicCache it was given; its state cannot be rolled back per row"
         )
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which `model.forward` takes its KV cache.
+
+    transformers renamed `past_key_values` to `cache` (5.24 still accepts the old name, with a
+    FutureWarning, until 5.40); the lowest supported release (4.56) knows only the old one. The
+    forward's own signature says which this model has (`deprecate_kwarg` keeps `__wrapped__`, so
+    `inspect.signature` sees the real parameters). A forward with neither (remote code taking
+    `**kwargs`) gets the old name, which every release still routes.
+    """
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """`{name: cache}` for a forward call, under the name this model takes (`cache_argument`)."""
+    return {cache_argument(model): cache}
+
+
+def returned_cache(out):
+    """The cache a forward returned: `out.cache` where the output class has that field, else
+    `out.past_key_values` (releases before the rename; reading it on newer ones logs a warning)."""
+    if "cache" in getattr(out, "__dataclass_fields__", {}):
+        return out.cache
+    return out.past_key_values
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -87,6 +114,7 @@ class CachedModel:
         check_rollback_support(model, role)
         self.model = model
         self.device = model_device(model)
+        self.cache_argument = cache_argument(model)
         self.compact_min_holes = compact_min_holes
         self.reset(0)
 
@@ -123,8 +151,8 @@ class CachedModel:
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions.clamp(min=0),
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_argument: self.cache},
             logits_to_keep=logits_to_keep,
             output_hidden_states=want_hidden,
         )

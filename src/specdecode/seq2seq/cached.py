@@ -21,7 +21,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from specdecode.backends.torch_eager import HOLE, CachedModel, UnsupportedModelError, model_device
+from specdecode.backends.torch_eager import (
+    HOLE,
+    CachedModel,
+    UnsupportedModelError,
+    cache_argument,
+    model_device,
+)
 
 
 class RowPositions(torch.nn.Module):
@@ -71,6 +77,7 @@ class CachedSeq2Seq(CachedModel):
         self.model = model
         self.role = role
         self.device = model_device(model)
+        self.cache_argument = cache_argument(model)
         self.compact_min_holes = compact_min_holes
         self.row_positions = install_row_positions(model)
         self.encoder_states = torch.empty(0, 0, 0, device=self.device)  # [batch, src, d_model]
@@ -133,8 +140,8 @@ class CachedSeq2Seq(CachedModel):
                 attention_mask=self.encoder_mask,
                 decoder_input_ids=tokens,
                 decoder_attention_mask=mask,
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self.cache_argument: self.cache},
                 output_hidden_states=want_hidden or self.keep_states,
             )
         finally:
