@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from conftest import tiny_gpt2, tiny_llama
-
 from specdecode import SpeculativeDecoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23], [40], [7, 7, 7, 7, 7, 7]]
@@ -14,7 +12,7 @@ def run(decoder, prompts, **kw):
     return decoder.generate(prompts, **kw).new_tokens
 
 
-def test_batch_equals_rows_alone_greedy():
+def test_batch_equals_rows_alone_greedy(tiny_llama, tiny_gpt2):
     for make in (tiny_llama, tiny_gpt2):
         decoder = SpeculativeDecoder(make(seed=0), drafter=make(seed=3, layers=1))
         batched = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=3)
@@ -22,7 +20,7 @@ def test_batch_equals_rows_alone_greedy():
         assert batched == alone
 
 
-def test_eos_inside_draft_and_rows_finishing_at_different_steps():
+def test_eos_inside_draft_and_rows_finishing_at_different_steps(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=target)  # oracle drafter: stops land mid-draft
     free = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=4)
@@ -53,7 +51,7 @@ def test_eos_inside_draft_and_rows_finishing_at_different_steps():
         assert all(row not in e.rows for e in events[step + 1 :])
 
 
-def test_max_new_tokens_inside_draft():
+def test_max_new_tokens_inside_draft(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=target)
     full = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=4)
@@ -63,7 +61,7 @@ def test_max_new_tokens_inside_draft():
         assert out.stats.total.drafted <= len(PROMPTS) * (n - 1)  # never drafts past the budget
 
 
-def test_sampling_rows_with_own_seeds_equal_rows_alone():
+def test_sampling_rows_with_own_seeds_equal_rows_alone(tiny_llama):
     decoder = SpeculativeDecoder(tiny_llama(seed=0, init=0.3), drafter=tiny_llama(seed=5, init=0.3))
     seeds = [11, 22, 33, 44, 55]
     kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=0.9, top_k=40, top_p=0.95)
@@ -75,7 +73,7 @@ def test_sampling_rows_with_own_seeds_equal_rows_alone():
     assert other != batched
 
 
-def test_streaming_reassembles_generate():
+def test_streaming_reassembles_generate(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=tiny_llama(seed=1, layers=1))
     pieces = [[] for _ in PROMPTS]
@@ -90,7 +88,7 @@ def test_streaming_reassembles_generate():
     assert run(decoder, PROMPTS, max_new_tokens=12) == pieces
 
 
-def test_finished_rows_stop_costing_compute():
+def test_finished_rows_stop_costing_compute(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=target)
     prompts = [[5, 6], [7, 8, 9]]
@@ -111,7 +109,7 @@ def test_finished_rows_stop_costing_compute():
     assert rows_per_forward[0] == 2 and rows_per_forward[-1] == 1
 
 
-def test_drafting_only_while_the_batch_is_small():
+def test_drafting_only_while_the_batch_is_small(tiny_llama):
     """`max_draft_batch`: rounds of a larger batch are plain steps, the drafter catches up once
     rows have finished, and no output changes (greedy, and coupled sampling, whose text depends
     on the seed alone whatever each round drafted)."""

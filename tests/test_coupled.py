@@ -7,71 +7,44 @@ paired. Its duty is that of every sampling path: the output law is the target's,
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from conftest import tiny_llama
-from test_length_policies import PROMPTS, drawn_head, noisy_copy
-from test_sampling_e2e import PROMPT as SAMPLE_PROMPT
-from test_sampling_e2e import VOCAB as SMALL_VOCAB
-from test_sampling_e2e import assert_decoder_follows_target
 
 from specdecode import SpeculativeDecoder, engine
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.sampling import DRAFT, RESIDUAL, PositionRandom
 
-POLICIES = {
-    "k=1": dict(num_draft_tokens=1),
-    "k=3": dict(num_draft_tokens=3),
-    "k=7": dict(num_draft_tokens=7),
-    "heuristic": dict(length_policy="heuristic", num_draft_tokens=2, bound=(1, 6)),
-    "confidence": dict(length_policy="confidence", stop_threshold=0.6, bound=(1, 6)),
-    "head": dict(length_policy="head", stop_threshold=0.5, bound=(1, 6)),
-}
-SEEDS = [11, 22, 33, 44, 55]
+# the policies, prompts, seeds and law check are conftest's `coupled_runs` (test_cuda runs them
+# on a GPU)
 
 
 @pytest.fixture(scope="module")
-def decoder() -> SpeculativeDecoder:
+def decoder(tiny_llama, noisy_copy, drawn_head) -> SpeculativeDecoder:
     target = tiny_llama(seed=0, init=0.3)
     return SpeculativeDecoder(
         target, drafter=noisy_copy(target, 0.1), acceptance_head=drawn_head(32)
     )
 
 
-def generate(decoder: SpeculativeDecoder, coupled: bool, seeds=SEEDS, **policy):
-    return decoder.generate(
-        PROMPTS,
-        max_new_tokens=24,
-        temperature=0.9,
-        top_k=40,
-        top_p=0.95,
-        row_seeds=seeds,
-        stop_token_ids=[],
-        coupled=coupled,
-        **policy,
-    )
-
-
-def test_every_policy_commits_the_same_text(decoder: SpeculativeDecoder) -> None:
-    outputs = {name: generate(decoder, True, **policy) for name, policy in POLICIES.items()}
+def test_every_policy_commits_the_same_text(decoder: SpeculativeDecoder, coupled_runs) -> None:
+    generate, policies = coupled_runs.generate, coupled_runs.policies
+    outputs = {name: generate(decoder, True, **policy) for name, policy in policies.items()}
     texts = {name: out.new_tokens for name, out in outputs.items()}
     assert all(text == texts["k=1"] for text in texts.values()), texts
     # ... although the policies drafted differently and some drafts were rejected
     drafted = {name: out.stats.total.drafted for name, out in outputs.items()}
-    assert len(set(drafted.values())) == len(POLICIES), drafted
+    assert len(set(drafted.values())) == len(policies), drafted
     assert 0.2 < outputs["k=3"].stats.total.acceptance_rate < 0.95
     assert all(out.stats.coupling_forwards > 0 for out in outputs.values())
     # the control: stream randomness, the default, pairs nothing
-    streams = [generate(decoder, False, **POLICIES[name]).new_tokens for name in ("k=1", "k=7")]
+    streams = [generate(decoder, False, **policies[name]).new_tokens for name in ("k=1", "k=7")]
     assert streams[0] != streams[1]
 
 
-def test_first_round_costs_are_filed_apart(decoder: SpeculativeDecoder) -> None:
+def test_first_round_costs_are_filed_apart(decoder: SpeculativeDecoder, coupled_runs) -> None:
     """The first round (both prefills) is filed apart, and verify time is read without the
     coupling pass, so that `bench`'s in-run costs per call leave out both."""
-    s = generate(decoder, True, num_draft_tokens=3).stats
+    s = coupled_runs.generate(decoder, True, num_draft_tokens=3).stats
     first = s.first_round_costs
     assert first.target_forwards == 1  # one batch: one first round
     assert 1 <= first.drafter_forwards < s.drafter_forwards
@@ -87,11 +60,12 @@ def test_first_round_costs_are_filed_apart(decoder: SpeculativeDecoder) -> None:
     )
 
 
-def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder) -> None:
-    batched = generate(decoder, True, **POLICIES["head"]).new_tokens
+def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder, coupled_runs) -> None:
+    head = coupled_runs.policies["head"]
+    batched = coupled_runs.generate(decoder, True, **head).new_tokens
     alone = [
         decoder.generate(
-            [prompt],
+            [list(prompt)],
             max_new_tokens=24,
             temperature=0.9,
             top_k=40,
@@ -101,30 +75,16 @@ def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder) -> Non
             coupled=True,
             num_draft_tokens=5,
         ).new_tokens[0]
-        for prompt, seed in zip(PROMPTS, SEEDS, strict=True)
+        for prompt, seed in zip(coupled_runs.prompts, coupled_runs.seeds, strict=True)
     ]
     assert batched == alone
-    assert generate(decoder, True, [s + 1 for s in SEEDS], **POLICIES["head"]).new_tokens != alone
+    other_seeds = [s + 1 for s in coupled_runs.seeds]
+    assert coupled_runs.generate(decoder, True, other_seeds, **head).new_tokens != alone
 
 
 @pytest.mark.parametrize("policy", ["k=1", "k=3", "head"])
-def test_sampled_law_equals_target(policy: str) -> None:
-    assert_sampled_law_is_targets(policy)
-
-
-def assert_sampled_law_is_targets(policy: str, device: str = "cpu") -> None:
-    """The first three tokens of thousands of seeded rows follow the target's exact law."""
-    target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
-    drafter = tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1)
-    decoder = SpeculativeDecoder(
-        copy.deepcopy(target).to(device),
-        drafter=drafter.to(device),
-        acceptance_head=drawn_head(32).to(device),
-    )
-    total = assert_decoder_follows_target(
-        decoder, target, SAMPLE_PROMPT, 2000, 4, coupled=True, **POLICIES[policy]
-    )
-    assert total.bonus > 0 and total.recovered > 0
+def test_sampled_law_equals_target(policy: str, coupled_runs) -> None:
+    coupled_runs.assert_sampled_law_is_targets(policy)
 
 
 def test_numbers_are_keyed_to_positions() -> None:
@@ -146,17 +106,18 @@ def test_coupled_greedy_is_refused() -> None:
 
 
 def test_position_keys_alone_do_not_pair(
-    decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch
+    decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch, coupled_runs
 ) -> None:
     """Without the bonus drawn via the drafter, the same numbers give k=1 and k=7 other texts:
     a bonus token drawn from the target is another function of them than a drafted one."""
     monkeypatch.setattr(engine, "coupled_next_tokens", lambda *a: (a[4].next_tokens, False))
-    texts = [generate(decoder, True, **POLICIES[name]).new_tokens for name in ("k=1", "k=7")]
+    policies = [coupled_runs.policies[name] for name in ("k=1", "k=7")]
+    texts = [coupled_runs.generate(decoder, True, **policy).new_tokens for policy in policies]
     assert texts[0] != texts[1]
 
 
 def test_unusable_drafter_law_at_a_bonus_position_is_refused(
-    decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch
+    decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch, coupled_runs
 ) -> None:
     """A NaN law read for a bonus token stops decoding with the step's logit error."""
     from specdecode.drafters import ModelDrafter
@@ -169,4 +130,4 @@ def test_unusable_drafter_law_at_a_bonus_position_is_refused(
 
     monkeypatch.setattr(ModelDrafter, "next_law", nan_law)
     with pytest.raises(InvalidLogitsError, match="NaN"):
-        generate(decoder, True, **POLICIES["k=1"])
+        coupled_runs.generate(decoder, True, **coupled_runs.policies["k=1"])

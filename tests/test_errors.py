@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama, word_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import MistralConfig, MistralForCausalLM
@@ -16,18 +15,18 @@ from specdecode.sampling import InvalidLogitsError, bad_logits
 
 
 @pytest.fixture(scope="module")
-def decoder():
+def decoder(tiny_llama, word_tokenizer):
     return SpeculativeDecoder(tiny_llama(0), word_tokenizer(), drafter=tiny_llama(1, layers=1))
 
 
-def test_different_tokenizers_refused():
+def test_different_tokenizers_refused(tiny_llama, word_tokenizer):
     with pytest.raises(IncompatibleModelsError, match="tokenizers differ"):
         SpeculativeDecoder(
             tiny_llama(0), word_tokenizer(), tiny_llama(1), word_tokenizer(prefix="w")
         )
 
 
-def test_same_size_different_vocabulary_refused():
+def test_same_size_different_vocabulary_refused(tiny_llama, word_tokenizer):
     other = word_tokenizer()
     other.add_tokens(["extra"])  # same embedding size would not reveal this
     with pytest.raises(IncompatibleModelsError, match="only in the drafter"):
@@ -36,7 +35,7 @@ def test_same_size_different_vocabulary_refused():
         )
 
 
-def test_drafter_on_another_device_refused():
+def test_drafter_on_another_device_refused(tiny_llama):
     with torch.device("meta"):
         drafter = tiny_llama(1)
     with pytest.raises(IncompatibleModelsError, match="target is on cpu but drafter is on meta"):
@@ -103,7 +102,7 @@ def test_bad_logits_matches_its_definition(rows):
 
 
 @pytest.mark.parametrize("poison", ["target", "drafter"])
-def test_nan_logits_refused(poison):
+def test_nan_logits_refused(poison, tiny_llama):
     target, drafter = tiny_llama(0), tiny_llama(1, layers=1)
     with torch.no_grad():
         (target if poison == "target" else drafter).model.norm.weight.fill_(float("nan"))

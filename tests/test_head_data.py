@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama
 from safetensors.torch import load_file, save_file
 
 from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect
@@ -22,7 +21,7 @@ from specdecode.verification import GreedyRule, LosslessSamplingRule
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
 
 
-def collected(tmp_path, temperature: float, mixing: float = 0.3):
+def collected(tiny_llama, tmp_path, temperature: float, mixing: float = 0.3):
     target, drafter = tiny_llama(0, init=0.2), tiny_llama(0, init=0.2)
     torch.manual_seed(1)
     with torch.no_grad():  # the same weights perturbed: partial agreement
@@ -55,8 +54,8 @@ def fresh(model, prefix: list[int]):
     return out.logits[0, -1], out.hidden_states[-1][0, -1]
 
 
-def test_greedy_labels_are_what_greedy_verification_accepts(tmp_path):
-    target, drafter, ex = collected(tmp_path, temperature=0.0)
+def test_greedy_labels_are_what_greedy_verification_accepts(tmp_path, tiny_llama):
+    target, drafter, ex = collected(tiny_llama, tmp_path, temperature=0.0)
     labels = ex["label_greedy"]
     assert 0.1 < labels.mean() < 0.9, "the pair must give both accepts and rejects"
     assert set(ex["prompt_index"].tolist()) == {0, 1, 2}
@@ -85,8 +84,8 @@ def test_greedy_labels_are_what_greedy_verification_accepts(tmp_path):
     torch.testing.assert_close(ex["drawn_log_prob"], ex["law_greedy"][:, 0], atol=1e-5, rtol=0)
 
 
-def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path):
-    target, drafter, ex = collected(tmp_path, temperature=0.8)
+def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path, tiny_llama):
+    target, drafter, ex = collected(tiny_llama, tmp_path, temperature=0.8)
     sampling = SamplingConfig(0.8)
     rule = LosslessSamplingRule(sampling)
     for i, prefix in list(enumerate(prefixes(ex)))[:: max(1, len(ex["position"]) // 6)]:
@@ -118,7 +117,7 @@ def test_sampling_labels_are_the_lossless_acceptance_probability(tmp_path):
         assert rate == pytest.approx(float(ex["label_sampling"][i]), abs=0.035)
 
 
-def test_collection_resumes_and_refuses_other_settings(tmp_path):
+def test_collection_resumes_and_refuses_other_settings(tmp_path, tiny_llama):
     target, drafter = tiny_llama(0), tiny_llama(1, layers=1)
     cfg = CollectConfig(max_new_tokens=4, batch_size=2)
     first = collect(target, drafter, PROMPTS[:2], tmp_path, cfg, (), progress=False)
@@ -130,7 +129,7 @@ def test_collection_resumes_and_refuses_other_settings(tmp_path):
         )
 
 
-def test_resumed_collection_adds_law_features_to_old_shards(tmp_path):
+def test_resumed_collection_adds_law_features_to_old_shards(tmp_path, tiny_llama):
     """Shards from before the law features get them from their stored hidden states; they
     match what collection records directly, up to the fp16 storage of the hidden state."""
     target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
@@ -147,7 +146,7 @@ def test_resumed_collection_adds_law_features_to_old_shards(tmp_path):
     assert not torch.allclose(direct["law_greedy"], direct["law_sampling"])
 
 
-def test_resumed_collection_adds_drawn_labels_by_teacher_forcing(tmp_path):
+def test_resumed_collection_adds_drawn_labels_by_teacher_forcing(tmp_path, tiny_llama):
     """Shards from before the drawn-token label get it from one target pass per response; it
     matches what collection records directly (same prefixes, up to fp16 hidden states)."""
     target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
@@ -451,7 +450,7 @@ def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
         PreviewCosts(draft_cost=-1.0)
 
 
-def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch):
+def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch, tiny_llama):
     """A head shipped in the package is used for its pair and rule only, with no loading step."""
     from specdecode.acceptance import head as acceptance_head
     from specdecode.acceptance.head import AcceptanceHead, HeadConfig, ModelIdentity, load_head

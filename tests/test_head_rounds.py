@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -30,7 +29,7 @@ PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21]]
 K = 3
 
 
-def pair():
+def pair(tiny_llama):
     target, drafter = tiny_llama(0, init=0.2), tiny_llama(0, init=0.2)
     torch.manual_seed(1)
     with torch.no_grad():  # the same weights perturbed: partial agreement
@@ -61,8 +60,8 @@ def fresh(model, prefix: list[int]):
     return out.logits[0, -1], out.hidden_states[-1][0, -1]
 
 
-def collected(tmp_path, temperature: float):
-    target, drafter = pair()
+def collected(tiny_llama, tmp_path, temperature: float):
+    target, drafter = pair(tiny_llama)
     cfg = CollectConfig(max_new_tokens=12, temperature=temperature, mixing_ratio=0.0, rounds=K)
     meta = collect(target, drafter, PROMPTS, tmp_path, cfg, stop_ids=(), progress=False)
     assert meta["rounds"] == K
@@ -87,9 +86,9 @@ def prefix_of(ex: dict, i: int, rounds: dict, texts: list[list[int]]) -> list[in
     return PROMPTS[row] + texts[row][:start] + [int(ex["proposal"][j]) for j in same_round]
 
 
-def test_greedy_rounds_label_every_drafted_token_as_verification_does(tmp_path):
-    target, drafter, ex = collected(tmp_path, temperature=0.0)
-    texts = plain_outputs(*pair(), temperature=0.0)
+def test_greedy_rounds_label_every_drafted_token_as_verification_does(tmp_path, tiny_llama):
+    target, drafter, ex = collected(tiny_llama, tmp_path, temperature=0.0)
+    texts = plain_outputs(*pair(tiny_llama), temperature=0.0)
     rounds = rounds_of(ex)
     labels = ex["label_greedy"]
     assert 0.1 < labels.mean() < 0.9, "the pair must give both accepts and rejects"
@@ -127,10 +126,10 @@ def test_greedy_rounds_label_every_drafted_token_as_verification_does(tmp_path):
     torch.testing.assert_close(ex["label_sampling"], labels)
 
 
-def test_sampled_rounds_label_the_drawn_token_and_change_no_output(tmp_path):
-    target, drafter, ex = collected(tmp_path, temperature=0.8)
+def test_sampled_rounds_label_the_drawn_token_and_change_no_output(tmp_path, tiny_llama):
+    target, drafter, ex = collected(tiny_llama, tmp_path, temperature=0.8)
     # the fresh passes below see the text plain decoding commits: recording changes nothing
-    texts = plain_outputs(*pair(), temperature=0.8)
+    texts = plain_outputs(*pair(tiny_llama), temperature=0.8)
     rounds = rounds_of(ex)
     sampling = SamplingConfig(0.8)
     assert (ex["slot"] > 0).any(), "rounds must hold drafts after drafts"
@@ -150,8 +149,8 @@ def test_sampled_rounds_label_the_drawn_token_and_change_no_output(tmp_path):
         torch.testing.assert_close(ex["law_sampling"][i], law_features(q), atol=1e-4, rtol=1e-4)
 
 
-def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path, capsys):
-    collected(tmp_path / "data", temperature=0.8)
+def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path, capsys, tiny_llama):
+    collected(tiny_llama, tmp_path / "data", temperature=0.8)
     config = TrainConfig(rule="sampling", epochs=1, num_layers=1, val_fraction=0.5)
     result = train_head(tmp_path / "data", tmp_path / "head", config, progress=False)
     assert result["preview_kind"] == "rounds"
@@ -189,7 +188,7 @@ def test_a_head_trains_on_rounds_and_previews_them_round_by_round(tmp_path, caps
         assert low - 1e-9 <= row["vs_best_constant"] <= high + 1e-9
     # a collection along mixed sequences cannot be replayed round by round
     mixed = CollectConfig(max_new_tokens=6, temperature=0.8)
-    collect(*pair(), PROMPTS, tmp_path / "mixed", mixed, stop_ids=(), progress=False)
+    collect(*pair(tiny_llama), PROMPTS, tmp_path / "mixed", mixed, stop_ids=(), progress=False)
     with pytest.raises(ValueError, match="collect --rounds K"):
         replay_heads(tmp_path / "mixed", [tmp_path / "head"])
 

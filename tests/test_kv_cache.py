@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from conftest import ARCHITECTURES
 
 from specdecode.backends.torch_eager import CachedModel
 
@@ -17,9 +15,8 @@ def fresh_next_logits(model, rows: list[list[int]]) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_rollback_leaves_exactly_the_accepted_prefix(arch):
-    model = ARCHITECTURES[arch](seed=0)
+def test_rollback_leaves_exactly_the_accepted_prefix(tiny_architecture):
+    model = tiny_architecture(seed=0)  # llama, gpt2 and qwen2 in turn
     lm = CachedModel(model)
     g = torch.Generator().manual_seed(0)
     prompts = [[5, 6, 7, 8, 9], [3, 4], [11, 12, 13]]
@@ -49,8 +46,8 @@ def test_rollback_leaves_exactly_the_accepted_prefix(arch):
     assert (lm.slot_pos >= 0).sum(1).tolist() == [len(c) for c in committed]
 
 
-def test_compaction_and_row_selection_keep_logits():
-    model = ARCHITECTURES["llama"](seed=1)
+def test_compaction_and_row_selection_keep_logits(tiny_llama):
+    model = tiny_llama(seed=1)
     lm = CachedModel(model)
     rows = [[5, 6, 7], [8, 9, 10, 11, 12, 13]]
     lm.reset(2)

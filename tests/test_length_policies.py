@@ -14,18 +14,13 @@ import copy
 import json
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_llama, word_tokenizer
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_sampling_e2e import PROMPT as SAMPLE_PROMPT
-from test_sampling_e2e import SAMPLING, chi2, chi2_critical, exact_marginals
-from test_sampling_e2e import VOCAB as SMALL_VOCAB
 from torch import nn
 
 from specdecode import SpeculativeDecoder, api
@@ -154,49 +149,6 @@ def first_stop(risks: list[float], h: float, low: int, high: int) -> int:
     return next((m for m in range(low, high + 1) if risks[m - 1] > h), high)
 
 
-def noisy_copy(model: nn.Module, scale: float, seed: int = 7) -> nn.Module:
-    """A drafter close to the target: its weights plus a little noise (mixed acceptances)."""
-    close = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in close.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * p.std() * scale)
-    return close
-
-
-def spread_head(hidden_size: int, seed: int = 3, rule: str = "greedy") -> AcceptanceHead:
-    """A random head whose predictions spread over (0.5, 1): lengths then vary from row to row.
-
-    It reads the hidden state only: the tests that use it were tuned on its predictions."""
-    torch.manual_seed(seed)
-    config = HeadConfig(hidden_size=hidden_size, num_layers=2, rule=rule, law_features=False)
-    head = AcceptanceHead(config).eval()
-    with torch.no_grad():
-        head.out.weight.mul_(6.0)
-        head.out.bias.fill_(1.5)
-    return head
-
-
-def numbered_head(hidden_size: int, calibration=(-1.0, 1.0, -3.0)) -> AcceptanceHead:
-    """`spread_head` for sampling, calibrated so that its acceptance number weighs heavily: a
-    token drawn with u near 1 ends the round, one with a small u rarely does."""
-    head = spread_head(hidden_size, rule="sampling")
-    numbered = AcceptanceHead(replace(head.config, number_calibration=calibration)).eval()
-    numbered.load_state_dict(head.state_dict())
-    return numbered
-
-
-def drawn_head(hidden_size: int) -> AcceptanceHead:
-    """A sampling head that reads the drawn token's log probability only: a token drawn from
-    the law's tail predicts a rejection and ends the round sooner."""
-    config = HeadConfig(hidden_size=hidden_size, num_layers=1, rule="sampling", drawn_token=True)
-    head = AcceptanceHead(config).eval()
-    with torch.no_grad():
-        head.law.weight.copy_(torch.tensor([[0.0, 0.0, 0.0, 1.5]]))
-        head.law.bias.fill_(3.0)
-    return head
-
-
 def padded(prompts: list[list[int]], extra: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     sequences = torch.zeros(len(prompts), max(map(len, prompts)) + extra, dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -206,7 +158,8 @@ def padded(prompts: list[list[int]], extra: int = 16) -> tuple[torch.Tensor, tor
 
 def draft_once(model: nn.Module, policy: LengthPolicy, prompts: list[list[int]], k: int) -> Draft:
     """One greedy drafting round of a ModelDrafter over a ragged batch, each row allowed k."""
-    drafter = ModelDrafter(CachedModel(model), SamplingConfig(), VOCAB, policy)
+    vocab = model.config.vocab_size
+    drafter = ModelDrafter(CachedModel(model), SamplingConfig(), vocab, policy)
     drafter.start(len(prompts))
     sequences, lens = padded(prompts)
     return drafter.propose(sequences, lens, torch.full((len(prompts),), k), None)
@@ -477,7 +430,7 @@ MAX = 6
 
 
 @pytest.fixture(scope="module")
-def peaked_drafter() -> nn.Module:
+def peaked_drafter(tiny_llama) -> nn.Module:
     """A one-layer drafter with large weights: confident at some positions, not at others."""
     return tiny_llama(seed=1, layers=1, init=0.5)
 
@@ -489,7 +442,7 @@ def test_constant_head_ends_the_round_when_every_row_stops(peaked_drafter: nn.Mo
     drafter = ModelDrafter(
         CachedModel(peaked_drafter),
         SamplingConfig(),
-        VOCAB,
+        peaked_drafter.config.vocab_size,
         HeadLength(ConstantHead(0.9), 0.25, 1, MAX),
     )
     drafter.start(2)
@@ -520,7 +473,9 @@ def spaced_threshold(
 
 
 @pytest.mark.parametrize("kind", ["head", "confidence"])
-def test_drafter_rows_stop_where_the_rule_says(peaked_drafter: nn.Module, kind: str) -> None:
+def test_drafter_rows_stop_where_the_rule_says(
+    peaked_drafter: nn.Module, kind: str, spread_head
+) -> None:
     """Per-row draft lengths follow the rule applied to what a never-stopping round saw; each
     row drafts the same tokens as the row alone; the round costs the longest row's forwards."""
     if kind == "head":
@@ -599,7 +554,7 @@ def named(model: nn.Module, name: str) -> nn.Module:
 
 
 @pytest.fixture(scope="module")
-def pair() -> dict[str, nn.Module]:
+def pair(tiny_llama) -> dict[str, nn.Module]:
     return {
         "target": named(tiny_llama(seed=0), "target-a"),
         "other_target": named(tiny_llama(seed=4), "target-b"),
@@ -722,7 +677,7 @@ GREEDY_POLICIES: list[dict] = [
 
 
 @pytest.fixture(scope="module")
-def greedy_models() -> dict[str, nn.Module]:
+def greedy_models(tiny_llama) -> dict[str, nn.Module]:
     """Large weights make the models confident at some positions: adaptive lengths vary."""
     target = tiny_llama(seed=0, init=0.8)
     return {
@@ -738,6 +693,8 @@ def test_greedy_output_identical_under_every_policy(
     recorded: list[tuple[list[int], list[int]]],
     drafter: str,
     max_new_tokens: int,
+    word_tokenizer,
+    spread_head,
 ) -> None:
     """Same new tokens as plain greedy decoding; the drafted counts add up in the stats; every
     adaptive policy keeps within its bounds and chooses more than one length."""
@@ -773,14 +730,14 @@ def test_greedy_output_identical_under_every_policy(
 
 
 @pytest.fixture(scope="module")
-def small_models() -> dict[str, nn.Module | list[torch.Tensor]]:
+def small_models(tiny_llama, sampled_law) -> dict[str, nn.Module | list[torch.Tensor]]:
     """test_sampling_e2e's models and exact marginal laws, plus the target as its own drafter."""
-    target = tiny_llama(seed=0, vocab=SMALL_VOCAB, init=0.4)
+    target = tiny_llama(seed=0, vocab=sampled_law.vocab, init=0.4)
     return {
         "target": target,
-        "other": tiny_llama(seed=9, vocab=SMALL_VOCAB, init=0.4, layers=1),
+        "other": tiny_llama(seed=9, vocab=sampled_law.vocab, init=0.4, layers=1),
         "same": target,
-        "marginals": exact_marginals(target),
+        "marginals": sampled_law.exact_marginals(target),
     }
 
 
@@ -826,6 +783,10 @@ def test_sampled_law_equals_target_under_adaptive_policy(
     threshold: float,
     bound: tuple[int, int],
     head_kind: str,
+    sampled_law,
+    drawn_head,
+    numbered_head,
+    spread_head,
 ) -> None:
     """The first three tokens of thousands of seeded rows (one prompt) follow the target's
     exact law, while the rows' first rounds draft different numbers of tokens."""
@@ -835,11 +796,11 @@ def test_sampled_law_equals_target_under_adaptive_policy(
         small_models["target"], drafter=small_models[drafter], acceptance_head=head
     )
     out = decoder.generate(
-        [SAMPLE_PROMPT] * SAMPLE_ROWS,
+        [list(sampled_law.prompt)] * SAMPLE_ROWS,
         max_new_tokens=LAW_TOKENS[drafter],
-        temperature=SAMPLING.temperature,
-        top_k=SAMPLING.top_k,
-        top_p=SAMPLING.top_p,
+        temperature=sampled_law.sampling.temperature,
+        top_k=sampled_law.sampling.top_k,
+        top_p=sampled_law.sampling.top_p,
         row_seeds=range(SAMPLE_ROWS),
         stop_token_ids=[],
         length_policy=policy,
@@ -852,9 +813,7 @@ def test_sampled_law_equals_target_under_adaptive_policy(
     if drafter == "same":
         assert out.stats.total.acceptance_rate > 0.99
     tokens = torch.tensor(out.new_tokens)  # [rows, max_new_tokens]
-    for position, law in enumerate(small_models["marginals"]):
-        stat, df = chi2(torch.bincount(tokens[:, position], minlength=SMALL_VOCAB).float(), law)
-        assert stat < chi2_critical(df), f"position {position}: chi2 {stat:.1f} on {df} df"
+    sampled_law.assert_follows(tokens, small_models["marginals"])
 
 
 class FixedUniforms(RowRandom):
@@ -896,7 +855,7 @@ def test_row_that_drafted_less_than_the_batch_takes_its_bonus_from_the_target(u:
 
 
 def test_sampling_rows_with_own_seeds_equal_rows_alone_head_policy(
-    recorded: list[tuple[list[int], list[int]]],
+    recorded: list[tuple[list[int], list[int]]], tiny_llama, noisy_copy, spread_head
 ) -> None:
     target = tiny_llama(seed=0, init=0.3)
     decoder = SpeculativeDecoder(
@@ -1025,7 +984,7 @@ def test_law_features_of_the_drawn_token() -> None:
     torch.testing.assert_close(got[:, 3], torch.tensor([math.log(0.25), math.log(0.1)]))
 
 
-def test_head_reads_the_drawn_token() -> None:
+def test_head_reads_the_drawn_token(drawn_head) -> None:
     """A drawn-token head gets log q of the token the drafter drew (its prediction differs for a
     likely and an unlikely draw from one law); it refuses three features or a missing token."""
     head = drawn_head(4)
@@ -1092,7 +1051,7 @@ def test_position_numbers_read_while_drafting_are_the_ones_verification_uses() -
         assert torch.equal(rng.accept_uniforms(index), uniforms[:, index])
 
 
-def test_head_u_stops_on_the_number() -> None:
+def test_head_u_stops_on_the_number(spread_head, numbered_head) -> None:
     """One head prediction, two numbers: a small u keeps the row drafting, u near 1 stops it,
     by the calibrated logit bias + a z + b log u."""
     hidden = torch.zeros(2, 2)
@@ -1109,7 +1068,9 @@ def test_head_u_stops_on_the_number() -> None:
         policy.keep_drafting(at(1, hidden=hidden))
 
 
-def test_head_u_settings_are_checked(pair: dict[str, nn.Module], tmp_path: Path) -> None:
+def test_head_u_settings_are_checked(
+    pair: dict[str, nn.Module], tmp_path: Path, spread_head, numbered_head
+) -> None:
     with pytest.raises(ValueError, match="only sampling draws"):
         DecodeConfig(length_policy="head-u")
     cfg = DecodeConfig(length_policy="head-u", sampling=SamplingConfig(0.7), stop_threshold=0.6)
@@ -1130,7 +1091,7 @@ def test_head_u_settings_are_checked(pair: dict[str, nn.Module], tmp_path: Path)
 
 
 def test_generate_head_u_is_reproducible_and_differs_from_head(
-    recorded: list[tuple[list[int], list[int]]],
+    recorded: list[tuple[list[int], list[int]]], tiny_llama, noisy_copy, numbered_head
 ) -> None:
     """The engine passes the numbers: head-u runs end to end, a row's text depends on its seed
     alone, and the numbers move its round lengths away from the plain head's."""

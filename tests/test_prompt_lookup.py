@@ -11,11 +11,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_length_policies import noisy_copy
-from test_sampling_e2e import SAMPLING, VOCAB, assert_decoder_follows_target
 
 from specdecode import SpeculativeDecoder
 from specdecode.cli.main import main
@@ -71,7 +68,7 @@ def test_bad_lookup_settings_are_refused(bad) -> None:
 
 
 @pytest.fixture(scope="module")
-def decoder() -> SpeculativeDecoder:
+def decoder(tiny_llama) -> SpeculativeDecoder:
     return SpeculativeDecoder(tiny_llama(seed=0, init=0.3), drafter=PromptLookup())
 
 
@@ -94,22 +91,25 @@ def test_greedy_output_equals_plain_decoding(decoder: SpeculativeDecoder, policy
     assert decoder.generate(PROMPTS, **kwargs, **policy).stats.drafter_forwards == 0
 
 
-def repeating_prompt(target) -> list[int]:
+def repeating_prompt(target, sampling) -> list[int]:
     """[3, 7, x, 9, 3, 7]: lookup drafts x first, x the token the target likes most there, so
     that drafts are both kept and refused."""
-    candidates = torch.tensor([[3, 7, x, 9, 3, 7] for x in range(VOCAB)])  # [VOCAB, 6]
+    vocab = target.config.vocab_size
+    candidates = torch.tensor([[3, 7, x, 9, 3, 7] for x in range(vocab)])  # [vocab, 6]
     with torch.no_grad():
-        law = logits_to_probs(target(candidates).logits[:, -1], SAMPLING)  # [VOCAB, VOCAB]
+        law = logits_to_probs(target(candidates).logits[:, -1], sampling)  # [vocab, vocab]
     x = int(law.diagonal().argmax())
     return candidates[x].tolist()
 
 
-def test_sampled_law_equals_target() -> None:
+def test_sampled_law_equals_target(tiny_llama, sampled_law) -> None:
     """The first three tokens of thousands of seeded rows follow the target's exact law."""
-    target = tiny_llama(seed=0, vocab=VOCAB, init=0.4)
-    prompt = repeating_prompt(target)
+    target = tiny_llama(seed=0, vocab=sampled_law.vocab, init=0.4)
+    prompt = repeating_prompt(target, sampled_law.sampling)
     decoder = SpeculativeDecoder(target, drafter=PromptLookup())
-    total = assert_decoder_follows_target(decoder, target, prompt, 3000, 3, num_draft_tokens=3)
+    total = sampled_law.assert_decoder_follows_target(
+        decoder, target, prompt, 3000, 3, num_draft_tokens=3
+    )
     assert total.accepted > 0 and total.recovered > 0  # drafts kept and drafts resampled
 
 
@@ -156,7 +156,7 @@ LOOKUP_2 = PromptLookup(max_ngram=3, min_ngram=2)
 
 
 @pytest.fixture(scope="module")
-def paired() -> SpeculativeDecoder:
+def paired(tiny_llama, noisy_copy) -> SpeculativeDecoder:
     target = tiny_llama(seed=0, init=0.3)
     return SpeculativeDecoder(target, drafter=noisy_copy(target, 0.3))
 
@@ -181,12 +181,12 @@ def test_lookup_first_greedy_equals_plain_decoding(paired: SpeculativeDecoder, p
     assert alone.drafter_calls == alone.drafted  # the control: the model drafts every token
 
 
-def test_lookup_first_keeps_the_sampled_law() -> None:
-    target = tiny_llama(seed=0, vocab=VOCAB, init=0.4)
-    drafter = tiny_llama(seed=9, vocab=VOCAB, init=0.4, layers=1)
-    prompt = repeating_prompt(target)
+def test_lookup_first_keeps_the_sampled_law(tiny_llama, sampled_law) -> None:
+    target = tiny_llama(seed=0, vocab=sampled_law.vocab, init=0.4)
+    drafter = tiny_llama(seed=9, vocab=sampled_law.vocab, init=0.4, layers=1)
+    prompt = repeating_prompt(target, sampled_law.sampling)
     decoder = SpeculativeDecoder(target, drafter=drafter)
-    total = assert_decoder_follows_target(
+    total = sampled_law.assert_decoder_follows_target(
         decoder, target, prompt, 3000, 3, num_draft_tokens=2, lookup_first=LOOKUP_2
     )
     assert total.accepted > 0 and total.recovered > 0

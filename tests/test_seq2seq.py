@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import word_tokenizer
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -731,7 +730,7 @@ def test_keeping_layers_cuts_the_drafter_and_refuses_more():
         drafter.keeping_layers(3)
 
 
-def test_translate_drafts_only_while_few_rows_run_under_the_exact_rule(monkeypatch):
+def test_translate_drafts_only_while_few_rows_run_under_the_exact_rule(monkeypatch, word_tokenizer):
     """`translate`'s "auto": exact decoding drafts only while at most AUTO_DRAFT_BATCH rows run
     (the same output, plain steps for a full batch); relaxed decoding drafts every round, as
     an explicit None does."""
@@ -760,7 +759,7 @@ def test_translate_drafts_only_while_few_rows_run_under_the_exact_rule(monkeypat
     assert one.stats.total.drafted > 0 and one.token_ids == plain.token_ids[:1]
 
 
-def test_translate_sorts_batches_by_length_and_returns_the_input_order():
+def test_translate_sorts_batches_by_length_and_returns_the_input_order(word_tokenizer):
     model = tiny_marian()
     with torch.no_grad():  # a strong source signal, so that sources get different outputs
         for layer in model.model.decoder.layers:
