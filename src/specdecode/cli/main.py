@@ -15,15 +15,15 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.cli import data as data_cli
     from specdecode.cli import generate as generate_cli
     from specdecode.cli import head as head_cli
+    from specdecode.cli import models as models_cli
     from specdecode.cli import seq2seq as seq2seq_cli
-    from specdecode.models import store as model_store
 
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Speculative decoding for Hugging Face models."
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     generate_cli.add_subcommands(subparsers)
-    model_store.add_subcommands(subparsers)
+    models_cli.add_subcommands(subparsers)
     bench_cli.add_subcommands(subparsers)
     head_cli.add_subcommands(subparsers)
     data_cli.add_subcommands(subparsers)

