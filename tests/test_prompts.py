@@ -172,3 +172,76 @@ def test_real_prompt_sets():
     assert humaneval[0].text.startswith("from typing import List")
     assert len(mtbench) == 80 and len({p.id for p in mtbench}) == 80
     assert all(p.text.strip() for p in mtbench)
+
+
+@pytest.mark.parametrize(
+    "name,content,match",
+    [
+        ("empty.jsonl", b"", r"empty\.jsonl: no prompts in it \(the file is empty\)"),
+        ("blank.jsonl", b"\n  \n\n", r"blank\.jsonl: no prompts in it \(3 line\(s\), all blank\)"),
+        ("empty.txt", b"", r"empty\.txt: no prompts in it"),
+        ("blank.txt", b"\n \t\n", r"blank\.txt: no prompts in it \(2 line"),
+        ("empty.jsonl.gz", gzip.compress(b""), r"empty\.jsonl\.gz: no prompts in it"),
+    ],
+)
+def test_empty_prompt_file_is_an_error(tmp_path, name, content, match):
+    """A run over no prompts used to end silently with exit 0."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("name", ["bad.jsonl", "bad.txt", "bad.jsonl.gz"])
+def test_non_utf8_file_names_file_line_and_column(tmp_path, name):
+    path = tmp_path / name
+
+    def write(data: bytes) -> None:
+        path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+
+    write(b'{"prompt": "fine"}\n{"prompt": "caf' + b"\xe9" + b'"}\n')  # Latin-1 é
+    with pytest.raises(ValueError) as err:
+        load_prompts(path)
+    assert str(err.value) == (
+        f"{path}, line 2: not UTF-8 text (byte 0xe9 at column 16); save the file as UTF-8"
+    )
+    write(b"\xff\xfe{")  # the report's case (a UTF-16 file): 0xff at position 0
+    with pytest.raises(ValueError, match=r"line 1: not UTF-8 text \(byte 0xff at column 1\)"):
+        load_prompts(path)
+
+
+def test_broken_gzip_names_the_file(tmp_path):
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(gzip.compress(jsonl([{"prompt": "a"}] * 50))[:30])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: not a readable gzip file"):
+        load_prompts(path)
+    path.write_bytes(b"plain text, not gzip")
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: not a readable gzip file"):
+        load_prompts(path)
+
+
+def test_empty_prompt_in_a_json_line_names_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": "   "}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl, line 2: the prompt \('prompt'\) is empty"):
+        load_prompts(path)
+    path.write_text('{"turns": [""]}\n')
+    with pytest.raises(ValueError, match=r"line 1: the prompt \('turns'\) is empty"):
+        load_prompts(path)
+
+
+def test_bom_and_unicode_line_separators_in_json(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a\u2028b"}, {"prompt": "c"}]  # U+2028 is valid raw inside a JSON string
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert [p.text for p in load_prompts(path)] == ["a\u2028b", "c"]
+
+
+def test_named_set_errors_name_the_installed_file(fake_cache):
+    humaneval = PROMPT_SETS["humaneval"]
+    path = package_dir(fake_cache, humaneval.package.normalized_name) / humaneval.file
+    path.write_bytes(gzip.compress(b'{"task_id": "x"}\n'))
+    with pytest.raises(ValueError) as err:
+        load_prompts("humaneval", cache_dir=fake_cache)
+    assert str(err.value).startswith(f"humaneval ({path}), line 1: no prompt field")

