@@ -1,0 +1,61 @@
+"""A run prints its text and its statistics, and no warning: not a Python warning (a deprecated
+argument of a dependency, say), not a library's logged one, not the source line a warning quotes.
+
+`specdecode generate` runs on the tiny saved pair (the warnings came from the engine's calls into
+transformers, the same for any model); `specdecode translate` on the shipped Bible pair.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from transformers.utils import logging as hf_logging
+
+from specdecode.backends.timing import step_seconds
+from specdecode.cli.main import main
+
+
+def run_quietly(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    """Run the CLI with every warning recorded (none filtered away, none deduplicated) and the
+    process's stdout and stderr captured at the file descriptors; returns (stdout, stderr)."""
+    hf_logging.warning_once.cache_clear()  # a message logged once earlier in the session counts
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(argv)
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    lines = [line for line in err.splitlines() if "Warning" in line or "deprecat" in line]
+    assert lines == [], err
+    assert "output = func(self" not in err and "forward_call(" not in err
+    return out, err
+
+
+def test_generate_prints_no_warning(tiny_pair, capfd) -> None:
+    target, _, _ = tiny_pair
+    args = ["generate", "--target", str(target), "--draft", "prompt-lookup"]
+    _, err = run_quietly([*args, "--prompt", "t5 t6 t7 t5 t6", "--max-new-tokens", "8"], capfd)
+    assert "[stats]" in err
+
+
+def test_generate_with_a_drafter_model_prints_no_warning(tiny_pair, capfd) -> None:
+    target, draft, _ = tiny_pair
+    args = ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "t5 t6 t7"]
+    _, err = run_quietly([*args, "--max-new-tokens", "8"], capfd)
+    assert "drafter calls 0" not in err
+
+
+def test_round_timing_warns_nothing(tiny_llama) -> None:
+    """The step timer calls the model with a cache of its own (`backends.timing`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seconds = step_seconds(tiny_llama(seed=0), list(range(5, 30)), [1, 3], reps=2)
+    assert set(seconds) == {1, 3}
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+
+
+def test_translate_prints_no_warning(capfd) -> None:
+    out, _ = run_quietly(["translate", "Y dijo Dios: Sea la luz."], capfd)
+    assert "God" in out
