@@ -35,7 +35,8 @@ With `rounds` = k > 0 the examples come instead from real decoding, inside round
 tokens (`head_rounds`): the states the head meets at inference, with no mixing. Both kinds have
 the same tensors; rounds also record each example's round and slot.
 
-Collection is written in shards, one per batch of prompts, and resumes where it stopped. Shards
+Collection is written in shards, one per batch of prompts, and resumes where it stopped; under
+`accelerate launch` the processes share out the shards and the main process writes them all. Shards
 written before the law features existed get them on resume from their stored hidden states,
 through the drafter's output layer (the hidden state is the input of that layer, stored in fp16).
 Shards written before the drawn-token label get it on resume too: q from the stored hidden
@@ -57,6 +58,7 @@ from specdecode.acceptance.examples import EXAMPLES_FILE, META_FILE
 from specdecode.acceptance.head import ModelIdentity, law_features
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import SamplingConfig
+from specdecode.distributed import gather_objects, main_object, process_state
 from specdecode.drafters import align_vocab
 from specdecode.sampling import logits_to_probs
 
@@ -271,12 +273,19 @@ def collect(
 
     `source` and `skip` name the prompts (the set, and how many of its first prompts were left
     out); a later call with the same settings resumes, and may ask for more or fewer prompts.
+
+    Under `accelerate launch` the shards still to collect are dealt out to the processes in
+    turn; each shard depends only on its prompts and its seed, so it is the shard one process
+    collects. After each turn the main process gathers the turn's shards and writes them, and
+    at the end it merges them, in order: the files are those of a single process, and nodes
+    need no shared file system. Every process returns the same record.
     """
     from tqdm import tqdm
 
+    state = process_state()
+    main = state.is_main_process
     out = Path(out_dir)
     shards = out / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
     meta = {
         "drafter": asdict(ModelIdentity.of(drafter)),
         "target": asdict(ModelIdentity.of(target)),
@@ -298,53 +307,97 @@ def collect(
     target_lm, drafter_lm = CachedModel(target, "target"), CachedModel(drafter, "drafter")
     starts = range(0, len(prompts), cfg.batch_size)
     vocab = target.get_output_embeddings().weight.shape[0]
-    for n, start in enumerate(tqdm(starts, desc="collect", unit="batch", disable=not progress)):
-        shard = shards / f"{n:05d}.safetensors"
-        if shard.is_file():
-            part = load_file(shard)
-            if "law_greedy" not in part:  # written before the law features were recorded
-                part = add_law_features(part, drafter, vocab, cfg.temperature)
-                save_file(part, shard)
-            if "label_drawn" not in part:  # written before the drawn-token label was recorded
-                if "token" not in part:
-                    raise ValueError(
-                        f"{shard} was collected before the committed tokens were recorded, so "
-                        "its drawn-token labels cannot be added: collect again into a new --out"
-                    )
-                part = add_drawn_labels(part, target, drafter, prompts, vocab, cfg.temperature)
-                save_file(part, shard)
-            continue
-        batch = prompts[start : start + cfg.batch_size]
-        if cfg.rounds:
-            from specdecode.acceptance.rounds import collect_rounds
-
-            seeds = tuple(cfg.seed * 1_000_003 + start + i for i in range(len(batch)))
-            part = collect_rounds(
-                target_lm,
-                drafter_lm,
-                batch,
-                cfg.rounds,
-                cfg.temperature,
-                cfg.max_new_tokens,
-                stop_ids,
-                seeds,
-            )
-            part["round"] += n * cfg.batch_size * cfg.max_new_tokens  # unique over shards
-            part["prompt_index"] += start  # index among the prompts after `skip`
-        else:
-            gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
-            part = collect_batch(target_lm, drafter_lm, batch, cfg, stop_ids, gen)
-            part["prompt_index"] = part.pop("row") + start  # index among the prompts after `skip`
-        save_file(part, shard)
+    todo: list[int] = []
+    if main:  # the shards on the writer's disk are the truth; older ones are brought up to date
+        shards.mkdir(parents=True, exist_ok=True)
+        for n in range(len(starts)):
+            shard = shards / f"{n:05d}.safetensors"
+            if shard.is_file():
+                _upgrade_shard(shard, target, drafter, prompts, vocab, cfg)
+            else:
+                todo.append(n)
+    todo = main_object(state, todo)
+    bar = tqdm(total=len(todo), desc="collect", unit="batch", disable=not progress or not main)
+    for turn in range(0, len(todo), state.num_processes):
+        mine = todo[turn : turn + state.num_processes]
+        n = mine[state.process_index] if state.process_index < len(mine) else None
+        part = None if n is None else _collect_shard(n, starts[n], prompts, cfg, stop_ids,
+                                                     target_lm, drafter_lm)  # fmt: skip
+        for got in gather_objects(state, (n, part)):
+            if main and got[0] is not None:
+                save_file(got[1], shards / f"{got[0]:05d}.safetensors")
+        if main:
+            meta["seconds"] = seconds + time.perf_counter() - started
+            old.write_text(json.dumps(meta, indent=1) + "\n")
+        bar.update(len(mine))
+    bar.close()
+    if main:
+        parts = [load_file(shards / f"{n:05d}.safetensors") for n in range(len(starts))]
+        merged = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        save_file(merged, out / EXAMPLES_FILE)
+        meta["num_examples"] = len(merged["label_greedy"])
+        meta["mean_label_greedy"] = float(merged["label_greedy"].mean())
+        meta["mean_label_sampling"] = float(merged["label_sampling"].mean())
+        meta["mean_label_drawn"] = float(merged["label_drawn"].mean())
         meta["seconds"] = seconds + time.perf_counter() - started
         old.write_text(json.dumps(meta, indent=1) + "\n")
-    parts = [load_file(shards / f"{n:05d}.safetensors") for n in range(len(starts))]
-    merged = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-    save_file(merged, out / EXAMPLES_FILE)
-    meta["num_examples"] = len(merged["label_greedy"])
-    meta["mean_label_greedy"] = float(merged["label_greedy"].mean())
-    meta["mean_label_sampling"] = float(merged["label_sampling"].mean())
-    meta["mean_label_drawn"] = float(merged["label_drawn"].mean())
-    meta["seconds"] = seconds + time.perf_counter() - started
-    old.write_text(json.dumps(meta, indent=1) + "\n")
+    meta = main_object(state, meta)
+    state.wait_for_everyone()
     return meta
+
+
+def _upgrade_shard(
+    shard: Path,
+    target: torch.nn.Module,
+    drafter: torch.nn.Module,
+    prompts: list[list[int]],
+    vocab: int,
+    cfg: CollectConfig,
+) -> None:
+    """A shard written by an older collection, given the tensors it lacks (rewritten in place)."""
+    part = load_file(shard)
+    if "law_greedy" not in part:  # written before the law features were recorded
+        part = add_law_features(part, drafter, vocab, cfg.temperature)
+        save_file(part, shard)
+    if "label_drawn" not in part:  # written before the drawn-token label was recorded
+        if "token" not in part:
+            raise ValueError(
+                f"{shard} was collected before the committed tokens were recorded, so "
+                "its drawn-token labels cannot be added: collect again into a new --out"
+            )
+        part = add_drawn_labels(part, target, drafter, prompts, vocab, cfg.temperature)
+        save_file(part, shard)
+
+
+def _collect_shard(
+    n: int,
+    start: int,
+    prompts: list[list[int]],
+    cfg: CollectConfig,
+    stop_ids: tuple[int, ...],
+    target_lm: CachedModel,
+    drafter_lm: CachedModel,
+) -> dict[str, torch.Tensor]:
+    """Shard `n`: the prompts from `start` on, one batch; a function of them and the seed alone."""
+    batch = prompts[start : start + cfg.batch_size]
+    if cfg.rounds:
+        from specdecode.acceptance.rounds import collect_rounds
+
+        seeds = tuple(cfg.seed * 1_000_003 + start + i for i in range(len(batch)))
+        part = collect_rounds(
+            target_lm,
+            drafter_lm,
+            batch,
+            cfg.rounds,
+            cfg.temperature,
+            cfg.max_new_tokens,
+            stop_ids,
+            seeds,
+        )
+        part["round"] += n * cfg.batch_size * cfg.max_new_tokens  # unique over shards
+        part["prompt_index"] += start  # index among the prompts after `skip`
+    else:
+        gen = torch.Generator(device=target_lm.device).manual_seed(cfg.seed * 1_000_003 + n)
+        part = collect_batch(target_lm, drafter_lm, batch, cfg, stop_ids, gen)
+        part["prompt_index"] = part.pop("row") + start  # index among the prompts after `skip`
+    return part

@@ -24,15 +24,25 @@ Choices that are not obvious from the code:
   (`label_sampling`), as SpecDec++'s head does. Greedy heads are unaffected (z is the argmax).
 * The epoch kept is the one with the lowest validation weighted loss (the quantity trained), so
   more epochs never make the saved head worse on held-out prompts.
-* `accelerate` runs the same loop on a CPU, a GPU or several processes; the DataLoader shuffle
-  uses its own seeded generator (which accelerate keeps in sync across processes), and
-  `set_seed` fixes initialisation and dropout, so one seed gives one head.
+* `accelerate` runs the same loop on a CPU, a GPU or several processes (`accelerate launch`).
+  Each epoch's order is a permutation drawn from (seed, epoch) alone, cut into global batches
+  of `batch_size`; process r of N trains on rows r, r + N, ... of each, with the loss
+  normalised over the whole global batch, so one step is the step a single process takes
+  (`specdecode.distributed`). The law term is fitted identically by every process. Validation
+  runs on every process over all held-out rows, so all agree on the best epoch; the main
+  process alone writes.
+* Resumable at any world size: a checkpoint (`HEAD/checkpoint/`) is written after every epoch
+  and when `max_steps` stops a call; it holds the step count and the data position (epoch,
+  batch in epoch), which do not depend on the number of processes, and dropout is seeded by
+  (seed, step, process), so nothing else needs saving. It is removed once the head is saved.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from specdecode.acceptance.calibration import with_number_calibration
@@ -51,11 +60,23 @@ from specdecode.acceptance.metrics import (
     plot_reliability,
     reliability_bins,
     weighted_bce,
+    weighted_bce_terms,
 )
 from specdecode.acceptance.replay import PreviewCosts, preview_policies, preview_rounds
+from specdecode.distributed import (
+    StepCallback,
+    StepRecord,
+    global_means,
+    main_object,
+    new_accelerator,
+    share,
+    step_seed,
+)
 
 TRAINING_FILE = "training.json"
 RELIABILITY_FILE = "reliability.png"
+CHECKPOINT_DIR = "checkpoint"  # inside the head's folder while a run is unfinished
+CHECKPOINT_FILE = "state.pt"
 
 
 @dataclass(frozen=True)
@@ -182,57 +203,86 @@ def train_head(
     out_dir: str | Path,
     config: TrainConfig | None = None,
     progress: bool = True,
+    *,
+    max_steps: int = 0,
+    on_step: StepCallback | None = None,
 ) -> dict[str, Any]:
     """Train an acceptance head; save the best epoch's head, training.json and reliability.png.
 
     `data_dir` is one collection or several for the same pair (`load_collections`). Returns the
-    record written to training.json.
+    record written to training.json (the same on every process). A run whose checkpoint is in
+    `out_dir` resumes it, at any number of processes. `max_steps` > 0 stops this call once the
+    run has taken that many steps in all, leaving the checkpoint for a later call: then the
+    record says `stopped` and no head is written. `on_step` sees each step of this process.
     """
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     config = config or TrainConfig()
+    if max_steps < 0:
+        raise ValueError(f"max_steps must be >= 0 (0: no limit), got {max_steps}")
     started = time.perf_counter()
+    accelerator = new_accelerator()
+    rank, world, main = (
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.is_main_process,
+    )
     drawn = config.learns_drawn
     data_dirs = [data_dir] if isinstance(data_dir, str | Path) else list(data_dir)
     data = load_collections(data_dirs, config.rule, law=config.law_features, drawn=drawn)
     train_rows, val_rows = split_by_prompt(data.prompt_index, config.val_fraction, config.seed)
+    out_dir = Path(out_dir)
+    checkpoint_file = out_dir / CHECKPOINT_DIR / CHECKPOINT_FILE
+    identity = _run_identity(config, data_dirs, data, train_rows)
+    saved = _load_checkpoint(checkpoint_file, identity)
 
-    accelerator = Accelerator()
-    set_seed(config.seed)
+    set_seed(config.seed)  # the same initial head on every process
     head = _new_head(data, config)
     # features [N, 3 or 4], or [N, 0] for a head without them (an empty input changes nothing)
     features = (
         data.features if data.features is not None else data.hidden.new_zeros(len(data.hidden), 0)
     )
-    if head.reads_law:
+    if saved is not None:
+        head.load_state_dict(saved["model"])
+        if head.reads_law:
+            for p in head.law.parameters():
+                p.requires_grad_(False)
+    elif head.reads_law:
         assert data.features is not None
         fit_law_term(head, data.features[train_rows], data.label[train_rows], config.reject_weight)
-    train_set = TensorDataset(data.hidden[train_rows], features[train_rows], data.label[train_rows])
-    val_set = TensorDataset(data.hidden[val_rows], features[val_rows], data.label[val_rows])
-    shuffle = torch.Generator().manual_seed(config.seed)
-    train_loader = DataLoader(
-        train_set, batch_size=config.batch_size, shuffle=True, generator=shuffle
-    )
-    val_loader = DataLoader(val_set, batch_size=max(config.batch_size, 1024))
+    device = accelerator.device
+    train_hidden, train_law = data.hidden[train_rows].to(device), features[train_rows].to(device)
+    train_label = data.label[train_rows].to(device)
+    val_hidden, val_law = data.hidden[val_rows].to(device), features[val_rows].to(device)
+    val_label = data.label[val_rows]  # [V]
     trainable = [p for p in head.parameters() if p.requires_grad]  # the law term is fitted
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    # Counted on the unsplit loader: accelerate steps a prepared scheduler once per process.
-    total_steps = config.epochs * len(train_loader)
+    steps_per_epoch = math.ceil(len(train_rows) / config.batch_size)  # global batches
+    total_steps = config.epochs * steps_per_epoch
     warmup = int(config.warmup_ratio * total_steps)
+    # not prepared: accelerate would step it once per process; a step is one global batch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _cosine_with_warmup(warmup, total_steps)
     )
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-        head, optimizer, train_loader, val_loader, scheduler
-    )
+    model, optimizer = accelerator.prepare(head, optimizer)
+    if saved is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
 
-    history: list[dict[str, Any]] = []
-    best: dict[str, Any] | None = None
-    best_state: dict[str, torch.Tensor] | None = None
-    best_val: tuple[torch.Tensor, torch.Tensor] | None = None  # (probabilities, labels) [V]
+    loop: dict[str, Any] = (
+        saved["loop"]
+        if saved is not None
+        else {"step": 0, "epoch": 1, "batch": 0, "loss_sum": 0.0, "batches": 0, "seconds": 0.0}
+    )
+    seconds_before = float(loop["seconds"])  # of the calls before this one
+    history: list[dict[str, Any]] = saved["history"] if saved is not None else []
+    best: dict[str, Any] | None = saved["best"] if saved is not None else None
+    best_state: dict[str, torch.Tensor] | None = saved["best_state"] if saved else None
+    # (probabilities, labels) [V] of the best epoch
+    best_val: tuple[torch.Tensor, torch.Tensor] | None = saved["best_val"] if saved else None
     bar = tqdm(
-        total=config.epochs * len(train_loader),
+        total=total_steps,
+        initial=loop["step"],
         desc="head train",
         unit="step",
         disable=not progress or not accelerator.is_local_main_process,
@@ -241,15 +291,15 @@ def train_head(
     def consider(epoch: int, train_loss: float | None) -> None:
         """Validate the model as it is now; keep it if it is the best so far."""
         nonlocal best, best_state, best_val
-        model.eval()
-        logits_parts, label_parts = [], []
-        with torch.no_grad():
-            for hidden, law, label in val_loader:
-                logits, label = accelerator.gather_for_metrics((model(hidden, law), label))
-                logits_parts.append(logits.float().cpu())
-                label_parts.append(label.float().cpu())
-        val_logits = torch.cat(logits_parts)  # [V]
-        val_label = torch.cat(label_parts)  # [V]
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.eval()
+        with torch.no_grad():  # all held-out rows on every process: they agree on the best
+            val_logits = torch.cat(
+                [
+                    unwrapped(h, f).float().cpu()
+                    for h, f in zip(val_hidden.split(4096), val_law.split(4096), strict=True)
+                ]
+            )  # [V]
         metrics = evaluate_predictions(val_logits, val_label, config.rule, config.reject_weight)
         record = {
             "epoch": epoch,
@@ -260,71 +310,169 @@ def train_head(
         history.append(record)
         if best is None or metrics["val_loss"] < best["val_loss"]:
             best = record
-            unwrapped = accelerator.unwrap_model(model)
             best_state = {k: v.detach().cpu().clone() for k, v in unwrapped.state_dict().items()}
-            best_val = (torch.sigmoid(val_logits), val_label)
+            best_val = (torch.sigmoid(val_logits), val_label.float())
         if progress and accelerator.is_local_main_process:
             tqdm.write(_epoch_line(record))
 
-    if head.reads_law:
+    def checkpoint() -> None:
+        """The run so far, written by the main process (every process has the same)."""
+        if main:
+            _save_checkpoint(
+                checkpoint_file,
+                {
+                    "identity": identity,
+                    "model": {
+                        k: v.detach().cpu()
+                        for k, v in accelerator.unwrap_model(model).state_dict().items()
+                    },
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "loop": {**loop, "seconds": seconds_before + time.perf_counter() - started},
+                    "history": history,
+                    "best": best,
+                    "best_state": best_state,
+                    "best_val": best_val,
+                    "num_processes": world,
+                },
+            )
+        accelerator.wait_for_everyone()
+
+    if saved is None and head.reads_law:
         consider(0, None)  # the law term alone, before the MLP adds anything
-    for epoch in range(1, config.epochs + 1):
+    stopped = False
+    loss_sum = torch.tensor(float(loop["loss_sum"]), device=device)
+    while loop["epoch"] <= config.epochs:
+        epoch = loop["epoch"]
+        shuffle = torch.Generator().manual_seed(step_seed(config.seed, epoch))
+        order = torch.randperm(len(train_rows), generator=shuffle)  # this epoch's order
         model.train()
-        loss_sum = torch.zeros((), device=accelerator.device)
-        batches = 0
-        for hidden, law, label in train_loader:  # [B, H], [B, F or 0], [B]
-            loss = weighted_bce(model(hidden, law), label, config.reject_weight)
+        for b in range(loop["batch"], steps_per_epoch):
+            if max_steps and loop["step"] >= max_steps:
+                stopped = True
+                break
+            batch = order[b * config.batch_size : (b + 1) * config.batch_size].tolist()
+            rows, weight = share(batch, rank, world)
+            index = torch.tensor(rows, device=device)
+            torch.manual_seed(step_seed(config.seed, loop["step"], rank))  # dropout
+            logits = model(train_hidden[index], train_law[index])  # [b]
+            num, den = weighted_bce_terms(logits, train_label[index], config.reject_weight)
+            (loss,), values, _ = global_means(
+                accelerator, [(num.sum() * weight, den.sum() * weight)]
+            )
             optimizer.zero_grad()
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
-            loss_sum += loss.detach()
-            batches += 1
+            loss_sum += values[0]
+            loop.update(step=loop["step"] + 1, batch=b + 1, batches=loop["batches"] + 1)
             bar.update(1)
-            if not bar.disable and batches % 10 == 1:  # .item() syncs a GPU: not every step
-                bar.set_postfix(epoch=epoch, loss=f"{loss.item():.4f}")
-        train_loss = accelerator.reduce(loss_sum / max(1, batches), reduction="mean")
-
-        consider(epoch, float(train_loss))
+            if not bar.disable and loop["batches"] % 10 == 1:  # a GPU syncs: not every step
+                bar.set_postfix(epoch=epoch, loss=f"{float(values[0]):.4f}")
+            if on_step is not None:
+                seen = tuple(int(train_rows[i]) for i in rows) if weight else ()
+                on_step(StepRecord(loop["step"], epoch, seen, float(values[0])))
+        loop["loss_sum"] = float(loss_sum)
+        if stopped:
+            break
+        consider(epoch, loop["loss_sum"] / max(1, loop["batches"]))
+        loss_sum.zero_()
+        loop.update(epoch=epoch + 1, batch=0, loss_sum=0.0, batches=0)
+        if loop["epoch"] <= config.epochs:
+            checkpoint()
     bar.close()
+    if stopped:
+        checkpoint()
+        return {
+            "stopped": True,
+            "step": loop["step"],
+            "total_steps": total_steps,
+            "epoch": loop["epoch"],
+            "batch_in_epoch": loop["batch"],
+            "num_processes": world,
+            "checkpoint": str(checkpoint_file.parent),
+            "epochs": history,
+        }
     assert best is not None and best_state is not None and best_val is not None
 
-    final = AcceptanceHead(head.config)  # a clean CPU copy, free of accelerate's wrappers
-    final.load_state_dict(best_state)
-    number = None
-    if drawn:  # the label is the drawn token's min(1, p/q): calibrate against the number too
-        final, number = with_number_calibration(
-            final, data, train_rows, val_rows, config.reject_weight, config.seed
-        )
-    out_dir = Path(out_dir)
-    result: dict[str, Any] = {
-        "config": asdict(config),
-        **_data_record(data, data_dirs, train_rows, val_rows, config),
-        "head": asdict(final.config),
-        "epochs": history,
-        "best_epoch": best["epoch"],
-        "best": best,
-        "reliability": _reliability_record(*best_val),
-        "number_calibration": number,
-        "policy_preview": _preview(data, val_rows, *best_val, config),
-        "preview_kind": "rounds" if data.round is not None else "responses",
-        "device": str(accelerator.device),
-        "num_processes": accelerator.num_processes,
-        "head_dir": str(out_dir),
-    }
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    result: dict[str, Any] | None = None
+    if main:
+        final = AcceptanceHead(head.config)  # a clean CPU copy, free of accelerate's wrappers
+        final.load_state_dict(best_state)
+        number = None
+        if drawn:  # the label is the drawn token's min(1, p/q): calibrate against the number
+            final, number = with_number_calibration(
+                final, data, train_rows, val_rows, config.reject_weight, config.seed
+            )
+        result = {
+            "config": asdict(config),
+            **_data_record(data, data_dirs, train_rows, val_rows, config),
+            "head": asdict(final.config),
+            "epochs": history,
+            "best_epoch": best["epoch"],
+            "best": best,
+            "reliability": _reliability_record(*best_val),
+            "number_calibration": number,
+            "policy_preview": _preview(data, val_rows, *best_val, config),
+            "preview_kind": "rounds" if data.round is not None else "responses",
+            "device": str(accelerator.device),
+            "num_processes": world,
+            "steps": loop["step"],
+            "head_dir": str(out_dir),
+        }
         final.save(out_dir, torch.float16 if config.half else None)
         title = f"{config.rule} head (reject weight {config.reject_weight:g}), val"
         result["reliability_plot"] = plot_reliability(
             *best_val, out_dir / RELIABILITY_FILE, title_prefix=title
         )
-    result["seconds"] = time.perf_counter() - started
-    if accelerator.is_main_process:
+        result["seconds"] = seconds_before + time.perf_counter() - started
         (out_dir / TRAINING_FILE).write_text(json.dumps(result, indent=1) + "\n")
+        shutil.rmtree(checkpoint_file.parent, ignore_errors=True)  # the head is saved
+    result = main_object(accelerator, result)
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     return result
+
+
+def _run_identity(
+    config: TrainConfig,
+    data_dirs: Sequence[str | Path],
+    data: HeadData,
+    train_rows: torch.Tensor,
+) -> dict[str, Any]:
+    """What a checkpoint must share with the call that resumes it: the settings and the data."""
+    return {
+        "config": asdict(config),
+        "data": [str(Path(d).resolve()) for d in data_dirs],
+        "examples": int(data.hidden.shape[0]),
+        "train_examples": int(train_rows.numel()),
+    }
+
+
+def _load_checkpoint(path: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint at `path`, if any; refused when written for other settings or data."""
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=False, map_location="cpu")
+    if saved["identity"] != identity:
+        theirs, ours = saved["identity"], identity
+        differ = sorted(
+            [k for k in ours["config"] if theirs["config"].get(k) != ours["config"][k]]
+            + [k for k in ("data", "examples", "train_examples") if theirs.get(k) != ours[k]]
+        )
+        raise ValueError(
+            f"{path.parent} holds a run with other settings or data ({', '.join(differ)}): "
+            "train with the same ones to resume it, or delete it to start afresh"
+        )
+    return saved
+
+
+def _save_checkpoint(path: Path, blob: dict[str, Any]) -> None:
+    """Written whole or not at all: to a temporary file, then renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
 
 
 def _data_record(

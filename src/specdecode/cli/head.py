@@ -81,6 +81,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of prompts (whole prompts, not positions) held out for validation",
     )
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop this call once the run has taken N steps in all, keeping its checkpoint in "
+        "HEAD_DIR/checkpoint; the same command resumes it, with any number of processes",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--half", action="store_true", help="save the weights in fp16")
     add_replay_prices(parser, "--preview-")
@@ -146,7 +153,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         preview_bound=tuple(args.preview_bound),
         preview_costs=replay_costs(args, "--preview-"),
     )
-    result = train_head(args.data_dir, args.out, config, progress=not args.no_progress)
+    result = train_head(
+        args.data_dir, args.out, config, progress=not args.no_progress, max_steps=args.max_steps
+    )
+    from specdecode.distributed import process_state
+
+    if not process_state().is_main_process:  # under `accelerate launch`: one report
+        return 0
+    if result.get("stopped"):
+        print(
+            f"stopped at step {result['step']} of {result['total_steps']} (epoch "
+            f"{result['epoch']}); the checkpoint is in {result['checkpoint']}: run the same "
+            "command again to go on"
+        )
+        return 0
     best = result["best"]
     split = result["split"]
     print(
@@ -235,10 +255,11 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.api import SpeculativeDecoder
     from specdecode.backends.kernels import prepack_linears, quantize_int8
     from specdecode.cli.common import set_threads
+    from specdecode.distributed import process_state, threads_per_process
     from specdecode.models.store import load_causal_lm
     from specdecode.prompts import require_prompts
 
-    set_threads(args.threads)
+    set_threads(args.threads or threads_per_process())  # the cores shared by launched processes
     cfg = CollectConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -273,6 +294,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
         args.skip,
         progress=not args.no_progress,
     )
+    if not process_state().is_main_process:  # under `accelerate launch`: one report
+        return 0
     span = f"{args.prompts}[{args.skip}:{args.skip + len(prompts)}]"
     print(
         f"{meta['num_examples']} examples from {len(ids)} prompts ({span}) in "

@@ -2,7 +2,8 @@
 
 Sequence-level knowledge distillation (Kim and Rush, 2016), as SpecDec trains its drafter: the
 drafter learns to predict what the verifier will say, not what the human reference says, which is
-what acceptance rewards. Greedy outputs, written in chunks to a jsonl that a rerun extends.
+what acceptance rewards. Greedy outputs, written in chunks to a jsonl that a rerun extends;
+under `accelerate launch` the processes share each chunk and the main process writes it.
 
 `augment`: new sources made from the training verses (`augmented_sources`) instead of the verses
 themselves. Why: the verifier has learnt the training verses nearly by heart, so its outputs on
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.distributed import gather_objects, main_object, process_state
 from specdecode.seq2seq.corpus import read_split
-from specdecode.seq2seq.verifier_train import translate
+from specdecode.seq2seq.verifier_train import translate_batches, translation_batches
 
 _CLAUSE = re.compile(r"(?<=[,;:])\s+")
 
@@ -59,9 +61,18 @@ def distill(
     augment: bool = False,
     progress: bool = True,
 ) -> Path:
+    """Translate the training sources (or `augment`'s) into `out_file`, extending what is there.
+
+    Under `accelerate launch` the length-sorted batches of each chunk are dealt out to the
+    processes whole (`translation_batches`), so every sentence is translated in the same batch
+    as by one process; the main process gathers the chunk and writes it in order, so the file
+    is the one a single process writes.
+    """
     from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(str(verifier_dir)).eval()
+    state = process_state()
+    rank, world, main = state.process_index, state.num_processes, state.is_main_process
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(verifier_dir)).eval().to(state.device)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(verifier_dir))
     sources = [v.src for v in read_split("train")]
     if augment:
@@ -69,15 +80,30 @@ def distill(
     if limit:
         sources = sources[:limit]
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    done = sum(1 for _ in out_file.open(encoding="utf-8")) if out_file.exists() else 0
-    bar = tqdm(total=len(sources), initial=done, desc="distill", unit="verse", disable=not progress)
-    with torch.inference_mode(), out_file.open("a", encoding="utf-8") as f:
+    done = 0
+    if main:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        done = sum(1 for _ in out_file.open(encoding="utf-8")) if out_file.exists() else 0
+    done = main_object(state, done)  # the file as the writer sees it
+    bar = tqdm(
+        total=len(sources),
+        initial=done,
+        desc="distill",
+        unit="verse",
+        disable=not progress or not main,
+    )
+    with torch.inference_mode():
         for start in range(done, len(sources), chunk):
             part = sources[start : start + chunk]
-            for src, tgt in zip(part, translate(model, tokenizer, part, batch_size), strict=True):
-                f.write(json.dumps({"src": src, "tgt": tgt}, ensure_ascii=False) + "\n")
-            f.flush()
+            batches = translation_batches(part, batch_size)
+            mine = translate_batches(model, tokenizer, part, batches[rank::world])
+            texts = {i: t for got in gather_objects(state, mine) for i, t in got.items()}
+            if main:
+                with out_file.open("a", encoding="utf-8") as f:
+                    for i, src in enumerate(part):
+                        row = {"src": src, "tgt": texts[i]}
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
             bar.update(len(part))
     bar.close()
+    state.wait_for_everyone()
     return out_file

@@ -31,6 +31,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.distributed import (
+    StepCallback,
+    StepRecord,
+    global_means,
+    new_accelerator,
+    share,
+    step_seed,
+)
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.training import (
@@ -65,6 +73,7 @@ class TrainDrafterConfig:
     lm_weight: float = 0.0  # > 0: plus a next-token loss at every prefix slot, this weighted
     target_features: bool = False  # the drafter also reads the verifier's last decoder states
     label_smoothing: float = 0.1
+    dropout: float | None = None  # a fresh drafter's dropout (None: BlockDrafterConfig's)
     valid_sentences: int = 100
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(lr=5e-4, warmup=300, max_tokens=2048, weight_decay=0.01)
@@ -105,33 +114,42 @@ def sample_blocks(
 
 
 def glance_inputs(
-    logits: torch.Tensor, labels: torch.Tensor, ratio: float, generator: torch.Generator
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ratio: float,
+    generator: torch.Generator | None = None,
+    scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GLAT: reveal some reference tokens, more where the first pass was wrong.
 
     logits [n, k, vocab], labels [n, k] -> reveal [n, k] bool (slots given the reference),
-    loss_labels [n, k] (revealed slots ignored)
+    loss_labels [n, k] (revealed slots ignored). The random order among a row's slots comes
+    from `scores` [n, k] in [0, 1) when given (drawn for the whole global batch, so that a
+    process's rows get the same draws as in a single process), else from `generator`.
     """
     valid = labels != -100
     wrong = ((logits.argmax(-1) != labels) & valid).sum(1)  # [n]
     n_reveal = (wrong.float() * ratio).long()  # [n]
-    scores = torch.rand(labels.shape, generator=generator).masked_fill(~valid, 2.0)
+    if scores is None:
+        scores = torch.rand(labels.shape, generator=generator)
+    scores = scores.to(labels.device).masked_fill(~valid, 2.0)
     rank = scores.argsort(1).argsort(1)  # [n, k] random order among valid slots
     reveal = rank < n_reveal[:, None]
     return reveal, labels.masked_fill(reveal, -100)
 
 
-def block_loss(
+def block_loss_terms(
     logits: torch.Tensor, labels: torch.Tensor, decay: float, label_smoothing: float
-) -> torch.Tensor:
-    """Cross-entropy over a block's positions, position j weighted decay**j.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy over a block's positions, position j weighted decay**j, as (weighted sum,
+    sum of weights): their ratio is the loss, and several processes add both up first.
 
     Why weights: a draft is accepted up to its first miss, so position j only counts when the
     j before it were right, and its worth falls about geometrically with j. An equal-weight loss
     over blocks of up to 25 spends most of its gradient on far positions that are rarely
     reached, while the first one, which every round's gain hangs on, gets 1/k of it.
 
-    logits [..., k, vocab], labels [..., k] (-100: ignored) -> scalar
+    logits [..., k, vocab], labels [..., k] (-100: ignored) -> (scalar, scalar)
     """
     k = labels.shape[-1]
     losses = torch.nn.functional.cross_entropy(
@@ -143,26 +161,45 @@ def block_loss(
     ).view(labels.shape)
     weights = decay ** torch.arange(k, dtype=losses.dtype, device=losses.device)  # [k]
     weights = weights * (labels != -100)  # [..., k]
-    return (losses * weights).sum() / weights.sum().clamp(min=1e-9)
+    return (losses * weights).sum(), weights.sum()
 
 
-def next_token_loss(
-    prefix_logits: torch.Tensor, targets: torch.Tensor, lens: torch.Tensor, label_smoothing: float
+def block_loss(
+    logits: torch.Tensor, labels: torch.Tensor, decay: float, label_smoothing: float
 ) -> torch.Tensor:
-    """Cross-entropy of every prefix slot's prediction of the token after it (a causal LM's loss).
+    """`block_loss_terms` as one mean: the loss of one process's batch (scalar)."""
+    total, weight = block_loss_terms(logits, labels, decay, label_smoothing)
+    return total / weight.clamp(min=1e-9)
 
-    prefix_logits [b, T, vocab], targets [b, T] (start token first), lens [b] -> scalar
+
+def next_token_loss_terms(
+    prefix_logits: torch.Tensor, targets: torch.Tensor, lens: torch.Tensor, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of every prefix slot's prediction of the token after it (a causal LM's
+    loss), as (sum, number of slots scored).
+
+    prefix_logits [b, T, vocab], targets [b, T] (start token first), lens [b] -> (scalar, scalar)
     """
     t = targets.shape[1]
     labels = targets[:, 1:].masked_fill(
         torch.arange(1, t, device=targets.device) >= lens[:, None], -100
     )  # [b, T - 1]: slot i predicts targets[:, i + 1]
-    return torch.nn.functional.cross_entropy(
+    total = torch.nn.functional.cross_entropy(
         prefix_logits[:, :-1].reshape(-1, prefix_logits.shape[-1]),
         labels.reshape(-1),
         ignore_index=-100,
         label_smoothing=label_smoothing,
+        reduction="sum",
     )
+    return total, (labels != -100).sum()
+
+
+def next_token_loss(
+    prefix_logits: torch.Tensor, targets: torch.Tensor, lens: torch.Tensor, label_smoothing: float
+) -> torch.Tensor:
+    """`next_token_loss_terms` as one mean (scalar)."""
+    total, count = next_token_loss_terms(prefix_logits, targets, lens, label_smoothing)
+    return total / count.clamp(min=1)
 
 
 def verifier_states(
@@ -196,14 +233,28 @@ def verifier_states(
     return torch.cat([before, states, after], 1)  # [b, T, d]
 
 
-def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
-    from accelerate import Accelerator
+def train_drafter(
+    cfg: TrainDrafterConfig, progress: bool = True, on_step: StepCallback | None = None
+) -> dict:
+    """Train (or resume) the block drafter; returns the summary written to summary.json.
+
+    Under `accelerate launch` each process trains on its share of every global batch; the
+    step's random draws that choose what is trained (k, block starts, glancing) are made for
+    the whole batch from (seed, step), so they are those of a single process
+    (`specdecode.distributed`). The main process alone evaluates and writes.
+    """
     from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
     from specdecode.seq2seq.api import TranslationPair
 
     loop = cfg.loop
-    out = start_run(loop, cfg.out, cfg)
+    accelerator = new_accelerator()
+    rank, world, main = (
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.is_main_process,
+    )
+    out = start_run(loop, cfg.out, cfg, main)
     # float32 whatever the saved dtype: a shipped pair is fp16, and the drafter trains in fp32
     verifier = AutoModelForSeq2SeqLM.from_pretrained(str(cfg.verifier), dtype=torch.float32)
     verifier = verifier.eval()
@@ -216,16 +267,16 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         src_texts, tgt_texts = src_texts + more_src, tgt_texts + more_tgt
     src_ids = [ids[:200] for ids in tokenizer(src_texts)["input_ids"]]
     tgt_ids = [ids[:200] for ids in tokenizer(tgt_texts)["input_ids"]]
-    valid_src = [v.src for v in read_split("valid")[: cfg.valid_sentences]]
+    valid_src = [v.src for v in read_split("valid")[: cfg.valid_sentences]] if main else []
     start_id = verifier.config.decoder_start_token_id
     mask_id = tokenizer.mask_token_id
     if mask_id is None:
         raise ValueError("the verifier's tokenizer has no mask token; the drafter needs one")
 
-    torch.manual_seed(loop.seed)
-    rng = random.Random(loop.seed)
-    generator = torch.Generator().manual_seed(loop.seed)
+    torch.manual_seed(loop.seed)  # the same initial drafter on every process
+    accelerator.wait_for_everyone()  # the main process has made the folder
     ckpt = Checkpointer(out, loop.keep_snapshots)
+    extra = {} if cfg.dropout is None else {"dropout": cfg.dropout}
     model_cfg = BlockDrafterConfig(
         vocab_size=verifier.config.vocab_size,
         d_model=verifier.config.d_model,
@@ -238,6 +289,7 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         scale_embedding=bool(getattr(verifier.config, "scale_embedding", True)),
         first_from_prefix=cfg.first_from_prefix,
         target_features=verifier.config.d_model if cfg.target_features else 0,
+        **extra,
     )
     resuming = ckpt.exists()
     if resuming:
@@ -266,16 +318,20 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         eps=1e-6,
         weight_decay=loop.weight_decay,
     )
+    # not prepared: accelerate would step it once per process; a step is one global batch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(loop.warmup))
     state = ckpt.restore(optimizer, scheduler) if resuming else LoopState(history=[])
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    state.num_processes = world
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
     verifier.to(accelerator.device)
     pair = TranslationPair(verifier, tokenizer, None)
     clock = Clock(loop.minutes)
     seconds_before = state.seconds
-    bar = tqdm(desc="train-drafter", disable=not progress, initial=state.step, unit="step")
+    bar = tqdm(
+        desc="train-drafter", disable=not progress or not main, initial=state.step, unit="step"
+    )
     k = cfg.block_size
+    device = accelerator.device
 
     def evaluate() -> float:
         model = accelerator.unwrap_model(drafter)
@@ -300,38 +356,48 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         return figure
 
     drafter.train()
-    if not resuming:
+    if not resuming and main:
         evaluate()  # the initialised drafter, before any training
 
     def checkpoint() -> None:
         ckpt.save(accelerator.unwrap_model(drafter), optimizer, scheduler, state, _save)
 
-    for _, rows in epoch_batches([len(t) for t in tgt_ids], loop, state):
-        src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(accelerator.device)
+    for epoch, batch in epoch_batches([len(t) for t in tgt_ids], loop, state):
+        # the draws that choose what is trained: for the global batch, from (seed, step)
+        rng = random.Random(step_seed(loop.seed, state.step))
+        k_step = rng.randint(cfg.min_block, k) if cfg.min_block else k
+        all_starts, all_labels = sample_blocks(
+            [tgt_ids[i] for i in batch], k_step, cfg.blocks_per_sentence, rng
+        )
+        rows, weight = share(batch, rank, world)
+        at = [batch.index(i) for i in rows]  # the rows' places in the global batch
+        torch.manual_seed(step_seed(loop.seed, state.step, rank))  # dropout
+        src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(device)
         src_mask = (src != tokenizer.pad_token_id).long()
         with torch.no_grad():
             enc = verifier.get_encoder()(input_ids=src, attention_mask=src_mask).last_hidden_state
-        # a k drawn per step keeps the drafter usable for every block size of a sweep
-        k_step = rng.randint(cfg.min_block, k) if cfg.min_block else k
         batch_targets = [tgt_ids[i] for i in rows]
-        starts, labels = sample_blocks(batch_targets, k_step, cfg.blocks_per_sentence, rng)
         targets = pad([[start_id, *t] for t in batch_targets], tokenizer.pad_token_id)
-        targets = targets.to(accelerator.device)  # [b, T]
-        lens = torch.tensor([len(t) + 1 for t in batch_targets], device=accelerator.device)
-        starts_t = torch.tensor(starts, device=accelerator.device)  # [b, B]
-        labels_t = torch.tensor(labels, device=accelerator.device)  # [b, B, k]
+        targets = targets.to(device)  # [b, T]
+        lens = torch.tensor([len(t) + 1 for t in batch_targets], device=device)
+        starts_t = torch.tensor([all_starts[j] for j in at], device=device)  # [b, B]
+        labels_t = torch.tensor([all_labels[j] for j in at], device=device)  # [b, B, k]
         blocks = (targets, lens, enc, src_mask, k_step)
         features = (
             verifier_states(verifier, enc, src_mask, targets) if cfg.target_features else None
         )
         if cfg.glance > 0:
+            glance = torch.Generator().manual_seed(step_seed(loop.seed, state.step))
+            per_row = cfg.blocks_per_sentence
+            scores = torch.rand(len(batch), per_row, k_step, generator=glance)[at]  # [b, B, k]
             with torch.no_grad():
                 first = drafter(*blocks, starts=starts_t, features=features)  # [b, B, k, V]
             reveal, loss_labels = glance_inputs(
-                first.flatten(0, 1), labels_t.flatten(0, 1), cfg.glance, generator
+                first.flatten(0, 1), labels_t.flatten(0, 1), cfg.glance, scores=scores.flatten(0, 1)
             )
             given = labels_t.flatten(0, 1).masked_fill(~reveal, mask_id)  # reference if revealed
             logits = drafter(*blocks, given.view_as(labels_t), starts=starts_t, features=features)
+            loss_labels = loss_labels.view_as(labels_t)
         elif cfg.lm_weight > 0:
             loss_labels = labels_t
             logits, prefix_logits = drafter(
@@ -340,20 +406,29 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         else:
             loss_labels = labels_t
             logits = drafter(*blocks, starts=starts_t, features=features)  # [b, B, k, vocab]
-        loss = block_loss(logits, loss_labels, cfg.position_decay, cfg.label_smoothing)
+        total, count = block_loss_terms(
+            logits, loss_labels, cfg.position_decay, cfg.label_smoothing
+        )
+        terms = [(total * weight, count * weight)]
         if cfg.lm_weight > 0:
-            loss = loss + cfg.lm_weight * next_token_loss(
+            lm_total, lm_count = next_token_loss_terms(
                 prefix_logits, targets, lens, cfg.label_smoothing
             )
+            terms.append((lm_total * weight, lm_count * weight))
+        losses, values, _ = global_means(accelerator, terms)
+        loss = losses[0] + cfg.lm_weight * losses[1] if cfg.lm_weight > 0 else losses[0]
+        value = values[0] + cfg.lm_weight * values[1] if cfg.lm_weight > 0 else values[0]
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(drafter.parameters(), 5.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch)
+        bar.set_postfix(loss=f"{value:.3f}", ep=state.epoch)
+        if on_step is not None:
+            on_step(StepRecord(state.step + 1, epoch, tuple(rows) if weight else (), float(value)))
 
-        if end_step(state, loop, clock, seconds_before, evaluate, checkpoint):
+        if end_step(state, loop, clock, seconds_before, evaluate, checkpoint, accelerator):
             break
     bar.close()
     summary = {
@@ -361,8 +436,11 @@ def train_drafter(cfg: TrainDrafterConfig, progress: bool = True) -> dict:
         "minutes": round(state.seconds / 60, 2),
         "best_valid_tokens_per_verifier_call": round(state.best_score, 3),
         "history": state.history,
+        "num_processes": world,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    accelerator.wait_for_everyone()
     return summary
 
 

@@ -2,9 +2,12 @@
 resumable checkpoints, a wall-clock budget, and greedy BLEU on the validation split.
 
 Training runs on a 2-core CPU within a session, so every trainer is resumable: the model,
-optimizer, scheduler, step counter and random states are saved every few minutes, and the same
+optimizer, scheduler, step counter and data position are saved every few minutes, and the same
 command picks up where it stopped. `accelerate` drives the loop, so the same command uses a GPU
-(or several) where there is one.
+where there is one, and several processes under `accelerate launch` (`specdecode.distributed`
+says how they split the work). `max_tokens` is the *global* batch: the batches of an epoch are
+the same whatever the number of processes, each process trains on its share of every batch, and
+so a checkpoint resumes at any world size with its step count and data position.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from specdecode.distributed import main_decides
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,7 @@ class LoopConfig:
 
     lr: float = 1e-3
     warmup: int = 400
-    max_tokens: int = 2048  # target tokens per batch (PARALLEL.md: 4096 was worse on CPU)
+    max_tokens: int = 2048  # target tokens per global batch (PARALLEL.md: 4096 was worse on CPU)
     minutes: float = 30.0  # wall-clock budget of this call (resume to go on)
     max_steps: int = 0  # 0: no step limit
     eval_minutes: float = 5.0
@@ -87,6 +93,7 @@ class LoopState:
     seconds: float = 0.0
     best_score: float = -1.0  # the figure the best model is chosen by (BLEU, tokens per call)
     history: list | None = None
+    num_processes: int = 1  # of the run that wrote this state (it resumes at any number)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -226,14 +233,27 @@ class Clock:
 
 
 def end_step(state: LoopState, loop: LoopConfig, clock: Clock, seconds_before: float,
-             evaluate: Callable[[], object], checkpoint: Callable[[], None]) -> bool:  # fmt: skip
-    """Count the step, evaluate and checkpoint when due (and at the end); True when done."""
+             evaluate: Callable[[], object], checkpoint: Callable[[], None],
+             accelerator: Any = None) -> bool:  # fmt: skip
+    """Count the step, evaluate and checkpoint when due (and at the end); True when done.
+
+    With an `accelerator` of several processes the main process's clock decides (broadcast, so
+    every process stops at the same step) and only the main process evaluates and checkpoints;
+    the others go on to the next step, whose gradient all-reduce waits for it.
+    """
     state.step += 1
     state.seconds = seconds_before + clock.elapsed()
-    done = clock.out_of_time() or bool(loop.max_steps and state.step >= loop.max_steps)
-    if clock.every("eval", loop.eval_minutes) or done:
+    out_of_time = clock.out_of_time()
+    eval_due = clock.every("eval", loop.eval_minutes)
+    ckpt_due = clock.every("ckpt", loop.checkpoint_minutes)
+    main = True
+    if accelerator is not None:
+        out_of_time, eval_due, ckpt_due = main_decides(accelerator, out_of_time, eval_due, ckpt_due)
+        main = accelerator.is_main_process
+    done = out_of_time or bool(loop.max_steps and state.step >= loop.max_steps)
+    if main and (eval_due or done):
         evaluate()
-    if clock.every("ckpt", loop.checkpoint_minutes) or done:
+    if main and (ckpt_due or done):
         checkpoint()
     return done
 
@@ -252,13 +272,15 @@ def epoch_batches(
         state.batch_in_epoch = 0
 
 
-def start_run(loop: LoopConfig, out: Path, config) -> Path:
-    """Threads, the output folder, and the run's configuration written beside its checkpoints."""
+def start_run(loop: LoopConfig, out: Path, config, main: bool = True) -> Path:
+    """Threads, the output folder, and the run's configuration written beside its checkpoints
+    (by the main process only: `main` False skips the writing)."""
     if loop.threads:
         torch.set_num_threads(loop.threads)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(jsonable(asdict(config)), indent=1))
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(jsonable(asdict(config)), indent=1))
     return out
 
 

@@ -17,6 +17,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdecode.distributed import (
+    StepCallback,
+    StepRecord,
+    global_means,
+    new_accelerator,
+    share,
+    step_seed,
+)
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.tokenizer import load_tokenizer, train_tokenizer
 from specdecode.seq2seq.training import (
@@ -111,29 +119,58 @@ def init_from(model, source_dir: Path) -> None:
     model.load_state_dict(copied, strict=False)
 
 
+def translation_batches(sources: list[str], batch_size: int) -> list[list[int]]:
+    """Indices of `sources` in batches of similar length (sorted by characters, ties in order).
+
+    `translate` runs these batches; `distill` hands them out to processes whole, so that each
+    sentence is translated in the same batch, with the same padding, as by one process.
+    """
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def freeze_positions(model) -> None:
+    """Keep the sinusoidal position tables fixed, as in a fresh model.
+
+    Why: `from_pretrained` rebuilds them (they are not saved) with `requires_grad` on, so a
+    resumed run trained and weight-decayed them, and then lost them at its next save; measured,
+    its loss left that of a run never stopped on the second step after the resume.
+    """
+    for name, param in model.named_parameters():
+        if "embed_positions" in name:
+            param.requires_grad_(False)
+
+
 @torch.no_grad()
-def translate(
-    model, tokenizer, sources: list[str], batch_size: int = 64, max_new: int = 160
-) -> list[str]:
-    """Greedy translations with `generate`, in length-sorted batches (validation, distillation)."""
+def translate_batches(
+    model, tokenizer, sources: list[str], batches: list[list[int]], max_new: int = 160
+) -> dict[int, str]:
+    """Greedy translations of the batches' sources with `generate`: {index: text}."""
     model.eval()
     max_new = min(max_new, model.config.max_position_embeddings - 1)  # positions run out after
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out: list[str] = [""] * len(sources)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
+    out: dict[int, str] = {}
+    for idx in batches:
         enc = tokenizer(
             [sources[i] for i in idx],
             return_tensors="pt",
             padding=True,
             truncation=True,
             max_length=model.config.max_position_embeddings,
-        )
+        ).to(model.device)
         gen = model.generate(**enc, num_beams=1, do_sample=False, max_new_tokens=max_new)
         for i, text in zip(idx, tokenizer.batch_decode(gen, skip_special_tokens=True), strict=True):
             out[i] = text
     model.train()
     return out
+
+
+def translate(
+    model, tokenizer, sources: list[str], batch_size: int = 64, max_new: int = 160
+) -> list[str]:
+    """Greedy translations with `generate`, in length-sorted batches (validation, distillation)."""
+    batches = translation_batches(sources, batch_size)
+    texts = translate_batches(model, tokenizer, sources, batches, max_new)
+    return [texts[i] for i in range(len(sources))]
 
 
 def validation_verses(limit: int = 0) -> list:
@@ -153,28 +190,42 @@ def save_model(model, directory: Path) -> None:
     model.save_pretrained(str(directory))
 
 
-def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
-    from accelerate import Accelerator
+def train_verifier(
+    cfg: TrainVerifierConfig, progress: bool = True, on_step: StepCallback | None = None
+) -> dict:
+    """Train (or resume) the verifier; returns the summary written to summary.json.
+
+    Under `accelerate launch` each process trains on its share of every global batch
+    (`specdecode.distributed`), and the main process alone writes the tokenizer, checkpoints,
+    best model and summary. `on_step` sees each step's rows of this process and global loss.
+    """
     from transformers import MarianMTModel
 
     loop = cfg.loop
-    out = start_run(loop, cfg.out, cfg)
+    accelerator = new_accelerator()
+    rank, world, main = (
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.is_main_process,
+    )
+    out = start_run(loop, cfg.out, cfg, main)
     src_texts, tgt_texts = read_pairs(cfg.train_file)
     tok_dir = out / "tokenizer"
-    if cfg.tokenizer is not None:
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        tokenizer.save_pretrained(str(tok_dir))
-    elif (tok_dir / "tokenizer.json").exists():
-        tokenizer = load_tokenizer(tok_dir)
-    else:
-        tokenizer = train_tokenizer(src_texts + tgt_texts, cfg.model.vocab_size)
-        tokenizer.save_pretrained(str(tok_dir))
+    if main:  # the others read the tokenizer the main process trained or copied
+        if cfg.tokenizer is not None:
+            load_tokenizer(cfg.tokenizer).save_pretrained(str(tok_dir))
+        elif not (tok_dir / "tokenizer.json").exists():
+            train_tokenizer(src_texts + tgt_texts, cfg.model.vocab_size).save_pretrained(
+                str(tok_dir)
+            )
+    accelerator.wait_for_everyone()
+    tokenizer = load_tokenizer(tok_dir)
     limit = cfg.model.max_source_tokens
     src_ids = [ids[:limit] for ids in tokenizer(src_texts)["input_ids"]]
     tgt_ids = [ids[:limit] for ids in tokenizer(tgt_texts)["input_ids"]]
-    valid = validation_verses(cfg.valid_limit)
+    valid = validation_verses(cfg.valid_limit) if main else []
 
-    torch.manual_seed(loop.seed)
+    torch.manual_seed(loop.seed)  # the same initial model on every process
     random.seed(loop.seed)
     ckpt = Checkpointer(out, loop.keep_snapshots)
     resuming = ckpt.exists()
@@ -184,19 +235,24 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
         model = MarianMTModel(marian_config(cfg.model, tokenizer))
         if cfg.init_from is not None:
             init_from(model, Path(cfg.init_from))
+    freeze_positions(model)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=loop.lr, betas=(0.9, 0.98), weight_decay=loop.weight_decay
     )
+    # not prepared: accelerate would step it once per process, and a step here is one global
+    # batch whatever the number of processes
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(loop.warmup))
     state = ckpt.restore(optimizer, scheduler) if resuming else LoopState(history=[])
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state.num_processes = world
+    model, optimizer = accelerator.prepare(model, optimizer)
     loss_fn = torch.nn.CrossEntropyLoss(
-        ignore_index=-100, label_smoothing=cfg.model.label_smoothing
+        ignore_index=-100, label_smoothing=cfg.model.label_smoothing, reduction="sum"
     )
     clock = Clock(loop.minutes)
     seconds_before = state.seconds
-    bar = tqdm(desc="train-verifier", disable=not progress, initial=state.step, unit="step")
+    bar = tqdm(
+        desc="train-verifier", disable=not progress or not main, initial=state.step, unit="step"
+    )
     model.train()
     tokens_seen = 0
 
@@ -219,40 +275,52 @@ def train_verifier(cfg: TrainVerifierConfig, progress: bool = True) -> dict:
     def checkpoint() -> None:
         ckpt.save(accelerator.unwrap_model(model), optimizer, scheduler, state, save_model)
 
-    for _, rows in epoch_batches([len(t) for t in tgt_ids], loop, state):
-        src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(accelerator.device)
+    pad_id = tokenizer.pad_token_id
+    start_id = accelerator.unwrap_model(model).config.decoder_start_token_id
+    for epoch, batch in epoch_batches([len(t) for t in tgt_ids], loop, state):
+        rows, weight = share(batch, rank, world)
+        torch.manual_seed(step_seed(loop.seed, state.step, rank))  # dropout
+        src = pad([src_ids[i] for i in rows], pad_id).to(accelerator.device)
         labels = pad([tgt_ids[i] for i in rows], -100).to(accelerator.device)  # [b, T]
-        dec_in = labels.masked_fill(labels == -100, tokenizer.pad_token_id)
-        start = torch.full_like(dec_in[:, :1], model.config.decoder_start_token_id)
+        dec_in = labels.masked_fill(labels == -100, pad_id)
+        start = torch.full_like(dec_in[:, :1], start_id)
         dec_in = torch.cat([start, dec_in[:, :-1]], 1)  # shifted right
         logits = model(
             input_ids=src,
-            attention_mask=(src != tokenizer.pad_token_id).long(),
+            attention_mask=(src != pad_id).long(),
             decoder_input_ids=dec_in,
         ).logits  # [b, T, vocab]
-        loss = loss_fn(logits.flatten(0, 1), labels.flatten())
+        tokens = (labels != -100).sum() * weight
+        total = loss_fn(logits.flatten(0, 1), labels.flatten()) * weight
+        (loss,), (value,), (count,) = global_means(accelerator, [(total, tokens)])
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), loop.clip_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens_seen += int((labels != -100).sum())
+        tokens_seen += int(count)  # of the global batch
         bar.update(1)
         rate = tokens_seen / clock.elapsed()
-        bar.set_postfix(loss=f"{loss.item():.3f}", ep=state.epoch, tok_s=f"{rate:.0f}")
+        bar.set_postfix(loss=f"{value:.3f}", ep=state.epoch, tok_s=f"{rate:.0f}")
+        if on_step is not None:
+            seen = tuple(rows) if weight else ()
+            on_step(StepRecord(state.step + 1, epoch, seen, float(value)))
 
-        if end_step(state, loop, clock, seconds_before, evaluate, checkpoint):
+        if end_step(state, loop, clock, seconds_before, evaluate, checkpoint, accelerator):
             break
     bar.close()
-    tokenizer.save_pretrained(str(ckpt.last))
     summary = {
         "steps": state.step,
         "minutes": round(state.seconds / 60, 2),
         "best_valid_bleu": round(state.best_score, 2),
         "history": state.history,
+        "num_processes": world,
         "target_tokens_per_second_this_call": round(tokens_seen / max(clock.elapsed(), 1e-9), 1),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if main:
+        tokenizer.save_pretrained(str(ckpt.last))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    accelerator.wait_for_everyone()
     return summary
 
 
