@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from specdecode.backends.torch_eager import CachedModel
+from specdecode.backends.torch_eager import CachedModel, context_length
 from specdecode.checks import (
     check_prompts,
     check_same_device,
     check_same_vocabulary,
     check_vocab_covers_tokenizer,
-    context_length,
 )
 from specdecode.config import (
     DEFAULT_BOUND,

@@ -11,15 +11,6 @@ class IncompatibleModelsError(ValueError):
     """Target and drafter cannot be paired."""
 
 
-def context_length(model: torch.nn.Module) -> int | None:
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def check_same_device(target: torch.nn.Module, drafter: torch.nn.Module) -> None:
     t, d = model_device(target), model_device(drafter)
     if t != d:

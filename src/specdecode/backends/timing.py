@@ -8,8 +8,7 @@ import time
 import torch
 
 from specdecode.backends.kernels import median_times
-from specdecode.backends.torch_eager import cache_kwargs, model_device
-from specdecode.checks import context_length
+from specdecode.backends.torch_eager import cache_kwargs, context_length, model_device
 from specdecode.config import RoundPrices
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks

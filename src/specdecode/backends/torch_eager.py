@@ -105,6 +105,16 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def context_length(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's config admits (None if it names none)."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 class CachedModel:
     """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
 
