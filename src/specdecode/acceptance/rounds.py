@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.acceptance.collect import acceptance_labels
 from specdecode.acceptance.head import law_features
+from specdecode.acceptance.labels import acceptance_labels
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
