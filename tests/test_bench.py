@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from specdecode.bench.methods import Method
+from specdecode.bench.methods import CAUSAL, Method, Registry, Result
 from specdecode.bench.metrics import (
     alpha_from_tokens_per_call,
     bootstrap_interval,
@@ -18,7 +18,7 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
-from specdecode.bench.runner import round_prices
+from specdecode.bench.runner import measure, round_prices, speed_rows
 from specdecode.cli.main import main
 from specdecode.config import RoundPrices
 from specdecode.prompts import load_prompts
@@ -146,6 +146,96 @@ def test_priced_head_methods_and_their_prices():
     prices = round_prices(costs, 3)
     assert prices == {"sd": RoundPrices(0.3, (1.0, 1.1, 1.3))}
     assert round_prices(costs, 0) == {}
+
+
+class Toy:
+    """A method with no model: the runner's whole contract, timed by a clock it is handed."""
+
+    def __init__(self, label, seconds, offset=0, exact=True, only_batch1=False, log=None):
+        self.label, self.exact, self.pairing = label, exact, None
+        self.seconds, self.offset, self.only_batch1 = list(seconds), offset, only_batch1
+        self.log = [] if log is None else log  # labels in the order of the calls
+        self.prepared = False
+
+    def skips(self, batch_size):
+        return "batch size 1 only" if self.only_batch1 and batch_size > 1 else None
+
+    def prepare(self, sample):
+        self.prepared = True
+
+    def run(self, batch):
+        self.log.append(self.label)
+        return Result([[x + self.offset] * 2 for x in batch], self.seconds.pop(0))
+
+
+def test_one_runner_measures_any_method_behind_the_protocol():
+    """Warm-up first, fastest of the repeats kept, rotation from batch to batch, mismatches of
+    exact methods only, batch-1-only methods skipped and said so."""
+    inputs, log = [1, 2, 3, 4], []
+    # at batch 2: 2 batches, 2 repeats each; then 4 batches of 1, 2 repeats each
+    ar = Toy("ar", [2.0, 1.0, 2.0, 2.0] + [1.0] * 8, log=log)
+    fast = Toy("fast", [1.0, 0.5, 1.0, 0.25] + [0.5] * 8, log=log)
+    off = Toy("off", [1.0] * 12, offset=1, log=log)  # differs from ar everywhere
+    approx = Toy("approx", [1.0] * 8, offset=1, exact=False, only_batch1=True, log=log)
+    methods = [ar, fast, off, approx]
+    records, skipped = measure(methods, inputs, [2, 1], repeats=2, progress=False)
+    assert all(m.prepared for m in methods)
+    assert skipped == ["approx at batch 2 (batch size 1 only)"]
+    assert records[("fast", 2)].seconds == [0.5, 0.25] and records[("ar", 2)].seconds == [1.0, 2.0]
+    assert records[("off", 2)].mismatches == [0, 1, 2, 3] and not records[("approx", 1)].mismatches
+    assert log[:12] == ["ar", "fast", "off"] * 2 + ["fast", "off", "ar"] * 2  # rotated
+    rows = {(r["method"], r["batch_size"]): r for r in speed_rows(methods, records, "sentences")}
+    assert rows[("fast", 2)]["per_batch_speedup"] == [2.0, 8.0]
+    assert rows[("fast", 2)]["sentences_per_s"] == pytest.approx(4 / 0.75)
+    assert rows[("approx", 1)]["identical_to_ar"] == 0.0 and rows[("ar", 1)]["exact"]
+    assert rows[("fast", 2)]["speedup_vs_hf"] is None  # no hf in this run
+
+
+def test_a_method_that_changes_its_output_on_a_repeat_fails_the_run():
+    class Drifting(Toy):
+        def run(self, batch):
+            self.offset += 1
+            return super().run(batch)
+
+    methods = [Toy("ar", [1.0] * 4), Drifting("drift", [1.0] * 4)]
+    with pytest.raises(RuntimeError, match="drift changed its output on a repeat"):
+        measure(methods, [1], [1], repeats=2, progress=False)
+
+
+def test_methods_are_one_class_and_one_registry_entry():
+    registry = Registry("toy")
+
+    @registry.add
+    class Plain:
+        name = "plain"
+
+    assert registry.lookup("plain") is Plain
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.add(Plain)
+    with pytest.raises(ValueError, match=r"unknown method 'nope'; known: plain"):
+        registry.lookup("nope")
+    assert {"ar", "sd", "sd-int8", "sd-lookup", "hf", "hf-assisted", "hf-lookup"} <= set(CAUSAL)
+    assert CAUSAL["hf-assisted"].batch1_only and CAUSAL["sd-int8"].cpu_kernels
+
+
+def test_report_reads_translation_records_of_the_earlier_layout():
+    """Translation records once kept rows per batch size under `runs`: one table reads them."""
+    from specdecode.bench.report import current_layout, markdown_table
+
+    speed = {"n": 2, "median": 1.2, "geomean": 1.2, "p10": 1.1, "p90": 1.3, "min": 1.1, "max": 1.3}
+    row = {"method": "specdec[k=4,b=5,t=3]", "exact": False, "approximate": True, "batch_size": 1,
+           "sentences": 2, "sentences_per_s": 5.0, "speedup": speed, "speedup_vs_hf": None,
+           "identical_to_ar": 0.5, "mismatches": [], "bleu": 30.0, "chrf": 50.0}  # fmt: skip
+    machine = {"cpu": "cpu", "cores": 2, "torch": "2", "transformers": "5"}
+    old = {"config": {"pair": "p", "split": "test", "limit": 2, "max_new_tokens": 9},
+           "machine": machine, "verifier_mib": 1.0, "drafter_mib": 1.0, "assistant_mib": None,
+           "peak_rss_gib": 0.5, "ok": True,
+           "runs": [{"batch_size": 1, "methods": [row], "examples": [{"ref": "a"}]}]}  # fmt: skip
+    now = current_layout(old)
+    assert now["methods"] == [row] and now["examples"] == [{"ref": "a"}] and "runs" not in now
+    table = markdown_table(old)
+    assert "| specdec[k=4,b=5,t=3] (approx.) | 1 | 5.00 | 1.20 |" in table
+    assert "| 30.00 |" in table and "50.0% identical |" in table and "tok/s" not in table
 
 
 def test_decode_ratios_leave_out_the_first_round():

@@ -158,13 +158,20 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     assert main(args) == 0
     record = json.loads((out / "record.json").read_text())
     assert record["config"]["repeats"] == 2
-    rows = {r["method"]: r for r in record["runs"][0]["methods"]}
+    rows = {r["method"]: r for r in record["methods"]}  # one batch size: one row a method
     assert {"ar", "hf", "hf-beam5", "hf-assisted", "specdec[k=2]", "specdec[k=4,b=3,t=2]"} <= set(
         rows
     )
     assert rows["specdec[k=4]"]["identical_to_ar"] == 1.0 and rows["hf"]["identical_to_ar"] == 1.0
     assert rows["specdec[k=4,b=3,t=2]"]["approximate"] and not rows["specdec[k=2]"]["approximate"]
     assert record["ok"] and "(approx.)" in (out / "table.md").read_text()
+    assert rows["specdec[k=4,b=3,t=2]"]["bleu"] >= 0 and rows["ar"]["speedup"]["geomean"] == 1.0
+    assert [e["ref"] for e in record["examples"]] == [v.ref for v in tiny_corpus()["test"][:3]]
+    # the same record rederived: table and plots again, nothing measured
+    assert main(["bench", "--rederive", str(out)]) == 0
+    assert "| specdec[k=4,b=3,t=2] (approx.) |" in (out / "table.md").read_text()
+    plots = {"speedup_vs_k.png", "sentences_per_s.png", "quality_vs_speed.png"}
+    assert plots <= {p.name for p in out.iterdir()}
     # a second drafter (the one reading the verifier's states) beside the pair's own, one run
     alt = [
         *args[:-3],
@@ -180,7 +187,7 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
     ]
     assert main(alt) == 0
     record = json.loads((out / "record.json").read_text())
-    rows = {r["method"]: r for r in record["runs"][0]["methods"]}
+    rows = {r["method"]: r for r in record["methods"]}
     assert {"specdec-alt[k=4]", "specdec-alt-int8[k=2]"} <= set(rows)
     assert all(r["identical_to_ar"] == 1.0 for r in rows.values())
     assert main([*args, "--relaxed", "five"]) == 2  # not BETA,TAU
@@ -190,8 +197,13 @@ def test_train_distill_draft_export_translate(cache, tmp_path):
              "--batch-sizes", "1", "3", "--max-draft-batch", "1", "--no-plots"]  # fmt: skip
     assert main(gated) == 0
     record = json.loads((out / "record.json").read_text())
-    runs = {run["batch_size"]: {r["method"]: r for r in run["methods"]} for run in record["runs"]}
+    runs: dict[int, dict[str, dict]] = {}
+    for row in record["methods"]:
+        runs.setdefault(row["batch_size"], {})[row["method"]] = row
     assert "specdec[k=2,draft<=1]" not in runs[1]
+    assert "specdec[k=2,draft<=1] at batch 1 (the ungated method at 1 rows or fewer)" in (
+        record["skipped"]
+    )
     assert {"ar", "specdec[k=2]", "specdec[k=2,draft<=1]"} == set(runs[3])
     assert all(r["identical_to_ar"] == 1.0 for r in runs[3].values())
     assert main([*gated, "--max-draft-batch", "0"]) == 2

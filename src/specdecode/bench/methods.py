@@ -1,4 +1,15 @@
-"""Decoding methods behind one signature: prompts (token ids) in, new tokens and time out.
+"""Decoding methods behind one protocol, named in registries: what the runner measures.
+
+The runner (`runner.measure`) knows nothing of models, tokenizers or backends: it asks a method
+for its label, whether its output must equal the reference's, why it would not run at a batch
+size, a warm-up (`prepare`) and a timed `run` on a batch of inputs. Causal and seq2seq methods
+differ in what they take in (prompt token ids, source sentences) and how they decode, not in
+how they are measured, so one runner and one report serve both. A method is one class
+registered under its name (`CAUSAL.add` here, `SEQ2SEQ.add` in `seq2seq`): a new backend (say
+llama.cpp: plain completion, its prompt-lookup decoding, this engine on its model) adds its
+classes and nothing else; no list of names elsewhere needs it.
+
+Causal methods (prompts in, new token ids out):
 
 * `ar`: this engine's plain autoregressive decoding of the target (the baseline).
 * `hf`: `transformers` `generate` on the same target.
@@ -27,8 +38,10 @@ cut after its first token).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -38,17 +51,134 @@ from specdecode.backends.torch_eager import model_device
 from specdecode.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
 from specdecode.stats import DecodeStats
 
-KINDS_WITH_K = ("hf-assisted-k", "sd", "sd-int8", "sd-int8-lookup", "sd-lookup", "hf-lookup")
-KINDS = ("ar", "hf", "hf-assisted", *KINDS_WITH_K)
-BATCH1_ONLY = ("hf-assisted", "hf-assisted-k", "hf-lookup")
-LOOKUP_KINDS = ("sd-lookup", "hf-lookup")  # no drafter model
+
+@dataclass
+class Result:
+    """One timed call of a method on a batch."""
+
+    token_ids: list[list[int]]  # per input row, the new tokens
+    seconds: float
+    stats: DecodeStats | None = None  # this engine's counts; None for other libraries' loops
 
 
-ENGINE_KINDS = ("sd", "sd-int8", "sd-int8-lookup")  # the kinds that take a length policy
+class BenchMethod(Protocol):
+    """What the runner needs of a decoding method, whatever its backend or model family."""
+
+    @property
+    def label(self) -> str:
+        """The name of its row in the record: kind and settings, e.g. `sd[k=4]`."""
+        ...
+
+    @property
+    def exact(self) -> bool:
+        """Whether its output must equal the reference method's token for token (greedy and
+        lossless); a difference is a mismatch, which fails the run."""
+        ...
+
+    @property
+    def pairing(self) -> str | None:
+        """Methods sharing a pairing must commit the same text (coupled sampling); None: no
+        such promise."""
+        ...
+
+    def skips(self, batch_size: int) -> str | None:
+        """Why it does not run at this batch size (said in the record), or None."""
+        ...
+
+    def prepare(self, sample: Sequence[Any]) -> None:
+        """Build what it needs and run once: first calls pay for loading, allocation and lazy
+        set-up, which must not land on the first measured batch."""
+        ...
+
+    def run(self, batch: Sequence[Any]) -> Result: ...
+
+
+M = TypeVar("M", bound=type)
+
+
+class Registry(dict[str, type]):
+    """Method names to classes, filled by `add` where each class is defined."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.family = family
+
+    def add(self, cls: M) -> M:
+        """Class decorator: the class's `name` now names it in `--methods`."""
+        if cls.name in self:
+            raise ValueError(f"{self.family} method {cls.name!r} registered twice")
+        self[cls.name] = cls
+        return cls
+
+    def lookup(self, name: str) -> type:
+        if name not in self:
+            raise ValueError(f"unknown method {name!r}; known: {', '.join(self)}")
+        return self[name]
+
+
+CAUSAL = Registry("causal")
+
+
+@contextmanager
+def kernels(models: Sequence[torch.nn.Module], dense: bool) -> Iterator[None]:
+    """Default PyTorch kernels instead of the prepacked ones for one call (`+dense`), then back:
+    the models are shared by every method, and only the `+dense` ones run unpacked."""
+    for model in models:
+        use_prepacked(model, not dense)
+    try:
+        yield
+    finally:
+        for model in models:
+            use_prepacked(model, True)
+
+
+class SpecMethod:
+    """The part every method built from a spec shares: label, batch-size limits, the kernel
+    switch around its calls, and a warm-up that is one run. The spec is a frozen dataclass
+    with `label` and `dense` (`Method`, `seq2seq.Seq2SeqMethod`)."""
+
+    name: ClassVar[str]
+    batch1_only: ClassVar[bool] = False
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def pairing(self) -> str | None:
+        return None
+
+    def skips(self, batch_size: int) -> str | None:
+        return "batch size 1 only" if self.batch1_only and batch_size > 1 else None
+
+    def prepare(self, sample: Sequence[Any]) -> None:
+        self._switched(sample, warm=True)
+
+    def run(self, batch: Sequence[Any]) -> Result:
+        return self._switched(batch, warm=False)
+
+    def _switched(self, batch: Sequence[Any], warm: bool) -> Result:
+        with kernels(self.modules(), self.spec.dense):
+            return self.decode(batch, warm)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The models its calls run, whose kernels `+dense` switches."""
+        raise NotImplementedError
+
+    def decode(self, batch: Sequence[Any], warm: bool) -> Result:
+        raise NotImplementedError
+
+
+# ---- causal language models ----
 
 
 @dataclass(frozen=True)
 class Method:
+    """A causal method as asked for: its kind (a `CAUSAL` name) and settings."""
+
     kind: str
     k: int | None = None
     dense: bool = False
@@ -58,13 +188,12 @@ class Method:
     priced: bool = False  # head policies: weigh tokens against the run's calibrated prices
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown method {self.kind!r}; known: {', '.join(KINDS)}")
-        if (self.k is not None) != (self.kind in KINDS_WITH_K):
+        cls = CAUSAL.lookup(self.kind)
+        if (self.k is not None) != cls.takes_k:
             raise ValueError(
                 f"method {self.kind!r}: k is {'required' if self.k is None else 'unused'}"
             )
-        if self.policy != "constant" and self.kind not in ENGINE_KINDS:
+        if self.policy != "constant" and not cls.takes_policy:
             raise ValueError(f"method {self.kind!r} has no length policy {self.policy!r}")
         if (self.bound is not None) != self.adaptive:
             raise ValueError(
@@ -95,9 +224,9 @@ class Method:
         cls,
         names: list[str],
         ks: list[int],
-        policies: list[str] = ("constant",),
+        policies: Sequence[str] = ("constant",),
         thresholds: dict[str, list[float]] | None = None,
-        bounds: list[tuple[int, int]] = ((1, 8),),
+        bounds: Sequence[tuple[int, int]] = ((1, 8),),
         priced: bool = False,
     ) -> list[Method]:
         """`sd` with ks [3, 4] gives sd[k=3] and sd[k=4]; `+dense` keeps default kernels.
@@ -108,10 +237,11 @@ class Method:
         methods = []
         for name in names:
             kind, dense = name.removesuffix("+dense"), name.endswith("+dense")
-            if kind not in KINDS_WITH_K:
+            traits = CAUSAL.lookup(kind)
+            if not traits.takes_k:
                 methods.append(cls(kind, None, dense))
                 continue
-            for policy in policies if kind in ENGINE_KINDS else ["constant"]:
+            for policy in policies if traits.takes_policy else ["constant"]:
                 if policy == "constant":
                     methods += [cls(kind, k, dense) for k in ks]
                 elif policy == "heuristic":
@@ -139,127 +269,242 @@ class Settings:
 
 
 @dataclass
-class Result:
-    new_tokens: list[list[int]]
-    seconds: float
-    stats: DecodeStats | None = None
-
-
-@dataclass
 class Models:
-    """The models every method shares, so all of them run on the same weights."""
+    """The models every causal method shares, so all of them run on the same weights."""
 
     target: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any
     drafter: torch.nn.Module
     head: str | None = None  # acceptance head directory, for the `head` policy
     round_prices: dict[str, RoundPrices] = field(default_factory=dict)  # by kind, calibrated
     _decoders: dict[str, SpeculativeDecoder] = field(default_factory=dict)
 
-    def decoder(self, kind: str) -> SpeculativeDecoder:
-        if kind == "sd-int8-lookup":  # the same decoder (one int8 copy), looking up first
-            return self.decoder("sd-int8")
-        if kind not in self._decoders:
-            drafter = None if kind == "ar" else self.drafter
-            if kind == "sd-int8":
-                drafter = quantize_int8(self.drafter)
-            if kind == "sd-lookup":
-                drafter = PromptLookup()
-            decoder = SpeculativeDecoder(self.target, self.tokenizer, drafter)
+    def decoder(self, kind: str = "ar") -> SpeculativeDecoder:
+        """The engine method `kind`'s decoder, built once and shared (`ar`'s encodes)."""
+        cls = CAUSAL.lookup(kind)
+        if not issubclass(cls, EngineMethod):
+            raise ValueError(f"{kind!r} does not run this engine")
+        key = cls.decoder_of or cls.name
+        if key not in self._decoders:
+            decoder = SpeculativeDecoder(self.target, self.tokenizer, cls.make_drafter(self))
             if self.head is not None and decoder.drafter is not None:
                 decoder.load_head(self.head)
-            self._decoders[kind] = decoder
-        return self._decoders[kind]
-
-    def drafter_model(self, kind: str) -> torch.nn.Module | None:
-        if kind in ("ar", "hf", *LOOKUP_KINDS):
-            return None
-        return self.decoder(kind).drafter if kind.startswith("sd") else self.drafter
+            self._decoders[key] = decoder
+        return self._decoders[key]
 
 
-def run_engine(method: Method, models: Models, prompts: list[list[int]], s: Settings) -> Result:
-    decoder = models.decoder(method.kind)
-    out = decoder.generate(
-        prompts,
-        use_drafter=method.kind != "ar",
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        num_draft_tokens=method.k or 1,
-        seed=s.seed,
-        stop_token_ids=s.stop_token_ids,
-        length_policy=method.policy,
-        stop_threshold=method.threshold,
-        bound=method.bound,
-        coupled=s.coupled,
-        round_prices=models.round_prices[method.kind] if method.priced else None,
-        lookup_first=LOOKUP_FIRST if method.kind == "sd-int8-lookup" else None,
-    )
-    # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to the
-    # pairing, not to the method: the time they took, measured on their own, is left out.
-    return Result(out.new_tokens, out.stats.wall_seconds - out.stats.coupling_seconds, out.stats)
+def build_causal(specs: Sequence[Method], models: Models, settings: Settings) -> list[CausalMethod]:
+    return [CAUSAL.lookup(spec.kind)(spec, models, settings) for spec in specs]
 
 
-def run_transformers(method: Method, models: Models, prompts: list[list[int]], s: Settings):
-    pad = models.tokenizer.pad_token_id if models.tokenizer.pad_token_id is not None else 0
-    width = max(map(len, prompts))
-    device = model_device(models.target)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    kwargs: dict = dict(
-        max_new_tokens=s.max_new_tokens,
-        attention_mask=mask,
-        pad_token_id=pad,
-        eos_token_id=list(s.stop_token_ids) or None,
-    )
-    if s.temperature > 0:
-        kwargs.update(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    if method.kind.startswith("hf-assisted"):
-        kwargs["assistant_model"] = models.drafter
-        config = models.drafter.generation_config
-        if method.kind == "hf-assisted-k":
-            config.num_assistant_tokens_schedule = "constant"
-            config.num_assistant_tokens = method.k
-            config.assistant_confidence_threshold = 0.0
-        else:  # the library's defaults
-            config.num_assistant_tokens_schedule = "heuristic"
-            config.num_assistant_tokens = 20
-            config.assistant_confidence_threshold = 0.4
-    if method.kind == "hf-lookup":
-        kwargs.update(prompt_lookup_num_tokens=method.k, max_matching_ngram_size=3)
-    torch.manual_seed(s.seed)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = models.target.generate(ids, **kwargs)
-    seconds = time.perf_counter() - start
-    new = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in s.stop_token_ids), len(row))
-        new.append(row[:cut])
-    return Result(new, seconds)
+class CausalMethod(SpecMethod):
+    """A method decoding prompts (token ids) with a causal target; the traits say which
+    settings the spec takes (`Method`) and where it runs."""
+
+    takes_k: ClassVar[bool] = False  # swept over the numbers of draft tokens
+    takes_policy: ClassVar[bool] = False  # runs under every length policy asked for
+    cpu_kernels: ClassVar[bool] = False  # CPU kernels only (int8): refused on a GPU
+
+    def __init__(self, spec: Method, models: Models, settings: Settings) -> None:
+        super().__init__(spec)
+        self.models = models
+        self.settings = settings
+
+    @property
+    def exact(self) -> bool:
+        return self.settings.temperature == 0
+
+    @property
+    def drafter_model(self) -> torch.nn.Module | None:
+        """The model it drafts with (calibrated for c, counted in its memory); None for
+        plain decoding and for lookup."""
+        return None
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.models.target, self.models.drafter]  # an int8 copy has no packed weights
+
+    def decode(self, batch: Sequence[list[int]], warm: bool) -> Result:
+        settings = replace(self.settings, max_new_tokens=8) if warm else self.settings
+        return self.generate(list(batch), settings)
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        raise NotImplementedError
 
 
-RUNNERS: dict[str, Callable[[Method, Models, list[list[int]], Settings], Result]] = {
-    "ar": run_engine,
-    "sd": run_engine,
-    "sd-int8": run_engine,
-    "sd-int8-lookup": run_engine,
-    "sd-lookup": run_engine,
-    "hf-lookup": run_transformers,
-    "hf": run_transformers,
-    "hf-assisted": run_transformers,
-    "hf-assisted-k": run_transformers,
-}
+class EngineMethod(CausalMethod):
+    """This engine (`SpeculativeDecoder.generate`) with the drafter `make_drafter` gives."""
+
+    decoder_of: ClassVar[str | None] = None  # another kind whose decoder this one shares
+    drafts: ClassVar[bool] = True  # False: plain decoding of the target
+    lookup_first: ClassVar[Any] = None
+
+    @classmethod
+    def make_drafter(cls, models: Models) -> torch.nn.Module | PromptLookup | None:
+        return models.drafter
+
+    @property
+    def pairing(self) -> str | None:
+        # --coupled: every method of one drafter draws the same text
+        return self.spec.kind if self.settings.coupled and self.drafts else None
+
+    @property
+    def drafter_model(self) -> torch.nn.Module | None:
+        return self.models.decoder(self.spec.kind).drafter
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        method = self.spec
+        out = self.models.decoder(method.kind).generate(
+            prompts,
+            use_drafter=self.drafts,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            num_draft_tokens=method.k or 1,
+            seed=s.seed,
+            stop_token_ids=s.stop_token_ids,
+            length_policy=method.policy,
+            stop_threshold=method.threshold,
+            bound=method.bound,
+            coupled=s.coupled,
+            round_prices=self.models.round_prices[method.kind] if method.priced else None,
+            lookup_first=self.lookup_first,
+        )
+        # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to
+        # the pairing, not to the method: the time they took, measured on their own, is left out.
+        seconds = out.stats.wall_seconds - out.stats.coupling_seconds
+        return Result(out.new_tokens, seconds, out.stats)
 
 
-def run_method(method: Method, models: Models, prompts: list[list[int]], s: Settings) -> Result:
-    for model in (models.target, models.drafter):  # an int8 copy has no packed weights
-        use_prepacked(model, not method.dense)
-    try:
-        return RUNNERS[method.kind](method, models, prompts, s)
-    finally:
-        for model in (models.target, models.drafter):
-            use_prepacked(model, True)
+@CAUSAL.add
+class PlainDecoding(EngineMethod):
+    name = "ar"
+    drafts = False
+
+    @classmethod
+    def make_drafter(cls, models: Models) -> None:
+        return None
+
+
+@CAUSAL.add
+class Speculative(EngineMethod):
+    name = "sd"
+    takes_k = takes_policy = True
+
+
+@CAUSAL.add
+class SpeculativeInt8(Speculative):
+    name = "sd-int8"
+    cpu_kernels = True
+
+    @classmethod
+    def make_drafter(cls, models: Models) -> torch.nn.Module:
+        return quantize_int8(models.drafter)
+
+
+@CAUSAL.add
+class SpeculativeInt8LookupFirst(SpeculativeInt8):
+    name = "sd-int8-lookup"
+    decoder_of = "sd-int8"  # the same decoder (one int8 copy), looking up first
+    lookup_first = LOOKUP_FIRST
+
+
+@CAUSAL.add
+class SpeculativeLookup(EngineMethod):
+    name = "sd-lookup"
+    takes_k = True
+
+    @classmethod
+    def make_drafter(cls, models: Models) -> PromptLookup:
+        return PromptLookup()
+
+
+class TransformersMethod(CausalMethod):
+    """`transformers` `generate` on the target, its options given by `options`."""
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        tokenizer, target = self.models.tokenizer, self.models.target
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        width = max(map(len, prompts))
+        device = model_device(target)
+        # left-padded: ids, mask [batch, width]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=s.max_new_tokens,
+            attention_mask=mask,
+            pad_token_id=pad,
+            eos_token_id=list(s.stop_token_ids) or None,
+        )
+        if s.temperature > 0:
+            kwargs.update(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        kwargs.update(self.options())
+        torch.manual_seed(s.seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = target.generate(ids, **kwargs)  # [batch, width + new]
+        seconds = time.perf_counter() - start
+        new = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in s.stop_token_ids), len(row))
+            new.append(row[:cut])
+        return Result(new, seconds)
+
+
+@CAUSAL.add
+class Transformers(TransformersMethod):
+    name = "hf"
+
+
+@CAUSAL.add
+class TransformersAssisted(TransformersMethod):
+    """Its defaults: heuristic schedule from 20 tokens, confidence threshold 0.4."""
+
+    name = "hf-assisted"
+    batch1_only = True
+
+    @property
+    def drafter_model(self) -> torch.nn.Module:
+        return self.models.drafter
+
+    def schedule(self, config: Any) -> None:
+        config.num_assistant_tokens_schedule = "heuristic"
+        config.num_assistant_tokens = 20
+        config.assistant_confidence_threshold = 0.4
+
+    def options(self) -> dict[str, Any]:
+        self.schedule(self.models.drafter.generation_config)  # shared: set on every call
+        return {"assistant_model": self.models.drafter}
+
+
+@CAUSAL.add
+class TransformersAssistedK(TransformersAssisted):
+    """The constant schedule of k tokens, no confidence cut."""
+
+    name = "hf-assisted-k"
+    takes_k = True
+
+    def schedule(self, config: Any) -> None:
+        config.num_assistant_tokens_schedule = "constant"
+        config.num_assistant_tokens = self.spec.k
+        config.assistant_confidence_threshold = 0.0
+
+
+@CAUSAL.add
+class TransformersLookup(TransformersMethod):
+    name = "hf-lookup"
+    takes_k = True
+    batch1_only = True
+
+    def options(self) -> dict[str, Any]:
+        return {"prompt_lookup_num_tokens": self.spec.k, "max_matching_ngram_size": 3}
+
+
+def drafter_kinds(methods: Sequence[CausalMethod]) -> dict[str, torch.nn.Module]:
+    """Each kind's drafter model, for the kinds that draft with one (calibration, memory)."""
+    return {m.spec.kind: m.drafter_model for m in methods if m.drafter_model is not None}

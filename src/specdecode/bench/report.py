@@ -1,9 +1,19 @@
-"""What a benchmark leaves behind: a JSON record, a Markdown table, and plots."""
+"""What a benchmark leaves behind: a JSON record, a Markdown table, and plots, for any run.
+
+Causal and translation runs write one record layout (`runner.bench_record`); their rows differ
+only in the figures their methods add (round counts and costs, BLEU). The table shows the
+columns some row has figures for, so one table serves both, and records made before a figure
+existed still read (`current_layout` brings earlier layouts to this one).
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def policy_comparison(record: dict) -> list[dict]:
@@ -55,14 +65,6 @@ def policy_comparison(record: dict) -> list[dict]:
     return out
 
 
-def _paired(row: dict) -> str:
-    """Sampled runs: n/a, or in a coupled run whether the text is the drafter's other methods'."""
-    if "unpaired" not in row:
-        return "n/a"
-    unpaired = row["unpaired"]
-    return "paired" if not unpaired else f"NO ({len(unpaired)} prompts differ)"
-
-
 def _against_best(row: dict, constants: list[dict], speed: str, per_batch: str) -> dict:
     """`row` against the constant k fastest by `speed`, over the batches where both have a
     per-batch ratio (`per_batch`; None where undefined, see `runner.decode_ratios`)."""
@@ -85,98 +87,266 @@ def _against_best(row: dict, constants: list[dict], speed: str, per_batch: str) 
     }
 
 
+def current_layout(record: dict) -> dict:
+    """The record as this version writes it, from any earlier one (a copy; nothing measured).
+
+    Translation records once kept their rows per batch size under `runs`; causal rows once had
+    no `exact` (every row was checked against ar under greedy decoding, none under sampling).
+    """
+    out = dict(record)
+    if "runs" in out:
+        runs = out.pop("runs")
+        out["methods"] = [row for run in runs for row in run["methods"]]
+        out.setdefault("examples", runs[0]["examples"] if runs else [])
+        out.setdefault("skipped", [])
+    greedy = out["config"].get("temperature", 0.0) == 0
+    out["methods"] = [{"exact": greedy, **row} for row in out["methods"]]
+    return out
+
+
+def _num(row: dict, key: str, digits: int = 2) -> str:
+    value = row.get(key)
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _agreement(row: dict) -> str:
+    """An exact method: equal to ar or not; a coupled one: paired with its drafter's others or
+    not; any other: the share of its texts equal to ar's (`n/a` in records without it)."""
+    if row["exact"]:
+        return "yes" if not row["mismatches"] else f"NO ({len(row['mismatches'])})"
+    if "unpaired" in row:
+        unpaired = row["unpaired"]
+        return "paired" if not unpaired else f"NO ({len(unpaired)} prompts differ)"
+    if row.get("identical_to_ar") is not None:
+        return f"{100 * row['identical_to_ar']:.1f}% identical"
+    return "n/a"
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the table, shown where some row has one of `keys` (always, without keys):
+    each family of methods brings its own figures, and earlier records lack later ones."""
+
+    title: str
+    keys: tuple[str, ...]
+    cell: Callable[[dict], str]
+
+
+def _ratio(key: str) -> Callable[[dict], str]:
+    return lambda row: "-" if not row.get(key) else f"{row[key]['geomean']:.2f}"
+
+
+def _figure(key: str, digits: int = 2) -> Callable[[dict], str]:
+    return lambda row: _num(row, key, digits)
+
+
+def _pair_of(first: str, second: str, digits: int) -> Callable[[dict], str]:
+    return lambda row: f"{_num(row, first, digits)} / {_num(row, second, digits)}"
+
+
+def _first_accepted(row: dict) -> str:
+    first = (row.get("accepted_at_least") or [None])[0]
+    return "-" if first is None else f"{100 * first:.1f}%"
+
+
+def _spread(row: dict) -> str:
+    s = row["speedup"]
+    return f"{s['median']:.2f} [{s['p10']:.2f}, {s['p90']:.2f}]"
+
+
+def _tokens_per_call(row: dict) -> str:
+    value = row.get("tokens_per_target_call", row.get("tokens_per_verifier_call"))
+    return "-" if value is None else f"{value:.2f}"
+
+
+COLUMNS = (
+    Column("method", (), lambda r: r["method"] + (" (approx.)" if r.get("approximate") else "")),
+    Column("batch", (), lambda r: str(r["batch_size"])),
+    Column("tok/s", ("tokens_per_s",), _figure("tokens_per_s")),
+    Column("sent/s", ("sentences_per_s",), _figure("sentences_per_s")),
+    Column("speedup vs ar (geomean)", (), _ratio("speedup")),
+    Column("median [p10, p90]", (), _spread),
+    Column("vs hf (geomean)", ("speedup_vs_hf",), _ratio("speedup_vs_hf")),
+    Column("after the first round (geomean)", ("decode_speedup",), _ratio("decode_speedup")),
+    Column("tokens/call", ("tokens_per_target_call", "tokens_per_verifier_call"), _tokens_per_call),
+    Column("drafted/round", ("drafted_per_round",), _figure("drafted_per_round")),
+    Column("first draft token accepted", ("accepted_at_least",), _first_accepted),
+    Column("alpha", ("alpha",), _figure("alpha")),
+    Column("c (calibrated / in run)", ("c", "c_in_run"), _pair_of("c", "c_in_run", 3)),
+    Column("bound", ("leviathan_bound",), _figure("leviathan_bound")),
+    Column(
+        "efficiency (calibrated / in run)",
+        ("efficiency", "efficiency_in_run"),
+        _pair_of("efficiency", "efficiency_in_run", 2),
+    ),
+    Column(
+        "verify cost in steps (in run)",
+        ("verify_cost_in_steps_in_run",),
+        _figure("verify_cost_in_steps_in_run"),
+    ),
+    Column(
+        "policy ms/drafted token",
+        ("policy_ms_per_drafted_token",),
+        _figure("policy_ms_per_drafted_token", 3),
+    ),
+    Column("modelled speedup", ("modelled_speedup",), _figure("modelled_speedup")),
+    Column(
+        "ms per drafter / verifier call",
+        ("ms_per_drafter_call", "ms_per_verifier_call"),
+        _pair_of("ms_per_drafter_call", "ms_per_verifier_call", 1),
+    ),
+    Column("BLEU", ("bleu",), _figure("bleu")),
+    Column("BLEU 2 refs", ("bleu_two_refs",), _figure("bleu_two_refs")),
+    Column("chrF", ("chrf",), _figure("chrf", 1)),
+    Column("weights GiB", ("model_gib",), _figure("model_gib", 1)),
+    Column("output == ar (exact), paired (coupled) or share identical", (), _agreement),
+)
+
+
+def _speed(row: dict) -> float:
+    """What a row's speed counts: sentences for translations, tokens for text."""
+    return row.get("sentences_per_s") or row["tokens_per_s"]
+
+
+def _heading(record: dict) -> list[str]:
+    cfg, machine = record["config"], record["machine"]
+    where = (
+        f"machine: {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}, "
+        f"transformers {machine['transformers']}."
+    )
+    if "pair" in cfg:  # a translation pair (`bench --pair`)
+        repeats = cfg.get("repeats", 1)
+        fastest = f", fastest of {repeats} interleaved runs" if repeats > 1 else ""
+        which = f"first {cfg['limit']}" if cfg["limit"] else "all"
+        return [
+            f"# specdecode bench: seq2seq pair {cfg['pair']}",
+            "",
+            f"Sentences: {cfg['split']} split "
+            f"({which}), at most "
+            f"{cfg['max_new_tokens']} new tokens, greedy{fastest}, {where}",
+        ]
+    lines = [
+        f"# specdecode bench: {cfg['target']} with {cfg['draft']} drafting",
+        "",
+        f"Prompts: {cfg['prompts']} ({_prompt_slice(cfg)}), {cfg['max_new_tokens']} new tokens, "
+        f"temperature {cfg['temperature']}, {where}",
+    ]
+    if "costs" in record:
+        costs = record["costs"]
+        lines.append(
+            f"Target step {costs['target_step_s'] * 1000:.0f} ms; verify pass of k+1 "
+            "tokens in target steps: "
+            + ", ".join(f"k={k}: {v:.2f}" for k, v in costs["verify_cost_in_steps"].items())
+            + "; drafter cost ratio c: "
+            + ", ".join(f"{k}: {v:.3f}" for k, v in costs["c"].items())
+            + "."
+        )
+    return lines
+
+
 def _prompt_slice(cfg: dict) -> str:
     skip = cfg.get("skip", 0)  # records made before --skip have none
     return f"first {cfg['limit']}" if not skip else f"{cfg['limit']} after the first {skip}"
 
 
-def markdown_table(record: dict) -> str:
-    cfg = record["config"]
-    lines = [
-        f"# specdecode bench: {cfg['target']} with {cfg['draft']} drafting",
-        "",
-        f"Prompts: {cfg['prompts']} ({_prompt_slice(cfg)}), {cfg['max_new_tokens']} new tokens, "
-        f"temperature {cfg['temperature']}, machine: {record['machine']['cpu']} "
-        f"({record['machine']['cores']} cores), torch {record['machine']['torch']}, "
-        f"transformers {record['machine']['transformers']}.",
-        f"Target step {record['costs']['target_step_s'] * 1000:.0f} ms; verify pass of k+1 "
-        "tokens in target steps: "
-        + ", ".join(f"k={k}: {v:.2f}" for k, v in record["costs"]["verify_cost_in_steps"].items())
-        + "; drafter cost ratio c: "
-        + ", ".join(f"{k}: {v:.3f}" for k, v in record["costs"]["c"].items())
-        + ".",
-        "",
-        "| method | batch | tok/s | speedup vs ar (geomean) | median [p10, p90] "
-        "| after the first round (geomean) | tokens/call "
-        "| drafted/round | alpha | c (calibrated / in run) | bound "
-        "| efficiency (calibrated / in run) | verify cost in steps (in run) "
-        "| policy ms/drafted token | modelled speedup | weights GiB "
-        "| output == ar (greedy) or paired (coupled) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    greedy = cfg["temperature"] == 0
-    for row in sorted(record["methods"], key=lambda r: (r["batch_size"], -r["tokens_per_s"])):
-        s = row["speedup"]
-
-        def fmt(key: str, digits: int = 2, row=row) -> str:
-            value = row.get(key)
-            return "-" if value is None else f"{value:.{digits}f}"
-
-        same = (
-            ("yes" if not row["mismatches"] else f"NO ({len(row['mismatches'])})")
-            if greedy
-            else _paired(row)
-        )
-        decode = row.get("decode_speedup")  # absent from records made before it
-        lines.append(
-            f"| {row['method']} | {row['batch_size']} | {row['tokens_per_s']:.2f} | "
-            f"{s['geomean']:.2f} | {s['median']:.2f} [{s['p10']:.2f}, {s['p90']:.2f}] | "
-            f"{'-' if not decode else format(decode['geomean'], '.2f')} | "
-            f"{fmt('tokens_per_target_call')} | {fmt('drafted_per_round')} | {fmt('alpha')} | "
-            f"{fmt('c', 3)} / {fmt('c_in_run', 3)} | {fmt('leviathan_bound')} | "
-            f"{fmt('efficiency')} / {fmt('efficiency_in_run')} | "
-            f"{fmt('verify_cost_in_steps_in_run')} | {fmt('policy_ms_per_drafted_token', 3)} | "
-            f"{fmt('modelled_speedup')} | {fmt('model_gib', 1)} | {same} |"
-        )
+def _policy_table(record: dict) -> list[str]:
     comparison = policy_comparison(record)
-    if comparison:
-        lines += [
-            "",
-            "Adaptive length policies against the best constant k (geomean of per-batch ratios):",
-            "",
-            "| policy | batch | best constant | speed vs best constant | 95% interval "
-            "| batches won | policy ms/drafted token | policy share of time "
-            "| modelled: best constant | modelled: vs best constant "
-            "| after the first round: best constant | vs it [95% interval] |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for c in comparison:
-            ms = c["policy_ms_per_drafted_token"]
-            share = c["policy_share_of_time"]
-            modelled = c.get("modelled_vs_best_constant")
-            low_high = c.get("vs_best_constant_95ci")  # absent from records made before it
-            interval = "-" if low_high is None else f"[{low_high[0]:.3f}, {low_high[1]:.3f}]"
-            decode = "-"
-            if c.get("decode_vs_best_constant") is not None:
-                d_low, d_high = c["decode_vs_best_constant_95ci"]
-                decode = f"{c['decode_vs_best_constant']:.3f} [{d_low:.3f}, {d_high:.3f}]"
-            lines.append(
-                f"| {c['method']} | {c['batch_size']} | {c['best_constant']} | "
-                f"{c['vs_best_constant']:.3f} | {interval} | {c['wins']}/{c['batches']} | "
-                f"{'-' if ms is None else f'{ms:.3f}'} | "
-                f"{'-' if share is None else f'{100 * share:.2f}%'} | "
-                f"{c.get('modelled_best_constant', '-')} | "
-                f"{'-' if modelled is None else f'{modelled:.3f}'} | "
-                f"{c.get('decode_best_constant', '-')} | {decode} |"
+    if not comparison:
+        return []
+    lines = [
+        "",
+        "Adaptive length policies against the best constant k (geomean of per-batch ratios):",
+        "",
+        "| policy | batch | best constant | speed vs best constant | 95% interval "
+        "| batches won | policy ms/drafted token | policy share of time "
+        "| modelled: best constant | modelled: vs best constant "
+        "| after the first round: best constant | vs it [95% interval] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in comparison:
+        ms = c["policy_ms_per_drafted_token"]
+        share = c["policy_share_of_time"]
+        modelled = c.get("modelled_vs_best_constant")
+        low_high = c.get("vs_best_constant_95ci")  # absent from records made before it
+        interval = "-" if low_high is None else f"[{low_high[0]:.3f}, {low_high[1]:.3f}]"
+        decode = "-"
+        if c.get("decode_vs_best_constant") is not None:
+            d_low, d_high = c["decode_vs_best_constant_95ci"]
+            decode = f"{c['decode_vs_best_constant']:.3f} [{d_low:.3f}, {d_high:.3f}]"
+        lines.append(
+            f"| {c['method']} | {c['batch_size']} | {c['best_constant']} | "
+            f"{c['vs_best_constant']:.3f} | {interval} | {c['wins']}/{c['batches']} | "
+            f"{'-' if ms is None else f'{ms:.3f}'} | "
+            f"{'-' if share is None else f'{100 * share:.2f}%'} | "
+            f"{c.get('modelled_best_constant', '-')} | "
+            f"{'-' if modelled is None else f'{modelled:.3f}'} | "
+            f"{c.get('decode_best_constant', '-')} | {decode} |"
+        )
+    return lines
+
+
+def _model_notes(record: dict) -> list[str]:
+    """Sizes a translation run records, and the kernels any run used."""
+    lines = []
+    if "verifier_mib" in record:
+        assistant = record.get("assistant_mib")
+        lines.append(
+            f"Verifier {record['verifier_mib']:.1f} MiB, block drafter "
+            f"{record['drafter_mib']:.1f} MiB"
+            + (f", assistant {assistant:.1f} MiB" if assistant else "")
+            + " (fp32 parameters as loaded)."
+        )
+    kernels = record.get("kernels") or {}
+    if kernels.get("prepacked"):
+        in_memory = ""
+        if "verifier_mib_in_memory" in record:
+            in_memory = (
+                f"; with the copies, verifier {record['verifier_mib_in_memory']:.1f} MiB and "
+                f"drafter {record['drafter_mib_in_memory']:.1f} MiB in memory"
             )
+        lines.append(
+            f"Kernels: oneDNN-packed copies for products of {kernels['packed_from_rows']}+ "
+            f"rows (`+dense`: default kernels){in_memory}."
+        )
+    if record.get("drafter_int8_mib"):
+        lines.append(
+            f"The int8 drafter copy (`specdec-int8`): {record['drafter_int8_mib']:.1f} MiB."
+        )
+    return [""] + lines if lines else []
+
+
+def markdown_table(record: dict) -> str:
+    record = current_layout(record)
+    rows = sorted(record["methods"], key=lambda r: (r["batch_size"], -_speed(r)))
+    columns = [
+        c for c in COLUMNS if not c.keys or any(r.get(k) is not None for r in rows for k in c.keys)
+    ]
+    lines = _heading(record) + [
+        "",
+        "| " + " | ".join(c.title for c in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    lines += ["| " + " | ".join(c.cell(row) for c in columns) + " |" for row in rows]
+    lines += _policy_table(record)
     if record["skipped"]:
         lines += ["", "Skipped: " + "; ".join(record["skipped"]) + "."]
     lines += ["", f"Peak memory (process RSS): {record['peak_rss_gib']:.1f} GiB."]
+    lines += _model_notes(record)
     hists = [r for r in record["methods"] if r.get("accepted_hist")]
     if hists:
         lines += ["", "Accepted-length histograms (target calls accepting n draft tokens):", ""]
         lines += [f"- {r['method']} (batch {r['batch_size']}): {r['accepted_hist']}" for r in hists]
     return "\n".join(lines) + "\n"
+
+
+def _k_family(label: str) -> tuple[str, int] | None:
+    """`sd[k=3]+dense` -> (`sd+dense`, 3), `specdec[k=4,b=5,t=3]` -> (`specdec[b=5,t=3]`, 4):
+    the curve of a constant draft length a row is a point of; None for other rows."""
+    found = re.search(r"\[k=(\d+),?", label)
+    if found is None:
+        return None
+    family = label[: found.start()] + "[" + label[found.end() :]
+    return family.replace("[]", ""), int(found.group(1))
 
 
 def plot(record: dict, out_dir: Path) -> list[Path]:
@@ -185,43 +355,46 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = current_layout(record)["methods"]
     paths = []
-    rows = record["methods"]
-    fig, ax = plt.subplots(figsize=(6, 4))
     families: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:
-        if "[k=" in r["method"]:
-            family = r["method"].split("[k=")[0] + r["method"].split("]", 1)[1]
-            k = int(r["method"].split("[k=")[1].split("]")[0])
+        point = _k_family(r["method"])
+        if point is not None:
+            family, k = point
             families.setdefault((family, r["batch_size"]), []).append((k, r["speedup"]["geomean"]))
-    for (family, batch), points in sorted(families.items()):
-        points.sort()
-        ax.plot(
-            [p[0] for p in points], [p[1] for p in points], "o-", label=f"{family} (batch {batch})"
-        )
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(
-        xlabel="draft tokens k",
-        ylabel="speedup vs ar (geomean)",
-        title="Speedup against draft length",
-    )
-    ax.legend(fontsize=8)
-    paths.append(out_dir / "speedup_vs_k.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    if families:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (family, batch), points in sorted(families.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-",
+                    label=f"{family} (batch {batch})")  # fmt: skip
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(
+            xlabel="draft tokens k", ylabel="speedup vs ar (geomean)",
+            title="Speedup against draft length",
+        )  # fmt: skip
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "speedup_vs_k.png", plt))
 
+    unit = "sentences" if any("sentences_per_s" in r for r in rows) else "tokens"
     fig, ax = plt.subplots(figsize=(7, 4))
-    ordered = sorted(rows, key=lambda r: (r["batch_size"], r["tokens_per_s"]))
-    ax.barh(
-        [f"{r['method']} (b{r['batch_size']})" for r in ordered],
-        [r["tokens_per_s"] for r in ordered],
-    )
-    ax.set(xlabel="tokens/s", title="Throughput per method")
-    fig.tight_layout()
-    paths.append(out_dir / "tokens_per_s.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    ordered = sorted(rows, key=lambda r: (r["batch_size"], _speed(r)))
+    ax.barh([f"{r['method']} (b{r['batch_size']})" for r in ordered], [_speed(r) for r in ordered])
+    ax.set(xlabel=f"{unit}/s", title="Throughput per method")
+    paths.append(_save(fig, out_dir / f"{unit}_per_s.png", plt))
+
+    scored = [r for r in rows if r.get("bleu") is not None]
+    if scored:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in scored:
+            speed = r["speedup"]["geomean"]
+            ax.scatter(speed, r["bleu"], marker="s" if r.get("approximate") else "o")
+            ax.annotate(f"{r['method']} (b{r['batch_size']})", (speed, r["bleu"]), fontsize=7)
+        ax.set(xlabel="speedup vs ar", ylabel="BLEU",
+               title="Quality against speed (squares: approximate)")  # fmt: skip
+        ax.grid(alpha=0.3)
+        paths.append(_save(fig, out_dir / "quality_vs_speed.png", plt))
 
     paths += plot_policies(rows, out_dir, plt)
     hists = [r for r in rows if r.get("accepted_hist")]
@@ -234,11 +407,15 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
             ylabel="target calls",
             title=f"Accepted-length histogram: {best['method']}",
         )
-        fig.tight_layout()
-        paths.append(out_dir / "accepted_hist.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir / "accepted_hist.png", plt))
     return paths
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _family(row: dict) -> str:
@@ -316,6 +493,7 @@ def plot_policies(rows: list[dict], out_dir: Path, plt) -> list[Path]:
 
 
 def write_report(record: dict, out_dir: Path, plots: bool = True) -> list[Path]:
+    """record.json, table.md and the plots of any run, causal or translation."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "record.json").write_text(json.dumps(record, indent=1))
     (out_dir / "table.md").write_text(markdown_table(record))

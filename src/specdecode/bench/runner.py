@@ -1,11 +1,21 @@
-"""The measurement: warm-up, methods interleaved batch by batch, outputs checked as we go.
+"""The measurement, one for every family of methods: warm-up, methods interleaved batch by batch,
+outputs checked as we go; then the rows of the record. Below it, the causal bench's own set-up.
 
 Fairness rules (see the project's performance notes): every method runs in this one process on
-the same model objects; a warm-up run of each method comes first; within each batch of prompts
+the same model objects; a warm-up run of each method comes first; within each batch of inputs
 the methods run back to back, in an order rotated from batch to batch, so slow drifts of a shared
-machine fall on all of them; speedups are per-batch ratios against `ar` (tokens/s), summarised by
-median and geometric mean with their spread. Under greedy decoding every method must reproduce
-`ar` token for token; a mismatch is reported and fails the run.
+machine fall on all of them; speedups are per-batch ratios of speed against the reference `ar`,
+summarised by median and geometric mean with their spread. An exact method (greedy and lossless)
+must reproduce `ar` token for token; a mismatch is reported and fails the run. With `repeats`
+> 1 the rotation over a batch runs that many times and each method keeps its fastest run: on a
+shared machine a stall of a second can hit any one call of a 50 ms translation, and a minimum
+over interleaved repeats drops it where a mean or a total would carry it.
+
+Causal and seq2seq runs differ only in their methods (`methods.BenchMethod`), in the unit of
+speed (tokens for causal text, whose length a sampled method changes; sentences for
+translations, whose time is what a user waits) and in the figures each adds to its rows
+(`speed_rows`' `extras`): this engine's round counts and costs for causal runs, BLEU for
+translations (`seq2seq`).
 """
 
 from __future__ import annotations
@@ -13,14 +23,26 @@ from __future__ import annotations
 import os
 import platform
 import resource
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from specdecode.backends.kernels import cpu_fp32, model_bytes
 from specdecode.backends.timing import step_seconds
-from specdecode.bench.methods import BATCH1_ONLY, Method, Models, Result, Settings, run_method
+from specdecode.bench.methods import (
+    CAUSAL,
+    BenchMethod,
+    CausalMethod,
+    Method,
+    Models,
+    Result,
+    Settings,
+    build_causal,
+    drafter_kinds,
+)
 from specdecode.bench.metrics import (
     alpha_from_tokens_per_call,
     leviathan_speedup,
@@ -28,7 +50,190 @@ from specdecode.bench.metrics import (
     summarize,
 )
 from specdecode.config import RoundPrices
-from specdecode.stats import CostFigures, RowStats
+from specdecode.stats import CostFigures, DecodeStats, RowStats
+
+REFERENCE = "ar"  # the baseline of every ratio and the text exact methods must reproduce
+
+
+@dataclass
+class MethodRecord:
+    """One method at one batch size, batch after batch."""
+
+    label: str
+    batch_size: int
+    seconds: list[float] = field(default_factory=list)  # per batch of inputs
+    tokens: list[int] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # per batch: its number of inputs
+    outputs: list[list[int]] = field(default_factory=list)  # per input, in the inputs' order
+    stats: DecodeStats | None = None  # this engine's counts, summed over the batches
+    mismatches: list[int] = field(default_factory=list)  # input indices differing from ar
+    # coupled runs: input indices whose text differs from the first method of the same pairing
+    unpaired: list[int] = field(default_factory=list)
+    # per batch: the first round (both prefills) of the engine's methods; None for the others
+    first_round_seconds: list[float | None] = field(default_factory=list)
+    first_round_tokens: list[int | None] = field(default_factory=list)
+
+    def add(self, result: Result) -> None:
+        self.seconds.append(result.seconds)
+        self.tokens.append(sum(map(len, result.token_ids)))
+        self.inputs.append(len(result.token_ids))
+        self.outputs += result.token_ids
+        stats = result.stats
+        self.first_round_seconds.append(None if stats is None else stats.first_round_seconds)
+        self.first_round_tokens.append(None if stats is None else stats.first_round_tokens)
+        if stats is not None:
+            if self.stats is None:
+                self.stats = DecodeStats([RowStats()])
+            self.stats.absorb(stats, [0] * len(stats.rows))  # every row into one
+
+    def work(self, unit: str) -> list[int]:
+        """Per batch, what its speed counts: tokens, or inputs (sentences)."""
+        return self.tokens if unit == "tokens" else self.inputs
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def measure(
+    methods: Sequence[BenchMethod],
+    inputs: Sequence[Any],
+    batch_sizes: Sequence[int],
+    repeats: int = 1,
+    progress: bool = True,
+) -> tuple[dict[tuple[str, int], MethodRecord], list[str]]:
+    """-> records by (label, batch size), and the methods skipped at a batch size (why)."""
+    for method in methods:  # warm-up: first calls pay for allocation and lazy set-up
+        method.prepare(inputs[:1])
+    plan = [(b, [m for m in methods if m.skips(b) is None]) for b in batch_sizes]
+    skipped = [f"{m.label} at batch {b} ({m.skips(b)})" for b in batch_sizes for m in methods
+               if m.skips(b) is not None]  # fmt: skip
+    total = sum(len(range(0, len(inputs), b)) * len(runnable) * repeats for b, runnable in plan)
+    bar = tqdm(total=total, desc="bench", disable=not progress)
+    records: dict[tuple[str, int], MethodRecord] = {}
+    for batch_size, runnable in plan:
+        reference = next(m for m in runnable if m.label == REFERENCE)
+        for i, start in enumerate(range(0, len(inputs), batch_size)):
+            batch = inputs[start : start + batch_size]
+            order = runnable[i % len(runnable) :] + runnable[: i % len(runnable)]
+            kept: dict[BenchMethod, Result] = {}  # each method's fastest run of this batch
+            for _ in range(repeats):
+                for method in order:
+                    bar.set_postfix_str(f"batch {batch_size} #{i} {method.label}")
+                    result = method.run(batch)
+                    bar.update()
+                    first = kept.get(method)
+                    if first is not None and result.token_ids != first.token_ids:
+                        raise RuntimeError(f"{method.label} changed its output on a repeat")
+                    if first is None or result.seconds < first.seconds:
+                        kept[method] = result
+            want = kept[reference].token_ids
+            paired_with: dict[str, list[list[int]]] = {}  # pairing -> its first text
+            for method, result in kept.items():
+                key = (method.label, batch_size)
+                rec = records.setdefault(key, MethodRecord(*key))
+                rec.add(result)
+                if method.pairing is not None:
+                    first_text = paired_with.setdefault(method.pairing, result.token_ids)
+                    rec.unpaired += differing(result.token_ids, first_text, start)
+                if method.exact:
+                    for index in differing(result.token_ids, want, start):
+                        rec.mismatches.append(index)
+                        tqdm.write(f"MISMATCH: {method.label} differs from ar on input {index}")
+    bar.close()
+    return records, skipped
+
+
+def differing(got: list[list[int]], want: list[list[int]], start: int) -> list[int]:
+    """Indices (in the input set; the batch starts at `start`) of inputs whose texts differ."""
+    return [start + j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+
+
+def speed_ratios(rec: MethodRecord, base: MethodRecord, unit: str) -> list[float]:
+    """Per batch: the method's speed (`unit`s a second) over `base`'s on the same batch."""
+    pairs = zip(rec.work(unit), rec.seconds, base.work(unit), base.seconds, strict=True)
+    return [(w / s) / (bw / bs) for w, s, bw, bs in pairs]
+
+
+Extras = Callable[[dict, Any, MethodRecord, MethodRecord], None]
+
+
+def speed_rows(
+    methods: Sequence[BenchMethod],
+    records: dict[tuple[str, int], MethodRecord],
+    unit: str = "tokens",
+    extras: Extras | None = None,
+    also_against: tuple[str, ...] = ("hf",),
+) -> list[dict]:
+    """A record's rows: speed against `ar` (and `also_against`, where it ran at that batch
+    size), agreement with `ar`'s text, then what `extras(row, method, rec, base)` adds."""
+    by_label = {m.label: m for m in methods}
+    rows = []
+    for (label, batch_size), rec in records.items():
+        method, base = by_label[label], records[(REFERENCE, batch_size)]
+        ratios = speed_ratios(rec, base, unit)
+        row = {
+            "method": label,
+            "batch_size": batch_size,
+            "exact": method.exact,
+            "tokens": sum(rec.tokens),
+            "seconds": sum(rec.seconds),
+            "tokens_per_s": sum(rec.tokens) / sum(rec.seconds),
+        }
+        if unit != "tokens":
+            row[unit] = sum(rec.work(unit))
+            row[f"{unit}_per_s"] = row[unit] / sum(rec.seconds)
+        row.update(speedup=summarize(ratios), per_batch_speedup=ratios)
+        row["per_batch_seconds"] = rec.seconds
+        for other in also_against:
+            against = records.get((other, batch_size))
+            ratio = speed_ratios(rec, against, unit) if against is not None else None
+            row[f"speedup_vs_{other}"] = summarize(ratio) if ratio else None
+        same = [a == b for a, b in zip(rec.outputs, base.outputs, strict=True)]
+        row["identical_to_ar"] = sum(same) / len(same)
+        row["mismatches"] = rec.mismatches
+        if method.pairing is not None:
+            coupling = rec.stats.coupling_seconds if rec.stats is not None else 0.0
+            row.update(unpaired=rec.unpaired, coupling_seconds=coupling)
+        if extras is not None:
+            extras(row, method, rec, base)
+        rows.append(row)
+    return rows
+
+
+def bench_record(config: Any, rows: list[dict], skipped: list[str], **extras: Any) -> dict:
+    """The record every run writes; `extras` (costs, model sizes, examples) go beside it."""
+    return {
+        "config": asdict(config),
+        "machine": machine_info(),
+        **extras,
+        "skipped": skipped,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "methods": rows,
+        "ok": not any(r["mismatches"] for r in rows),
+    }
+
+
+# ---- the causal bench: its configuration, calibration and figures ----
 
 
 @dataclass(frozen=True)
@@ -58,6 +263,7 @@ class BenchConfig:
     priced: bool = False  # head policies run twice: flat, and priced by the calibration
     device: str = "cpu"
     dtype: str = "float32"
+    repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest run kept
 
     def __post_init__(self) -> None:
         if self.coupled and self.temperature == 0:
@@ -65,7 +271,7 @@ class BenchConfig:
                 "--coupled pairs sampled text; greedy methods commit the same text already"
             )
         if not cpu_fp32(self.device, getattr(torch, self.dtype)):
-            cpu_only = [m for m in self.methods if m.startswith("sd-int8") or "+dense" in m]
+            cpu_only = [m for m in self.methods if _cpu_kernels(m)]
             if cpu_only:
                 raise ValueError(
                     f"methods {cpu_only} run CPU kernels (an int8 drafter, default vs packed fp32 "
@@ -75,7 +281,9 @@ class BenchConfig:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if any(k < 1 for k in self.num_draft_tokens):
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if "ar" not in self.methods:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if REFERENCE not in self.methods:
             raise ValueError("the methods must include 'ar', the baseline of every ratio")
         from specdecode.length_policies import POLICIES
 
@@ -108,67 +316,27 @@ class BenchConfig:
         )
 
 
-@dataclass
-class MethodRecord:
-    label: str
-    batch_size: int
-    seconds: list[float] = field(default_factory=list)  # per batch of prompts
-    tokens: list[int] = field(default_factory=list)
-    stats: RowStats = field(default_factory=RowStats)
-    policy_seconds: float = 0.0
-    drafter_forwards: int = 0
-    target_forwards: int = 0
-    # the passes' costs after each batch's first round (its prefills): the in-run costs
-    decode_costs: CostFigures = field(default_factory=CostFigures)
-    mismatches: list[int] = field(default_factory=list)  # prompt indices differing from ar
-    # coupled runs: prompt indices whose text differs from the first method of the same drafter
-    unpaired: list[int] = field(default_factory=list)
-    coupling_seconds: float = 0.0  # coupled runs: the extra drafter passes, not in `seconds`
-    # per batch: the first round (both prefills) of the engine's methods; None for the others
-    first_round_seconds: list[float | None] = field(default_factory=list)
-    first_round_tokens: list[int | None] = field(default_factory=list)
-
-
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
+def _cpu_kernels(name: str) -> bool:
+    """`+dense` compares CPU kernels, and int8 drafters have only CPU ones."""
+    kind = name.removesuffix("+dense")
+    return name != kind or (kind in CAUSAL and CAUSAL[kind].cpu_kernels)
 
 
 def calibrate(
-    models: Models, methods: list[Method], context: list[int], longest_round: int = 0
+    models: Models, methods: Sequence[CausalMethod], context: list[int], longest_round: int = 0
 ) -> dict:
     """Drafter/target step-cost ratio c, and the cost of a verify pass in target steps.
 
     `longest_round` adds every round length up to it (adaptive policies draft 1..MAX tokens).
     """
-    ks = sorted({m.k for m in methods if m.k is not None} | set(range(1, longest_round + 1)))
-    seconds = step_seconds(models.target, context, [1] + [k + 1 for k in ks])
+    ks = {m.spec.k for m in methods if m.spec.k is not None} | set(range(1, longest_round + 1))
+    seconds = step_seconds(models.target, context, [1] + [k + 1 for k in sorted(ks)])
     step = seconds[1]
     costs = {"target_step_s": step, "verify_cost_in_steps": {}, "c": {}}
-    for k in ks:
+    for k in sorted(ks):
         costs["verify_cost_in_steps"][k] = seconds[k + 1] / step
-    for kind in sorted({m.kind for m in methods if m.k is not None or m.kind == "hf-assisted"}):
-        drafter = models.drafter_model(kind)
-        if drafter is not None:
-            costs["c"][kind] = step_seconds(drafter, context, [1])[1] / step
+    for kind, drafter in sorted(drafter_kinds(methods).items()):
+        costs["c"][kind] = step_seconds(drafter, context, [1])[1] / step
     return costs
 
 
@@ -180,116 +348,104 @@ def round_prices(costs: dict, longest_round: int) -> dict[str, RoundPrices]:
     return {kind: RoundPrices(c, verify) for kind, c in costs["c"].items()}
 
 
-def run_bench(cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress=True):
-    methods = cfg.method_list()
+def run_bench(
+    cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress: bool = True
+) -> dict:
     settings = Settings(
         cfg.max_new_tokens,
         cfg.temperature,
         cfg.top_k,
         cfg.top_p,
         cfg.seed,
-        models.decoder("ar").default_stop_ids(),
+        models.decoder(REFERENCE).default_stop_ids(),
         cfg.coupled,
     )
-    longest = max((m.bound[1] for m in methods if m.bound is not None), default=0)
+    methods = build_causal(cfg.method_list(), models, settings)
+    longest = max((m.spec.bound[1] for m in methods if m.spec.bound is not None), default=0)
     costs = calibrate(models, methods, prompt_ids[0], longest)
     models.round_prices = round_prices(costs, longest)
-    warm = replace(settings, max_new_tokens=8)
-    for method in methods:  # warm-up: first calls pay for allocation and lazy set-up
-        run_method(method, models, prompt_ids[:1], warm)
-    records: dict[tuple[str, int], MethodRecord] = {}
-    skipped: list[str] = []
-    total = sum(len(range(0, len(prompt_ids), b)) * len(methods) for b in cfg.batch_sizes)
-    bar = tqdm(total=total, desc="bench", disable=not progress)
-    for batch_size in cfg.batch_sizes:
-        runnable = [m for m in methods if batch_size == 1 or m.kind not in BATCH1_ONLY]
-        skipped += [
-            f"{m.label} at batch {batch_size} (batch size 1 only)"
-            for m in methods
-            if m not in runnable
-        ]
-        for i, start in enumerate(range(0, len(prompt_ids), batch_size)):
-            batch = prompt_ids[start : start + batch_size]
-            order = runnable[i % len(runnable) :] + runnable[: i % len(runnable)]
-            results: dict[Method, Result] = {}
-            for method in order:
-                bar.set_postfix_str(f"batch {batch_size} #{i} {method.label}")
-                results[method] = run_method(method, models, batch, settings)
-                bar.update()
-            reference = results[Method("ar")].new_tokens
-            paired_with: dict[str, list[list[int]]] = {}  # drafter kind -> its first text
-            for method, result in results.items():
-                rec = records.setdefault(
-                    (method.label, batch_size), MethodRecord(method.label, batch_size)
-                )
-                rec.seconds.append(result.seconds)
-                rec.tokens.append(sum(map(len, result.new_tokens)))
-                stats = result.stats
-                rec.first_round_seconds.append(None if stats is None else stats.first_round_seconds)
-                rec.first_round_tokens.append(None if stats is None else stats.first_round_tokens)
-                if stats is not None:
-                    rec.stats = rec.stats.merge(result.stats.total)
-                    rec.policy_seconds += stats.policy_seconds
-                    rec.drafter_forwards += stats.drafter_forwards
-                    rec.target_forwards += stats.target_forwards
-                    rec.coupling_seconds += stats.coupling_seconds
-                    rec.decode_costs = rec.decode_costs + stats.costs_after_first_round()
-                if cfg.coupled and method.kind != "ar":
-                    first = paired_with.setdefault(method.kind, result.new_tokens)
-                    rec.unpaired += differing(result.new_tokens, first, start)
-                if cfg.temperature == 0:
-                    for index in differing(result.new_tokens, reference, start):
-                        rec.mismatches.append(index)
-                        tqdm.write(f"MISMATCH: {method.label} differs from ar on prompt {index}")
-    bar.close()
-    memory = {}
-    for kind in {m.kind for m in methods}:
-        drafter = models.drafter_model(kind)
-        size = model_bytes(models.target) + (model_bytes(drafter) if drafter is not None else 0)
-        memory[kind] = size / 2**30
-    return summarise_run(cfg, methods, records, costs, skipped, memory)
+    records, skipped = measure(methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress)
+    drafters = drafter_kinds(methods)
+
+    def extras(row: dict, method: CausalMethod, rec: MethodRecord, base: MethodRecord) -> None:
+        row.update(engine_figures(method, rec, base, costs))
+        add_bounds(row)
+        drafter = drafters.get(method.spec.kind)
+        weights = model_bytes(models.target) + (model_bytes(drafter) if drafter is not None else 0)
+        row["model_gib"] = weights / 2**30
+
+    rows = speed_rows(methods, records, "tokens", extras)
+    record = bench_record(cfg, rows, skipped, costs=costs)
+    from specdecode.bench.report import policy_comparison
+
+    record["policy_comparison"] = policy_comparison(record)
+    return record
 
 
-def differing(got: list[list[int]], want: list[list[int]], start: int) -> list[int]:
-    """Indices (in the prompt set; the batch starts at `start`) of prompts whose texts differ."""
-    return [start + j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+def engine_figures(
+    method: CausalMethod, rec: MethodRecord, base: MethodRecord, costs: dict
+) -> dict:
+    """What this engine's counts say of a causal row: speed after the first round, the
+    passes' in-run costs, and a drafting method's round figures."""
+    row: dict[str, Any] = {}
+    decode = decode_ratios(rec, base)
+    if decode is not None:
+        row["per_batch_decode_speedup"] = decode
+        defined = [r for r in decode if r is not None]
+        row["decode_speedup"] = summarize(defined) if defined else None
+    # costs as they happened in this run after the first rounds (the prefills), relative to
+    # ar's own time per target call there
+    ar = base.stats.costs_after_first_round() if base.stats is not None else CostFigures()
+    own = rec.stats.costs_after_first_round() if rec.stats is not None else CostFigures()
+    if ar.target_forwards:
+        ar_step = ar.verify_seconds / ar.target_forwards
+        if own.drafter_forwards:
+            row["c_in_run"] = own.draft_seconds / own.drafter_forwards / ar_step
+        if own.target_forwards:
+            verify = own.verify_seconds / own.target_forwards
+            row["verify_cost_in_steps_in_run"] = verify / ar_step
+    total = rec.stats.total if rec.stats is not None else RowStats()
+    if total.target_calls and method.spec.k is not None and total.drafted:
+        row.update(draft_figures(method.spec, rec, costs, rec.batch_size))
+    return row
 
 
 def draft_figures(method: Method, rec: MethodRecord, costs: dict, batch_size: int) -> dict:
     """Round figures of a drafting method; Leviathan's bound only for a constant k."""
-    stats, tokens = rec.stats, max(sum(rec.tokens), 1)
+    stats, total, tokens = rec.stats, rec.stats.total, max(sum(rec.tokens), 1)
     row = dict(
         policy=method.policy,
         threshold=method.threshold,
         k=None if method.adaptive else method.k,
-        tokens_per_target_call=stats.tokens_per_target_call,
-        acceptance_rate=stats.acceptance_rate,
-        drafted_per_round=stats.drafted / stats.target_calls,
-        drafter_forwards_per_token=rec.drafter_forwards / tokens,
-        target_forwards_per_token=rec.target_forwards / tokens,
-        accepted_hist=stats.accepted_hist,
+        tokens_per_target_call=total.tokens_per_target_call,
+        acceptance_rate=total.acceptance_rate,
+        drafted_per_round=total.drafted / total.target_calls,
+        drafter_forwards_per_token=stats.drafter_forwards / tokens,
+        target_forwards_per_token=stats.target_forwards / tokens,
+        accepted_hist=total.accepted_hist,
         c=costs["c"].get(method.kind),
-        policy_seconds=rec.policy_seconds,
-        policy_ms_per_drafted_token=1000 * rec.policy_seconds / max(stats.drafted, 1),
-        policy_share_of_time=rec.policy_seconds / sum(rec.seconds),
+        policy_seconds=stats.policy_seconds,
+        policy_ms_per_drafted_token=1000 * stats.policy_seconds / max(total.drafted, 1),
+        policy_share_of_time=stats.policy_seconds / sum(rec.seconds),
     )
     add_modelled(row, costs, batch_size)
     if method.adaptive:
         return row
-    tau = stats.tokens_per_target_call
+    tau = total.tokens_per_target_call
     alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
     row.update(alpha=alpha, verify_cost_in_steps=costs["verify_cost_in_steps"].get(method.k))
     return row
 
 
-def add_modelled(row: dict, costs: dict, batch_size: int) -> None:
+def add_modelled(row: dict, costs: dict | None, batch_size: int) -> None:
     """The modelled speedup of a drafting method's row (see `metrics.modelled_speedup`).
 
     Batch 1 only: the costs are calibrated on one row, and a batched row's calls per token
     count tokens of every row, so the model would price a batch of 8 at one row's cost (records
-    before this check showed 'modelled' speedups of 7 to 13 at batch 4 and 8)."""
+    before this check showed 'modelled' speedups of 7 to 13 at batch 4 and 8). No costs (a run
+    that calibrated nothing, such as a translation run): nothing to model."""
     row.pop("modelled_speedup", None)
-    if batch_size != 1:
+    if batch_size != 1 or costs is None:
         return
     verify_costs = {int(k): v for k, v in costs["verify_cost_in_steps"].items()}
     if row.get("c") is None or len(verify_costs) < 2 or "target_forwards_per_token" not in row:
@@ -307,23 +463,26 @@ def add_modelled(row: dict, costs: dict, batch_size: int) -> None:
 
 
 def rederive(record: dict) -> dict:
-    """Recompute a saved record's derived figures (modelled speedups, policy comparison) from
-    its measurements, so a record written before a figure existed can be reported with it."""
-    from specdecode.bench.report import policy_comparison
+    """Recompute a saved record's derived figures (modelled speedups, Leviathan's bounds, the
+    policy comparison) from its measurements, so a record written before a figure existed can
+    be reported with it; a translation record of the earlier layout comes back in this one's."""
+    from specdecode.bench.report import current_layout, policy_comparison
 
+    record = current_layout(record)
     for row in record["methods"]:
-        add_modelled(row, record["costs"], row.get("batch_size", 1))
+        add_modelled(row, record.get("costs"), row.get("batch_size", 1))
+        add_bounds(row)
     record["policy_comparison"] = policy_comparison(record)
     return record
 
 
-def add_bounds(row: dict, method: Method) -> None:
+def add_bounds(row: dict) -> None:
     """Measured speedup beside Leviathan's bound from measured alpha and c (constant k only)."""
-    if "alpha" not in row:
+    if "alpha" not in row or row.get("k") is None:  # records before `k` keep their bounds
         return
     for suffix, c in (("", row.get("c")), ("_in_run", row.get("c_in_run"))):
         if c is not None:
-            bound = leviathan_speedup(row["alpha"], method.k, c)
+            bound = leviathan_speedup(row["alpha"], row["k"], c)
             row[f"leviathan_bound{suffix}"] = bound
             row[f"efficiency{suffix}"] = row["speedup"]["geomean"] / bound
 
@@ -353,61 +512,3 @@ def decode_ratios(rec: MethodRecord, base: MethodRecord) -> list[float | None] |
         else:
             out.append(((t - ft) / (s - fs)) / ((bt - bft) / (bs - bfs)))
     return out
-
-
-def summarise_run(cfg, methods, records, costs, skipped, memory) -> dict:
-    by_label = {m.label: m for m in methods}
-    summary = []
-    for (label, batch_size), rec in records.items():
-        base = records[("ar", batch_size)]
-        ratios = [
-            (t / s) / (bt / bs)
-            for t, s, bt, bs in zip(rec.tokens, rec.seconds, base.tokens, base.seconds, strict=True)
-        ]
-        row = {
-            "method": label,
-            "batch_size": batch_size,
-            "tokens": sum(rec.tokens),
-            "seconds": sum(rec.seconds),
-            "tokens_per_s": sum(rec.tokens) / sum(rec.seconds),
-            "speedup": summarize(ratios),
-            "per_batch_speedup": ratios,
-            "per_batch_seconds": rec.seconds,
-            "mismatches": rec.mismatches,
-        }
-        if cfg.coupled and label != "ar":  # ar has no drafter to pair with
-            row.update(unpaired=rec.unpaired, coupling_seconds=rec.coupling_seconds)
-        decode = decode_ratios(rec, base)
-        if decode is not None:
-            row["per_batch_decode_speedup"] = decode
-            defined = [r for r in decode if r is not None]
-            row["decode_speedup"] = summarize(defined) if defined else None
-        method = by_label[label]
-        # costs as they happened in this run after the first rounds (the prefills), relative
-        # to ar's own time per target call there
-        ar, own = base.decode_costs, rec.decode_costs
-        if ar.target_forwards:
-            ar_step = ar.verify_seconds / ar.target_forwards
-            if own.drafter_forwards:
-                row["c_in_run"] = own.draft_seconds / own.drafter_forwards / ar_step
-            if own.target_forwards:
-                verify = own.verify_seconds / own.target_forwards
-                row["verify_cost_in_steps_in_run"] = verify / ar_step
-        if rec.stats.target_calls and method.k is not None and rec.stats.drafted:
-            row.update(draft_figures(method, rec, costs, batch_size))
-            add_bounds(row, method)
-        row["model_gib"] = memory.get(method.kind)
-        summary.append(row)
-    record = {
-        "config": asdict(cfg),
-        "machine": machine_info(),
-        "costs": costs,
-        "skipped": skipped,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "methods": summary,
-        "ok": not any(r["mismatches"] for r in summary),
-    }
-    from specdecode.bench.report import policy_comparison
-
-    record["policy_comparison"] = policy_comparison(record)
-    return record

@@ -1,6 +1,6 @@
 """`specdecode bench --pair DIR`: translation speed and quality of SpecDec against its peers.
 
-Methods, all on the same verifier:
+Methods (`SEQ2SEQ`), all on the same verifier:
 
 * `ar`: this engine without a drafter (greedy), the baseline of every ratio;
 * `hf`, `hf-beam5`: `transformers` `generate`, greedy and beam 5;
@@ -16,38 +16,39 @@ Methods, all on the same verifier:
   `specdec-alt-int8`: with another drafter for the same verifier (`alt_drafter`), so that two
   drafters are compared in one interleaved run rather than across runs on a noisy machine.
 
-Measurement as in the causal bench: one process, a warm-up, the methods interleaved batch by
-batch in a rotated order, speedups as per-batch time ratios against `ar`. With `repeats` > 1 the
-rotation over a batch runs that many times and each method keeps its fastest time: on a shared
-machine a stall of a second can hit any one call of a 50 ms translation, and a minimum over
-interleaved repeats drops it where a mean or a total would carry it. Exact methods must
-reproduce `ar` token for token (a mismatch fails the run); the others are scored by BLEU.
+Measured by the one runner (`runner.measure`, with its warm-up, rotation and `repeats`); speed
+counts sentences, since a translation's time is what a reader waits. Exact methods must
+reproduce `ar` token for token (a mismatch fails the run); the others are scored by BLEU, the
+extra figure of these rows.
 """
 
 from __future__ import annotations
 
-import resource
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 import torch
-from tqdm.auto import tqdm
 
-from specdecode.backends.kernels import kernel_summary, model_bytes, prepack_linears, use_prepacked
-from specdecode.bench.metrics import summarize
-from specdecode.bench.runner import machine_info
+from specdecode.backends.kernels import kernel_summary, model_bytes, prepack_linears
+from specdecode.bench.methods import Registry, Result, SpecMethod
+from specdecode.bench.runner import REFERENCE, MethodRecord, bench_record, measure, speed_rows
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter
+from specdecode.seq2seq.corpus import Verse
 from specdecode.verification import TopBetaTau
 
-BATCH1_ONLY = ("hf-assisted",)
-SPECDEC_KINDS = ("specdec", "specdec-int8", "specdec-alt", "specdec-alt-int8")
+SEQ2SEQ = Registry("seq2seq")
+RELAXED_ONLY = "specdec-relaxed"  # asks for specdec's relaxed runs without its exact ones
 
 
 @dataclass(frozen=True)
 class Seq2SeqMethod:
-    kind: str  # ar, hf, hf-beam5, hf-assisted, or one of SPECDEC_KINDS
+    """A translation method as asked for: its kind (a `SEQ2SEQ` name) and settings."""
+
+    kind: str
     k: int | None = None
     relaxed: TopBetaTau | None = None
     dense: bool = False  # default PyTorch kernels where the run prepacks (`+dense`)
@@ -63,22 +64,13 @@ class Seq2SeqMethod:
             extra += f",draft<={self.max_draft_batch}"
         return f"{self.kind}[k={self.k}{extra}]{suffix}"
 
-    def runs_at(self, batch_size: int) -> bool:
-        """hf-assisted runs one row at a time; a gated method at or under its gate is the
-        ungated one, run already."""
-        if batch_size > 1 and self.kind in BATCH1_ONLY:
-            return False
-        return self.max_draft_batch is None or batch_size > self.max_draft_batch
-
     @property
     def speculative(self) -> bool:
-        return self.kind in SPECDEC_KINDS
+        return SEQ2SEQ.lookup(self.kind).speculative
 
     @property
     def exact(self) -> bool:
-        return self.kind in ("ar", "hf", "hf-assisted") or (
-            self.speculative and self.relaxed is None
-        )
+        return SEQ2SEQ.lookup(self.kind).exact_output and self.relaxed is None
 
 
 @dataclass(frozen=True)
@@ -92,23 +84,23 @@ class Seq2SeqBenchConfig:
     batch_sizes: tuple[int, ...] = (1,)
     max_new_tokens: int = 200
     threads: int | None = None
-    repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest time kept
+    repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest run kept
     prepack: bool = True  # oneDNN-packed kernels for multi-row products (`kernels`), all models
     alt_drafter: str | None = None  # a second block drafter directory (`specdec-alt*` methods)
     max_draft_batch: int | None = None  # > 0: exact SpecDec methods also run gated at this
 
     def __post_init__(self) -> None:
-        known = ("ar", "hf", "hf-beam5", "hf-assisted", *SPECDEC_KINDS, "specdec-relaxed")
+        known = (*SEQ2SEQ, RELAXED_ONLY)
         unknown = [m for m in self.methods if m.removesuffix("+dense") not in known]
         if unknown:
             raise ValueError(
                 f"unknown seq2seq methods {unknown}; known: {', '.join(known)} (each may end in "
                 "+dense: default kernels)"
             )
-        alt = [m for m in self.methods if m.removesuffix("+dense").startswith("specdec-alt")]
+        alt = [m for m in self.methods if _kind(m) in SEQ2SEQ and SEQ2SEQ[_kind(m)].needs_alt]
         if alt and self.alt_drafter is None:
             raise ValueError(f"methods {alt} need a second drafter: give --alt-drafter DIR")
-        if "ar" not in self.methods:
+        if REFERENCE not in self.methods:
             raise ValueError("the methods must include 'ar', the baseline of every ratio")
         if not self.prepack and any(m.endswith("+dense") for m in self.methods):
             raise ValueError("+dense compares with packed kernels; drop it or --no-prepack")
@@ -122,11 +114,11 @@ class Seq2SeqBenchConfig:
     def method_list(self) -> list[Seq2SeqMethod]:
         out = []
         for dense in (False, True):
-            suffixed = [m for m in self.methods if m.endswith("+dense") is dense]
-            names = [m.removesuffix("+dense") for m in suffixed]
-            out += [Seq2SeqMethod(m, dense=dense) for m in names if not m.startswith("specdec")]
-            for kind in SPECDEC_KINDS:  # each with its relaxed runs
-                relaxed_only = kind == "specdec" and "specdec-relaxed" in names
+            names = [_kind(m) for m in self.methods if m.endswith("+dense") is dense]
+            plain = [m for m in names if m in SEQ2SEQ and not SEQ2SEQ[m].speculative]
+            out += [Seq2SeqMethod(m, dense=dense) for m in plain]
+            for kind in (kind for kind, cls in SEQ2SEQ.items() if cls.speculative):
+                relaxed_only = kind == "specdec" and RELAXED_ONLY in names
                 if kind in names:
                     out += [Seq2SeqMethod(kind, k, dense=dense) for k in self.block_sizes]
                 if kind in names and self.max_draft_batch is not None:
@@ -144,51 +136,201 @@ class Seq2SeqBenchConfig:
         return out
 
 
-def run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources, cfg):
-    """-> (token ids per sentence without </s>, seconds, DecodeStats or None)."""
-    models = [m for m in (pair.verifier, pair.drafter, assistant) if m is not None]
-    for model in models:
-        use_prepacked(model, not method.dense)
-    try:
-        return _run_method(method, pair, assistant, sources, cfg)
-    finally:
-        for model in models:
-            use_prepacked(model, True)
+def _kind(name: str) -> str:
+    return name.removesuffix("+dense")
 
 
-def _run_method(method: Seq2SeqMethod, pair: TranslationPair, assistant, sources, cfg):
-    if method.kind == "ar" or method.speculative:
+T = TypeVar("T")
+
+
+class PairModels:
+    """The models every translation method shares, each built once, on first use."""
+
+    def __init__(self, pair: TranslationPair, cfg: Seq2SeqBenchConfig) -> None:
+        self.pair = pair
+        self.cfg = cfg
+        self.built: dict[str, Any] = {}
+
+    def shared(self, key: str, build: Callable[[], T]) -> T:
+        if key not in self.built:
+            self.built[key] = build()
+        return self.built[key]
+
+    def assistant(self) -> torch.nn.Module:
+        return self.shared("assistant", self._load_assistant)
+
+    def _load_assistant(self) -> torch.nn.Module:
+        from transformers import AutoModelForSeq2SeqLM
+
+        assistant_dir = Path(self.cfg.pair) / "assistant"
+        if not (assistant_dir / "config.json").exists():
+            raise FileNotFoundError(
+                f"{assistant_dir} missing: run `specdecode seq2seq train-assistant` and export"
+            )
+        assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
+        assistant.eval()
+        if self.cfg.prepack:
+            # the switch the verifier got, so that both decode plain steps on one kernel
+            prepack_linears(assistant, kernel_summary(self.pair.verifier)["packed_from_rows"])
+        return assistant
+
+    def alt_drafters(self) -> tuple[BlockDrafter, BlockDrafter]:
+        """The second drafter, dense and int8; the int8 copy is taken before the dense one is
+        packed onto the verifier's kernels (`with_drafter`)."""
+
+        def load() -> tuple[BlockDrafter, BlockDrafter]:
+            alt = BlockDrafter.load(Path(self.cfg.alt_drafter))
+            return alt, alt.int8()
+
+        return self.shared("alt", load)
+
+
+class Translation(SpecMethod):
+    """A method translating source sentences with the pair's verifier."""
+
+    speculative: ClassVar[bool] = False  # drafts with a block drafter: swept over block sizes
+    exact_output: ClassVar[bool] = True  # greedy output of the verifier (beam search is not)
+    needs_alt: ClassVar[bool] = False  # drafts with `--alt-drafter`
+
+    def __init__(self, spec: Seq2SeqMethod, models: PairModels) -> None:
+        super().__init__(spec)
+        self.models = models
+
+    @property
+    def exact(self) -> bool:
+        return self.spec.exact
+
+    def skips(self, batch_size: int) -> str | None:
+        gate = self.spec.max_draft_batch
+        if gate is not None and batch_size <= gate:
+            return f"the ungated method at {gate} rows or fewer"
+        return super().skips(batch_size)
+
+    def translating_pair(self) -> TranslationPair:
+        return self.models.pair
+
+    def modules(self) -> list[torch.nn.Module]:
+        pair = self.translating_pair()
+        return [m for m in (pair.verifier, pair.drafter) if m is not None]
+
+
+class EngineTranslation(Translation):
+    """This engine (`TranslationPair.translate`), with the drafter of `translating_pair`."""
+
+    def decode(self, batch: Sequence[str], warm: bool) -> Result:
+        method = self.spec
         relaxed = method.relaxed or TopBetaTau(1)
         start = time.perf_counter()
-        out = pair.translate(
-            sources,
+        out = self.translating_pair().translate(
+            list(batch),
             block_size=method.k or 1,
             beta=relaxed.beta,
             tau=relaxed.tau,
             use_drafter=method.speculative,
-            batch_size=len(sources),
-            max_new_tokens=cfg.max_new_tokens,
+            batch_size=len(batch),
+            max_new_tokens=self.models.cfg.max_new_tokens,
             max_draft_batch=method.max_draft_batch,  # None: every round drafts
         )
-        return out.token_ids, time.perf_counter() - start, out.stats
-    tok = pair.tokenizer
-    kwargs: dict = dict(max_new_tokens=pair.output_cap(cfg.max_new_tokens), do_sample=False)
-    kwargs["num_beams"] = 5 if method.kind == "hf-beam5" else 1
-    if method.kind == "hf-assisted":
-        kwargs["assistant_model"] = assistant
+        return Result(out.token_ids, time.perf_counter() - start, out.stats)
+
+
+@SEQ2SEQ.add
+class PlainTranslation(EngineTranslation):
+    name = "ar"
+
+
+@SEQ2SEQ.add
+class SpecDec(EngineTranslation):
+    name = "specdec"
+    speculative = True
+
+
+@SEQ2SEQ.add
+class SpecDecInt8(SpecDec):
+    name = "specdec-int8"
+
+    def translating_pair(self) -> TranslationPair:
+        pair = self.models.pair
+        return self.models.shared(self.name, lambda: pair.with_drafter(pair.drafter.int8()))
+
+
+@SEQ2SEQ.add
+class SpecDecAlt(SpecDec):
+    name = "specdec-alt"
+    needs_alt = True
+
+    def translating_pair(self) -> TranslationPair:
+        dense, _ = self.models.alt_drafters()  # packed as the verifier is
+        return self.models.shared(self.name, lambda: self.models.pair.with_drafter(dense))
+
+
+@SEQ2SEQ.add
+class SpecDecAltInt8(SpecDec):
+    name = "specdec-alt-int8"
+    needs_alt = True
+
+    def translating_pair(self) -> TranslationPair:
+        _, int8 = self.models.alt_drafters()
+        return self.models.shared(self.name, lambda: self.models.pair.with_drafter(int8))
+
+
+class GenerateTranslation(Translation):
+    """`transformers` `generate` on the verifier, its options given by `options`."""
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def decode(self, batch: Sequence[str], warm: bool) -> Result:
+        pair = self.models.pair
+        tok = pair.tokenizer
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=pair.output_cap(self.models.cfg.max_new_tokens),
+            do_sample=False,
+            num_beams=1,
+        )
+        kwargs.update(self.options())
+        start = time.perf_counter()
+        enc = tok(list(batch), return_tensors="pt", padding=True)  # ids, mask [batch, source]
+        with torch.no_grad():
+            gen = pair.verifier.generate(**enc, **kwargs)  # [batch, 1 + new]
+        seconds = time.perf_counter() - start
+        ids = []
+        for row in gen[:, 1:].tolist():  # drop the decoder start token
+            cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+            ids.append([t for t in row[:cut] if t != tok.pad_token_id])
+        return Result(ids, seconds)
+
+
+@SEQ2SEQ.add
+class GenerateGreedy(GenerateTranslation):
+    name = "hf"
+
+
+@SEQ2SEQ.add
+class GenerateBeam5(GenerateTranslation):
+    name = "hf-beam5"
+    exact_output = False
+
+    def options(self) -> dict[str, Any]:
+        return {"num_beams": 5}
+
+
+@SEQ2SEQ.add
+class GenerateAssisted(GenerateTranslation):
+    """Its defaults: heuristic schedule from 20 tokens, confidence threshold 0.4."""
+
+    name = "hf-assisted"
+    batch1_only = True
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [*super().modules(), self.models.assistant()]
+
+    def options(self) -> dict[str, Any]:
+        assistant = self.models.assistant()
         gc = assistant.generation_config
         gc.num_assistant_tokens_schedule, gc.num_assistant_tokens = "heuristic", 20
         gc.assistant_confidence_threshold = 0.4
-    start = time.perf_counter()
-    enc = tok(sources, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        gen = pair.verifier.generate(**enc, **kwargs)
-    seconds = time.perf_counter() - start
-    ids = []
-    for row in gen[:, 1:].tolist():  # drop the decoder start token
-        cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
-        ids.append([t for t in row[:cut] if t != tok.pad_token_id])
-    return ids, seconds, None
+        return {"assistant_model": assistant}
 
 
 def bleu_scores(hyps: list[str], refs: list[str], refs2: list[str]) -> dict:
@@ -204,157 +346,86 @@ def bleu_scores(hyps: list[str], refs: list[str], refs2: list[str]) -> dict:
 
 
 def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
-    from transformers import AutoModelForSeq2SeqLM
-
     from specdecode.seq2seq.corpus import read_split
 
     verses = read_split(cfg.split)
     if cfg.limit:
         verses = verses[: cfg.limit]
-    sources = [v.src for v in verses]
     pair = TranslationPair.from_dir(cfg.pair, prepack=cfg.prepack)
-    methods = cfg.method_list()
-    if any(m.speculative for m in methods) and pair.drafter is None:
+    specs = cfg.method_list()
+    if any(m.speculative for m in specs) and pair.drafter is None:
         raise ValueError(f"{cfg.pair} has no drafter; drop the specdec methods")
-    assistant = None
-    if any(m.kind == "hf-assisted" for m in methods):
-        assistant_dir = Path(cfg.pair) / "assistant"
-        if not (assistant_dir / "config.json").exists():
-            raise FileNotFoundError(
-                f"{assistant_dir} missing: run `specdecode seq2seq train-assistant` and export"
-            )
-        assistant = AutoModelForSeq2SeqLM.from_pretrained(str(assistant_dir), dtype=torch.float32)
-        assistant.eval()
-        if cfg.prepack:
-            # the switch the verifier got, so that both decode plain steps on one kernel
-            prepack_linears(assistant, kernel_summary(pair.verifier)["packed_from_rows"])
-    pairs = {}  # kind -> the pair it runs, where not `pair` itself
-    kinds = {m.kind for m in methods}
-    if "specdec-int8" in kinds:
-        pairs["specdec-int8"] = pair.with_drafter(pair.drafter.int8())
-    if kinds & {"specdec-alt", "specdec-alt-int8"}:
-        alt = BlockDrafter.load(Path(cfg.alt_drafter))
-        pairs["specdec-alt-int8"] = pair.with_drafter(alt.int8())
-        pairs["specdec-alt"] = pair.with_drafter(alt)  # packed as the verifier is
-    for method in methods:  # warm-up
-        run_method(method, pairs.get(method.kind, pair), assistant, sources[:1], cfg)
-    runs: list[dict] = []
-    for batch_size in cfg.batch_sizes:
-        runnable = [m for m in methods if m.runs_at(batch_size)]
-        outputs = {m.label: [None] * len(sources) for m in runnable}
-        seconds = {m.label: [] for m in runnable}
-        stats = {m.label: None for m in runnable}
-        phases = {m.label: [0.0, 0.0, 0, 0] for m in runnable}  # draft s, verify s, calls
-        starts = list(range(0, len(sources), batch_size))
-        bar = tqdm(total=len(starts) * len(runnable) * cfg.repeats, desc=f"bench b={batch_size}",
-                   disable=not progress)  # fmt: skip
-        for i, start in enumerate(starts):
-            part = sources[start : start + batch_size]
-            order = runnable[i % len(runnable) :] + runnable[: i % len(runnable)]
-            fastest = {m.label: float("inf") for m in runnable}
-            for repeat in range(cfg.repeats):
-                for method in order:
-                    ids, secs, st = run_method(
-                        method, pairs.get(method.kind, pair), assistant, part, cfg
-                    )
-                    fastest[method.label] = min(fastest[method.label], secs)
-                    bar.update()
-                    if repeat:  # the output and counts of a repeat are the first one's again
-                        if ids != outputs[method.label][start : start + len(part)]:
-                            raise RuntimeError(f"{method.label} changed its output on a repeat")
-                        continue
-                    outputs[method.label][start : start + len(part)] = ids
-                    if st is None:
-                        continue
-                    ph = phases[method.label]
-                    ph[0] += st.draft_seconds
-                    ph[1] += st.verify_seconds
-                    ph[2] += st.drafter_forwards
-                    ph[3] += st.target_forwards
-                    stats[method.label] = (
-                        st.total
-                        if stats[method.label] is None
-                        else stats[method.label].merge(st.total)
-                    )
-            for label, secs in fastest.items():
-                seconds[label].append(secs)
-        bar.close()
-        run = summarise(cfg, runnable, batch_size, outputs, seconds, stats, verses, pair)
-        for row in run["methods"]:
-            draft_s, verify_s, draft_calls, verify_calls = phases[row["method"]]
-            if verify_calls:
-                row["ms_per_verifier_call"] = 1000 * verify_s / verify_calls
-            if draft_calls:
-                row["ms_per_drafter_call"] = 1000 * draft_s / draft_calls
-        runs.append(run)
-    drafter_bytes = (
-        sum(p.numel() * p.element_size() for p in pair.drafter.parameters()) if pair.drafter else 0
-    )
-    verifier_bytes = sum(p.numel() * p.element_size() for p in pair.verifier.parameters())
+    models = PairModels(pair, cfg)
+    methods = [SEQ2SEQ.lookup(spec.kind)(spec, models) for spec in specs]
+    sources = [v.src for v in verses]
+    records, skipped = measure(methods, sources, cfg.batch_sizes, cfg.repeats, progress)
+
+    def extras(row: dict, method: Translation, rec: MethodRecord, base: MethodRecord) -> None:
+        row.update(translation_figures(method.spec, rec, verses, pair))
+
+    rows = speed_rows(methods, records, "sentences", extras)
+    outputs: dict[str, list[list[int]]] = {}  # by label, at the first batch size it ran
+    for (label, _), rec in records.items():
+        outputs.setdefault(label, rec.outputs)
+    sample = examples(verses, outputs, pair)
+    return bench_record(cfg, rows, skipped, **model_sizes(models), examples=sample)
+
+
+def translation_figures(
+    spec: Seq2SeqMethod, rec: MethodRecord, verses: list[Verse], pair: TranslationPair
+) -> dict:
+    """Quality against the references, and the verifier's and drafter's calls."""
+    texts = pair.tokenizer.batch_decode(rec.outputs, skip_special_tokens=True)
+    row: dict[str, Any] = {
+        "k": spec.k,
+        "dense": spec.dense,
+        "approximate": not spec.exact and spec.speculative,
+        **bleu_scores(texts, [v.tgt for v in verses], [v.ref2 for v in verses]),
+    }
+    if rec.stats is None:
+        return row
+    st = rec.stats.total
+    if st.target_calls:
+        row.update(
+            tokens_per_verifier_call=st.tokens_per_target_call,
+            acceptance_rate=st.acceptance_rate if st.drafted else None,
+            accepted_at_least=st.accepted_at_least() if st.drafted else None,
+            verifier_calls=st.target_calls,
+        )
+    if rec.stats.target_forwards:
+        row["ms_per_verifier_call"] = 1000 * rec.stats.verify_seconds / rec.stats.target_forwards
+    if rec.stats.drafter_forwards:
+        row["ms_per_drafter_call"] = 1000 * rec.stats.draft_seconds / rec.stats.drafter_forwards
+    return row
+
+
+def model_sizes(models: PairModels) -> dict:
+    """Parameter sizes as loaded, and in memory with the packed weight copies (`prepack`),
+    which double the linear weights."""
+    pair = models.pair
+
+    def mib(model: torch.nn.Module) -> float:
+        return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+    int8 = models.built.get("specdec-int8")
+    assistant = models.built.get("assistant")
     return {
-        "config": asdict(cfg),
-        "machine": machine_info(),
-        "verifier_mib": verifier_bytes / 2**20,
-        "drafter_mib": drafter_bytes / 2**20,
-        "assistant_mib": (
-            sum(p.numel() * p.element_size() for p in assistant.parameters()) / 2**20
-            if assistant is not None
-            else None
-        ),
-        # with the packed weight copies (`prepack`), which double the linear weights
+        "verifier_mib": mib(pair.verifier),
+        "drafter_mib": mib(pair.drafter) if pair.drafter is not None else 0.0,
+        "assistant_mib": mib(assistant) if assistant is not None else None,
         "verifier_mib_in_memory": model_bytes(pair.verifier) / 2**20,
-        "drafter_mib_in_memory": model_bytes(pair.drafter) / 2**20 if pair.drafter else 0.0,
-        "drafter_int8_mib": (
-            model_bytes(pairs["specdec-int8"].drafter) / 2**20 if "specdec-int8" in pairs else None
+        "drafter_mib_in_memory": (
+            model_bytes(pair.drafter) / 2**20 if pair.drafter is not None else 0.0
         ),
+        "drafter_int8_mib": model_bytes(int8.drafter) / 2**20 if int8 is not None else None,
         "kernels": kernel_summary(pair.verifier),
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "runs": runs,
-        "ok": not any(r["mismatches"] for run in runs for r in run["methods"] if r["exact"]),
     }
 
 
-def summarise(cfg, methods, batch_size, outputs, seconds, stats, verses, pair) -> dict:
-    refs, refs2 = [v.tgt for v in verses], [v.ref2 for v in verses]
-    base_ids, base_secs = outputs["ar"], seconds["ar"]
-    hf_secs = seconds.get("hf")
-    rows = []
-    for m in methods:
-        ids, secs = outputs[m.label], seconds[m.label]
-        texts = pair.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        same = [a == b for a, b in zip(ids, base_ids, strict=True)]
-        row = {
-            "method": m.label,
-            "k": m.k,
-            "dense": m.dense,
-            "exact": m.exact,
-            "approximate": not m.exact and m.speculative,
-            "batch_size": batch_size,
-            "sentences": len(ids),
-            "tokens": sum(map(len, ids)),
-            "seconds": sum(secs),
-            "sentences_per_s": len(ids) / sum(secs),
-            "speedup": summarize([b / s for b, s in zip(base_secs, secs, strict=True)]),
-            "speedup_vs_hf": (
-                summarize([b / s for b, s in zip(hf_secs, secs, strict=True)]) if hf_secs else None
-            ),
-            "identical_to_ar": sum(same) / len(same),
-            "mismatches": [i for i, s in enumerate(same) if not s] if m.exact else [],
-            **bleu_scores(texts, refs, refs2),
-        }
-        st = stats[m.label]
-        if st is not None and st.target_calls:
-            row.update(
-                tokens_per_verifier_call=st.tokens_per_target_call,
-                acceptance_rate=st.acceptance_rate if st.drafted else None,
-                accepted_at_least=st.accepted_at_least() if st.drafted else None,
-                verifier_calls=st.target_calls,
-            )
-        rows.append(row)
-    return {"batch_size": batch_size, "methods": rows, "examples": _examples(verses, outputs, pair)}
-
-
-def _examples(verses, outputs, pair, n: int = 3) -> list[dict]:
+def examples(
+    verses: list[Verse], outputs: dict[str, list[list[int]]], pair: TranslationPair, n: int = 3
+) -> list[dict]:
+    """The first few translations of every method beside source and reference."""
     out = []
     for i in range(min(n, len(verses))):
         row = {"ref": verses[i].ref, "source": verses[i].src, "reference": verses[i].tgt}
@@ -362,98 +433,3 @@ def _examples(verses, outputs, pair, n: int = 3) -> list[dict]:
             row[label] = pair.tokenizer.decode(ids[i], skip_special_tokens=True)
         out.append(row)
     return out
-
-
-def markdown_table(record: dict) -> str:
-    lines = []
-    for run in record["runs"]:
-        lines += [
-            f"\nbatch size {run['batch_size']}, {run['methods'][0]['sentences']} sentences "
-            f"({record['config']['split']} split)\n",
-            "| method | speedup vs ar (geomean, p10-p90) | vs hf | sent/s | tokens/verifier call "
-            "| first draft token accepted | ms per drafter / verifier call | BLEU | BLEU 2 refs "
-            "| chrF | identical to ar |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in run["methods"]:
-            sp, hf = r["speedup"], r["speedup_vs_hf"]
-            mark = " (approx.)" if r["approximate"] else ""
-            tpc = r.get("tokens_per_verifier_call")
-            first = (r.get("accepted_at_least") or [None])[0]
-            cells = [
-                f"{r['method']}{mark}",
-                f"{sp['geomean']:.2f}x ({sp['p10']:.2f}-{sp['p90']:.2f})",
-                f"{hf['geomean']:.2f}x" if hf else "-",
-                f"{r['sentences_per_s']:.2f}",
-                f"{tpc:.2f}" if tpc else "-",
-                f"{100 * first:.1f}%" if first is not None else "-",
-                " / ".join(
-                    f"{r[key]:.1f}" if key in r else "-"
-                    for key in ("ms_per_drafter_call", "ms_per_verifier_call")
-                ),
-                f"{r['bleu']:.2f}",
-                f"{r['bleu_two_refs']:.2f}" if "bleu_two_refs" in r else "-",
-                f"{r['chrf']:.1f}",
-                f"{100 * r['identical_to_ar']:.1f}%",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    lines.append(
-        f"\nverifier {record['verifier_mib']:.1f} MiB, "
-        f"block drafter {record['drafter_mib']:.1f} MiB"
-        + (f", assistant {record['assistant_mib']:.1f} MiB" if record["assistant_mib"] else "")
-        + " (fp32 parameters as loaded)"
-    )
-    if record.get("kernels", {}).get("prepacked"):
-        lines.append(
-            f"Kernels: oneDNN-packed copies for products of "
-            f"{record['kernels']['packed_from_rows']}+ rows (`+dense`: default kernels); with "
-            f"the copies, verifier {record['verifier_mib_in_memory']:.1f} MiB and drafter "
-            f"{record['drafter_mib_in_memory']:.1f} MiB in memory."
-        )
-    if record.get("drafter_int8_mib"):
-        lines.append(
-            f"The int8 drafter copy (`specdec-int8`): {record['drafter_int8_mib']:.1f} MiB."
-        )
-    return "\n".join(lines)
-
-
-def plot(record: dict, out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for run in record["runs"]:
-        rows = [r for r in run["methods"] if r["method"].startswith("specdec")]
-        if not rows:
-            continue
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        lines: dict[str, list] = {}  # drafter kind and kernels -> exact rows
-        for r in rows:
-            if r["exact"]:
-                kind = r["method"].split("[")[0] + (", default kernels" if r.get("dense") else "")
-                lines.setdefault(kind, []).append(r)
-        for kind, exact in lines.items():
-            exact.sort(key=lambda r: r["k"])
-            ax1.plot([r["k"] for r in exact], [r["speedup"]["geomean"] for r in exact], "o-",
-                     label=f"{kind}, beta = 1 (exact)")  # fmt: skip
-        ax1.set_xlabel("block size k")
-        ax1.set_ylabel("speedup vs ar (time ratio)")
-        ax1.set_title(f"SpecDec, batch {run['batch_size']}")
-        ax1.grid(alpha=0.3)
-        ax1.legend()
-        for r in run["methods"]:
-            marker = "s" if r["approximate"] else "o"
-            ax2.scatter(r["speedup"]["geomean"], r["bleu"], marker=marker)
-            ax2.annotate(r["method"], (r["speedup"]["geomean"], r["bleu"]), fontsize=7)
-        ax2.set_xlabel("speedup vs ar")
-        ax2.set_ylabel("BLEU (test split)")
-        ax2.set_title("quality against speed (squares: approximate)")
-        ax2.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out_dir / f"seq2seq_b{run['batch_size']}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
-    return paths
