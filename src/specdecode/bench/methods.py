@@ -38,7 +38,7 @@ cut after its first token).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -445,15 +445,27 @@ class TransformersMethod(CausalMethod):
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         kwargs.update(self.options())
         torch.manual_seed(s.seed)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = target.generate(ids, **kwargs)  # [batch, width + new]
-        seconds = time.perf_counter() - start
-        new = []
-        for row in out[:, width:].tolist():
-            cut = next((i + 1 for i, t in enumerate(row) if t in s.stop_token_ids), len(row))
-            new.append(row[:cut])
-        return Result(new, seconds)
+
+        def upto_stop(row: list[int]) -> list[int]:  # the stop token kept, as the engine does
+            ends = [i + 1 for i, t in enumerate(row) if t in s.stop_token_ids]
+            return row[: ends[0]] if ends else row
+
+        return timed_generate(target, lambda: {"input_ids": ids, **kwargs}, width, upto_stop)
+
+
+def timed_generate(
+    model: torch.nn.Module,
+    inputs: Callable[[], dict[str, Any]],
+    start: int,
+    cut: Callable[[list[int]], list[int]],
+) -> Result:
+    """`transformers` `generate`, timed from building its inputs (a tokenizer's work, where
+    a method's input is text) to its output; each row's tokens from `start`, ended by `cut`."""
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs())  # [batch, start + new]
+    seconds = time.perf_counter() - started
+    return Result([cut(row) for row in out[:, start:].tolist()], seconds)
 
 
 @CAUSAL.add

@@ -484,12 +484,10 @@ def plot_policies(rows: list[dict], out_dir: Path, plt) -> list[Path]:
         title="Pareto view: target calls saved per drafter call spent",
     )
     ax_p.legend(fontsize=7)
-    paths = [out_dir / "policy_sweep.png", out_dir / "policy_pareto.png"]
-    for figure, path in zip((fig, fig2), paths, strict=True):
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-    return paths
+    return [
+        _save(fig, out_dir / "policy_sweep.png", plt),
+        _save(fig2, out_dir / "policy_pareto.png", plt),
+    ]
 
 
 def write_report(record: dict, out_dir: Path, plots: bool = True) -> list[Path]:

@@ -220,6 +220,16 @@ def speed_rows(
     return rows
 
 
+def check_run(methods: Sequence[str], batch_sizes: Sequence[int], repeats: int) -> None:
+    """What `measure` needs of any run's settings, refused before models load."""
+    if REFERENCE not in methods:
+        raise ValueError("the methods must include 'ar', the baseline of every ratio")
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+
 def bench_record(config: Any, rows: list[dict], skipped: list[str], **extras: Any) -> dict:
     """The record every run writes; `extras` (costs, model sizes, examples) go beside it."""
     return {
@@ -277,14 +287,9 @@ class BenchConfig:
                     f"methods {cpu_only} run CPU kernels (an int8 drafter, default vs packed fp32 "
                     f"kernels); on {self.device} in {self.dtype} use sd, ar, hf, hf-assisted"
                 )
-        if any(b < 1 for b in self.batch_sizes):
-            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        check_run(self.methods, self.batch_sizes, self.repeats)
         if any(k < 1 for k in self.num_draft_tokens):
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if REFERENCE not in self.methods:
-            raise ValueError("the methods must include 'ar', the baseline of every ratio")
         from specdecode.length_policies import POLICIES
 
         unknown = [p for p in self.policies if p not in POLICIES]

@@ -33,8 +33,14 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from specdecode.backends.kernels import kernel_summary, model_bytes, prepack_linears
-from specdecode.bench.methods import Registry, Result, SpecMethod
-from specdecode.bench.runner import REFERENCE, MethodRecord, bench_record, measure, speed_rows
+from specdecode.bench.methods import Registry, Result, SpecMethod, timed_generate
+from specdecode.bench.runner import (
+    MethodRecord,
+    bench_record,
+    check_run,
+    measure,
+    speed_rows,
+)
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.seq2seq.corpus import Verse
@@ -100,14 +106,11 @@ class Seq2SeqBenchConfig:
         alt = [m for m in self.methods if _kind(m) in SEQ2SEQ and SEQ2SEQ[_kind(m)].needs_alt]
         if alt and self.alt_drafter is None:
             raise ValueError(f"methods {alt} need a second drafter: give --alt-drafter DIR")
-        if REFERENCE not in self.methods:
-            raise ValueError("the methods must include 'ar', the baseline of every ratio")
+        check_run(self.methods, self.batch_sizes, self.repeats)
         if not self.prepack and any(m.endswith("+dense") for m in self.methods):
             raise ValueError("+dense compares with packed kernels; drop it or --no-prepack")
         if any(k < 1 for k in self.block_sizes):
             raise ValueError(f"block sizes must be >= 1, got {self.block_sizes}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.max_draft_batch is not None and self.max_draft_batch < 1:
             raise ValueError(f"max_draft_batch must be >= 1, got {self.max_draft_batch}")
 
@@ -289,16 +292,15 @@ class GenerateTranslation(Translation):
             num_beams=1,
         )
         kwargs.update(self.options())
-        start = time.perf_counter()
-        enc = tok(list(batch), return_tensors="pt", padding=True)  # ids, mask [batch, source]
-        with torch.no_grad():
-            gen = pair.verifier.generate(**enc, **kwargs)  # [batch, 1 + new]
-        seconds = time.perf_counter() - start
-        ids = []
-        for row in gen[:, 1:].tolist():  # drop the decoder start token
+
+        def inputs() -> dict[str, Any]:  # ids, mask [batch, source]; the decoder's own kwargs
+            return {**tok(list(batch), return_tensors="pt", padding=True), **kwargs}
+
+        def upto_eos(row: list[int]) -> list[int]:  # without </s> and padding
             cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
-            ids.append([t for t in row[:cut] if t != tok.pad_token_id])
-        return Result(ids, seconds)
+            return [t for t in row[:cut] if t != tok.pad_token_id]
+
+        return timed_generate(pair.verifier, inputs, 1, upto_eos)  # after the start token
 
 
 @SEQ2SEQ.add
