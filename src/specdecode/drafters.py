@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from specdecode.backends.torch_eager import CachedModel
+from specdecode.backends.base import ModelBackend
 from specdecode.config import PromptLookup, SamplingConfig
 from specdecode.length_policies import DraftedPosition, LengthPolicy
 from specdecode.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
@@ -95,7 +95,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        lm: CachedModel,
+        lm: ModelBackend,
         sampling: SamplingConfig,
         vocab_size: int,
         policy: LengthPolicy,
@@ -175,10 +175,12 @@ class ModelDrafter:
         self.policy.select_rows(rows)
 
 
-def lookup_continuation(text: torch.Tensor, limit: int, lookup: PromptLookup) -> torch.Tensor:
+def lookup_continuation(
+    text: torch.Tensor, limit: int, lookup: PromptLookup, with_ngram: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, int]:
     """text [length] committed tokens of one row -> [<= limit] the tokens that followed the most
     recent earlier occurrence of its last n tokens, for the largest n in
-    max_ngram..min_ngram that occurs; empty if none does.
+    max_ngram..min_ngram that occurs; empty if none does. `with_ngram`: also that n (0: none).
 
     The most recent occurrence rather than the first: a text that repeats itself (a loop
     unrolled, a list, code edited in place) is most like its latest copy.
@@ -190,8 +192,9 @@ def lookup_continuation(text: torch.Tensor, limit: int, lookup: PromptLookup) ->
         hits = (windows == text[length - n :]).all(-1).nonzero()  # [matches, 1]
         if hits.numel():
             start = int(hits[-1]) + n
-            return text[start : min(start + limit, length)]
-    return text[:0]
+            found = text[start : min(start + limit, length)]
+            return (found, n) if with_ngram else found
+    return (text[:0], 0) if with_ngram else text[:0]
 
 
 def lookup_drafts(
@@ -275,7 +278,7 @@ class LookupFirstDrafter:
     Per row and round: if the text's last n tokens (n >= `lookup.min_ngram`) occurred before,
     the row drafts what followed them, at no model pass; the other rows draft with the model,
     under its length policy. A row's model cache catches up on the committed tokens the next
-    time it drafts with the model (`CachedModel.pending`). Why it pays: on the default pair's
+    time it drafts with the model (`ModelBackend.pending`). Why it pays: on the default pair's
     greedy HumanEval outputs a 3-gram recurs at a third of the positions, and lookup's drafts
     there keep 2.7 of 4 tokens, about what the model keeps anywhere (2.6), without the model's
     0.15 target steps a drafted token; replayed round by round on those outputs, +6% tokens per
@@ -297,28 +300,8 @@ class LookupFirstDrafter:
         use = (looked_lengths > 0).to(device)  # [batch]
         self.looked_up = use
         draft = self.model.propose(sequences, seq_lens, max_tokens.masked_fill(use, 0), rng)
-        if looked.shape[1] == 0:  # no row found a match: the model drafted every row
-            return draft
-        width = max(draft.tokens.shape[1], looked.shape[1])
-        padded = torch.nn.functional.pad(draft.tokens, (0, width - draft.tokens.shape[1]))
-        looked = torch.nn.functional.pad(looked, (0, width - looked.shape[1])).to(device)
-        tokens = torch.where(use[:, None], looked, padded)  # [batch, width]
-        lengths = torch.where(use, looked_lengths.to(device), draft.lengths)  # [batch]
-        probs = draft.probs  # [batch, drafted, vocab] or None
-        if probs is not None:  # sampling: the looked-up rows' laws are point masses
-            probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
-            point = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
-            probs = torch.where(use[:, None, None], point, probs)
-        passes = draft.row_passes if draft.row_passes is not None else draft.lengths
-        return Draft(
-            tokens,
-            probs,
-            lengths,
-            draft.forwards,
-            draft.invalid_logits,
-            draft.policy_seconds,
-            row_passes=passes.masked_fill(use, 0),
-        )
+        found = [looked[b, :n] for b, n in enumerate(looked_lengths.tolist())]
+        return merge_lookup(draft, found, use)
 
     def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
         return self.model.next_law(sequences, seq_lens, rows)
@@ -332,3 +315,36 @@ class LookupFirstDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.model.select_rows(rows)
         self.looked_up = None
+
+
+def merge_lookup(draft: Draft, looked: list[torch.Tensor], use: torch.Tensor) -> Draft:
+    """The model's draft with the rows in `use` ([batch] bool) replaced by their looked-up
+    tokens (`looked[b]`, [n_b] on any device): a looked-up row's law is a point mass on its
+    token, and it spent no drafter pass."""
+    device = draft.tokens.device
+    width = max(draft.tokens.shape[1], max((len(t) for t in looked), default=0))
+    if not any(len(t) for t in looked):  # no row looked anything up (no host sync on `use`)
+        return draft
+    lengths = torch.tensor([len(t) for t in looked], dtype=torch.long, device=device)  # [batch]
+    tokens = torch.zeros(len(looked), width, dtype=torch.long)  # [batch, width] on the host
+    for b, t in enumerate(looked):
+        tokens[b, : len(t)] = t
+    tokens = tokens.to(device)
+    padded = torch.nn.functional.pad(draft.tokens, (0, width - draft.tokens.shape[1]))
+    tokens = torch.where(use[:, None], tokens, padded)  # [batch, width]
+    lengths = torch.where(use, lengths, draft.lengths)  # [batch]
+    probs = draft.probs  # [batch, drafted, vocab] or None
+    if probs is not None:  # sampling: the looked-up rows' laws are point masses
+        probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
+        point = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
+        probs = torch.where(use[:, None, None], point, probs)
+    passes = draft.row_passes if draft.row_passes is not None else draft.lengths
+    return Draft(
+        tokens,
+        probs,
+        lengths,
+        draft.forwards,
+        draft.invalid_logits,
+        draft.policy_seconds,
+        row_passes=passes.masked_fill(use, 0),
+    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.backends.torch_eager import CachedModel
+from specdecode.backends.base import ModelBackend
 from specdecode.config import DecodeConfig
 from specdecode.drafters import Draft, Drafter
 from specdecode.sampling import (
@@ -80,7 +80,7 @@ class Batch:
 
 
 def speculative_step(
-    target: CachedModel,
+    target: ModelBackend,
     drafter: Drafter | None,
     rule: VerificationRule,
     batch: Batch,
@@ -182,7 +182,7 @@ def coupled_next_tokens(
 
 @torch.inference_mode()  # generator-aware: on while the loop runs, off while its consumer does
 def decode(
-    target: CachedModel,
+    target: ModelBackend,
     drafter: Drafter | None,
     rule: VerificationRule,
     prompts: list[list[int]],

@@ -1,0 +1,70 @@
+"""The model interface the engine talks to: a decoder and its per-row cache, behind one protocol.
+
+The engine never sees a `torch.nn.Module`, a llama.cpp context or a static cache; it sees a
+`ModelBackend`: a batch of rows, each with its own committed length, that can
+
+* `reset(batch_size)`: start empty rows;
+* `forward(tokens, valid, logits_to_keep)`: append a ragged block to every row (invalid entries
+  are holes, left-padded) and return the logits of the block's last positions;
+* `truncate(lengths)`: keep only the first `lengths[b]` tokens of each row (rollback of
+  rejected drafts is bookkeeping: a moved length, removed positions, never a re-run);
+* `select_rows(index)`: keep only these rows (finished rows stop costing compute);
+* `pending(sequences, seq_lens)`: the committed tokens a row has not yet been fed.
+
+`torch_eager.CachedModel` implements it over a `transformers` decoder with a ragged
+`DynamicCache` view; `llamacpp.LlamaCppModel` over a GGUF file with one llama.cpp sequence
+per row. What differs between them (dtype, threads, weights) stays inside the backend; the
+verification rules, samplers, drafters and length policies work unchanged on either.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    """A decoder with a batch of per-row caches that can be appended to and rolled back."""
+
+    device: torch.device
+    lengths: torch.Tensor  # [batch] tokens held in each row's cache
+
+    def reset(self, batch_size: int) -> None: ...
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [batch, n] token ids (holes: any id)
+        valid: torch.Tensor,  # [batch, n] bool, False for a hole (left padding)
+        logits_to_keep: int = 1,
+        want_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [batch, logits_to_keep, vocab] (float32), hidden [batch, keep, hidden]."""
+        ...
+
+    def truncate(self, lengths: torch.Tensor) -> None: ...
+
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+    def pending(
+        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def pending_block(
+    sequences: torch.Tensor,  # [batch, capacity] committed tokens
+    seq_lens: torch.Tensor,  # [batch]
+    held: torch.Tensor,  # [batch] tokens already in each row's cache
+    pad_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The committed tokens not yet in a cache, as a left-padded ragged block.
+
+    Shared by every backend, so that a ragged prefill and a drafter catching up on the tokens
+    it missed look the same to each: tokens, valid: [batch, n_pending].
+    """
+    n = int((seq_lens - held).max()) if held.numel() else 0
+    index = seq_lens[:, None] - n + torch.arange(n, device=sequences.device)  # [batch, n]
+    valid = index >= held[:, None]
+    tokens = sequences.gather(1, index.clamp(min=0)).masked_fill(~valid, pad_id)
+    return tokens, valid

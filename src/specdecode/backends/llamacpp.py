@@ -1,0 +1,310 @@
+"""GGUF models on llama.cpp, under the engine: one llama.cpp sequence per batch row.
+
+Why a backend of its own: the GGUF files we ship are 4-bit; run through `transformers` they are
+dequantized to fp32, which reads seven times the bytes per step and holds eight times the memory.
+llama.cpp runs them as shipped. Through llama-cpp-python's low-level API (ctypes over `llama.h`),
+this module implements the engine's `ModelBackend`:
+
+* one context per model; row b of the batch is llama.cpp sequence `seq_ids[b]`, with its own
+  positions (`lengths[b]` is the next one);
+* `forward` puts every valid token of every row into one `llama_batch` (one `llama_decode`),
+  asking for outputs only at the last `logits_to_keep` columns, and copies those logits once
+  into a float32 torch tensor, so verification rules, samplers, drafters and length policies work
+  unchanged;
+* rollback is `llama_memory_seq_rm` of a row's rejected positions; a finished row's sequence is
+  removed and the row mapping shrinks (no copy of any cache);
+* the drafter's last hidden states are llama.cpp's embeddings output (the final norm's output,
+  as `transformers`' last hidden state), for the acceptance head.
+
+llama.cpp does not promise the same logits for a token scored in passes of different shapes
+(see `docs/findings.md`); greedy decoding on this backend therefore agrees with the backend's
+own plain greedy decoding except after near-ties, which the bench records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from specdecode.backends.base import pending_block
+
+DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
+
+
+class LlamaCppUnavailableError(RuntimeError):
+    """llama-cpp-python is not installed (or failed to build) in this environment."""
+
+
+class LlamaCppLoadError(ValueError):
+    """llama.cpp could not load a model file or create its context."""
+
+
+def _llama():
+    try:
+        import llama_cpp
+    except ImportError as error:  # missing, or a build that failed to produce its library
+        raise LlamaCppUnavailableError(
+            "the llama.cpp backend needs llama-cpp-python: install it with "
+            '`pip install -e ".[llamacpp]"` (it compiles llama.cpp, several minutes on 2 cores), '
+            f"or use `--backend torch` ({error})"
+        ) from error
+    return llama_cpp
+
+
+_QUIET = None
+
+
+def _init_once(lib) -> None:
+    """Start llama.cpp's backend and route its log lines to nowhere (they would flood stderr
+    with every tensor it loads); errors still surface as our own exceptions."""
+    global _QUIET
+    if _QUIET is None:
+        _QUIET = lib.llama_log_callback(lambda level, text, data: None)
+        lib.llama_log_set(_QUIET, ctypes.c_void_p())
+        lib.llama_backend_init()
+
+
+def physical_cores() -> int:
+    """Physical cores this process may use: llama.cpp's matrix kernels gain nothing from a
+    core's second hyperthread and lose to the contention, so threads default to these."""
+    allowed = os.sched_getaffinity(0)
+    cores: set[tuple[str, str]] = set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return len(allowed)
+    cpu, phys = None, "0"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            cpu = int(value)
+        elif key == "physical id":
+            phys = value
+        elif key == "core id" and cpu in allowed:
+            cores.add((phys, value))
+    return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+class LlamaCppModel:
+    """A GGUF decoder on llama.cpp with one sequence per batch row (a `ModelBackend`)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        role: str = "model",
+        context: int = DEFAULT_CONTEXT,
+        threads: int | None = None,
+        hidden_states: bool = False,
+        max_rows: int = 1,
+    ) -> None:
+        lib = _llama()
+        _init_once(lib)
+        self.lib = lib
+        self.path = Path(path)
+        self.role = role
+        self.device = torch.device("cpu")
+        if not self.path.is_file():
+            raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.model:
+            raise LlamaCppLoadError(
+                f"{role}: llama.cpp cannot load {self.path} (not a GGUF file, damaged, or an "
+                "architecture this llama.cpp build does not know); re-fetch it with "
+                "`specdecode models fetch NAME --force`, or use `--backend torch`"
+            )
+        vocab = lib.llama_model_get_vocab(self.model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
+        self.hidden_size = int(lib.llama_model_n_embd(self.model))
+        self.context_length = min(context, int(lib.llama_model_n_ctx_train(self.model)))
+        self.threads = threads or physical_cores()
+        self.hidden_states = hidden_states
+        self.ctx = None
+        self.rows_capacity = 0
+        self.batch = None
+        self.batch_capacity = 0
+        self._new_context(max(1, max_rows))
+        self.reset(0)
+
+    # ---------------------------------------------------------------- set-up
+
+    def _new_context(self, rows: int) -> None:
+        """A context for `rows` sequences of `context_length` tokens each (each row gets its
+        own cache stream: rows share no prefix, and separate streams attend less)."""
+        lib = self.lib
+        if self.ctx is not None:
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.context_length * rows
+        params.n_batch = params.n_ubatch = max(512, 16 * rows)
+        params.n_seq_max = rows
+        params.n_threads = params.n_threads_batch = self.threads
+        params.embeddings = False  # switched on per pass, when hidden states are read
+        params.kv_unified = False
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise LlamaCppLoadError(
+                f"{self.role}: llama.cpp could not create a context of {rows} row(s) of "
+                f"{self.context_length} tokens (out of memory?)"
+            )
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.embeddings_on = False
+        self.rows_capacity = rows
+        self.max_batch_tokens = int(params.n_batch)
+
+    def _ensure_batch(self, n_tokens: int) -> None:
+        if n_tokens > self.batch_capacity:
+            if self.batch is not None:
+                self.lib.llama_batch_free(self.batch)
+            capacity = max(n_tokens, 2 * self.batch_capacity, 64)
+            self.batch = self.lib.llama_batch_init(capacity, 0, 1)
+            self.batch_capacity = capacity
+
+    def close(self) -> None:
+        """Free llama.cpp's memory now rather than at garbage collection."""
+        lib = self.lib
+        if self.batch is not None:
+            lib.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx is not None:
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model is not None:
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ---------------------------------------------------------------- ModelBackend
+
+    def reset(self, batch_size: int) -> None:
+        if batch_size > self.rows_capacity:
+            self._new_context(batch_size)
+        else:
+            self.lib.llama_memory_clear(self.memory, True)
+        self.seq_ids = list(range(batch_size))  # row b is llama.cpp sequence seq_ids[b]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+
+    def pending(
+        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return pending_block(sequences, seq_lens, self.lengths, pad_id)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor,
+        logits_to_keep: int = 1,
+        want_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append a ragged block to every row in one `llama_decode`; logits of its end.
+
+        tokens, valid: [batch, n] -> logits [batch, logits_to_keep, vocab] (float32; zero at a
+        hole), hidden [batch, logits_to_keep, hidden] when asked (and the context has them).
+        """
+        if want_hidden and not self.hidden_states:
+            raise ValueError(
+                f"{self.role}: hidden states were not enabled when this llama.cpp model was "
+                "loaded (hidden_states=True)"
+            )
+        batch, n = tokens.shape
+        keep = min(logits_to_keep, n)
+        valid_l = valid.tolist()
+        tokens_l = tokens.tolist()
+        lengths_l = self.lengths.tolist()
+        count = sum(map(sum, valid_l))
+        counts = [sum(v) for v in valid_l]
+        for b in range(batch):
+            if lengths_l[b] + counts[b] > self.context_length:
+                raise ValueError(
+                    f"{self.role}: row {b} would hold {lengths_l[b] + counts[b]} tokens, beyond "
+                    f"this llama.cpp context of {self.context_length} per row"
+                )
+        out_rows: list[int] = []
+        out_cols: list[int] = []
+        out_index: list[int] = []  # which of llama.cpp's outputs each wanted position is
+        if want_hidden != self.embeddings_on:  # with embeddings on, llama.cpp outputs (and
+            # computes the logits of) every token of a batch: only when the hidden states are read
+            self.lib.llama_set_embeddings(self.ctx, want_hidden)
+            self.embeddings_on = want_hidden
+        if count:
+            self._ensure_batch(count)
+            lb = self.batch
+            i = 0
+            for b in range(batch):
+                pos = lengths_l[b]
+                seq = self.seq_ids[b]
+                row_tokens, row_valid = tokens_l[b], valid_l[b]
+                for j in range(n):
+                    if not row_valid[j]:
+                        continue
+                    lb.token[i] = row_tokens[j]
+                    lb.pos[i] = pos
+                    lb.n_seq_id[i] = 1
+                    lb.seq_id[i][0] = seq
+                    wanted = j >= n - keep
+                    lb.logits[i] = wanted
+                    if wanted:
+                        out_rows.append(b)
+                        out_cols.append(j - (n - keep))
+                        out_index.append(i if want_hidden else len(out_index))
+                    pos += 1
+                    i += 1
+            self._decode(count)
+        logits = torch.zeros(batch, keep, self.vocab_size)  # [batch, keep, vocab]
+        hidden = torch.zeros(batch, keep, self.hidden_size) if want_hidden else None
+        if out_rows:
+            rows_t, cols_t = torch.tensor(out_rows), torch.tensor(out_cols)
+            outputs = count if want_hidden else len(out_rows)
+            index = torch.tensor(out_index) if want_hidden else slice(None)
+            logits[rows_t, cols_t] = self._outputs(
+                self.lib.llama_get_logits(self.ctx), outputs, self.vocab_size
+            )[index]  # the one copy of the logits (two where every token was output)
+            if hidden is not None:
+                hidden[rows_t, cols_t] = self._outputs(
+                    self.lib.llama_get_embeddings(self.ctx), outputs, self.hidden_size
+                )[index]
+        self.lengths = self.lengths + torch.tensor(counts, dtype=torch.long)
+        return logits, hidden
+
+    def _decode(self, count: int) -> None:
+        self.batch.n_tokens = count
+        status = self.lib.llama_decode(self.ctx, self.batch)
+        if status != 0:
+            raise RuntimeError(
+                f"{self.role}: llama_decode failed with status {status} on a batch of {count} "
+                "tokens (1: no room left in the cache; < 0: an error inside llama.cpp)"
+            )
+
+    @staticmethod
+    def _outputs(pointer, rows: int, width: int) -> torch.Tensor:
+        """A view of llama.cpp's output buffer (no copy; the caller's assignment copies once)."""
+        array = (ctypes.c_float * (rows * width)).from_address(ctypes.addressof(pointer.contents))
+        return torch.frombuffer(array, dtype=torch.float32).view(rows, width)
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Keep the first `lengths[b]` tokens of each row: remove the rest from its sequence."""
+        lengths = torch.minimum(self.lengths, lengths.to(self.lengths.device))
+        for b, (old, new) in enumerate(zip(self.lengths.tolist(), lengths.tolist(), strict=True)):
+            if new < old:
+                self.lib.llama_memory_seq_rm(self.memory, self.seq_ids[b], new, -1)
+        self.lengths = lengths
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows; the sequences of the others are removed from the cache."""
+        keep = rows.tolist()
+        for b in set(range(len(self.seq_ids))) - set(keep):
+            self.lib.llama_memory_seq_rm(self.memory, self.seq_ids[b], -1, -1)
+        self.seq_ids = [self.seq_ids[b] for b in keep]
+        self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
