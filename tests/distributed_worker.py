@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ def run_job(job: dict[str, Any], on_step) -> Any:
 
 
 def main() -> int:
+    started = time.perf_counter()
     import torch
 
     from specdecode.distributed import process_state
@@ -105,10 +107,13 @@ def main() -> int:
     audit = WriteAudit()
     sys.addaudithook(audit)
     state = process_state()
+    print(f"process {state.process_index}: started in {time.perf_counter() - started:.1f} s")
     for job in jobs:
         steps: list[dict[str, Any]] = []
         audit.root, audit.writes = job["watch"], []
+        started = time.perf_counter()
         result = run_job(job, lambda record, steps=steps: steps.append(asdict(record)))
+        seconds = time.perf_counter() - started
         audit.root = None
         record = {
             "process": state.process_index,
@@ -116,6 +121,7 @@ def main() -> int:
             "steps": steps,
             "writes": audit.writes,
             "result": result,
+            "seconds": seconds,
         }
         out = Path(job["records"]) / f"{job['name']}-{state.process_index}.json"
         out.parent.mkdir(parents=True, exist_ok=True)

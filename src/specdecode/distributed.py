@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,6 +131,20 @@ def main_object(accelerator: Any, value: Any) -> Any:
     box = [value]
     broadcast_object_list(box, from_process=0)
     return box[0]
+
+
+def agreed_on_resume(accelerator: Any, found: bool, what: Path | str) -> bool:
+    """Whether to resume: what the main process found, on every process; a process that does
+    not see the checkpoint the main process sees stops with a clear error (rather than train
+    from step 0 beside processes that resumed): the output folder must be one every node reads,
+    a shared file system across machines."""
+    resuming = bool(main_object(accelerator, found))
+    if resuming and not found:
+        raise FileNotFoundError(
+            f"process {accelerator.process_index} does not see {what}, which the main process "
+            "resumes from: put the output folder on a file system every node shares"
+        )
+    return resuming
 
 
 def gather_objects(accelerator: Any, value: Any) -> list[Any]:

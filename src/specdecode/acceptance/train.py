@@ -66,6 +66,7 @@ from specdecode.acceptance.replay import PreviewCosts, preview_policies, preview
 from specdecode.distributed import (
     StepCallback,
     StepRecord,
+    agreed_on_resume,
     global_means,
     main_object,
     new_accelerator,
@@ -235,6 +236,7 @@ def train_head(
     checkpoint_file = out_dir / CHECKPOINT_DIR / CHECKPOINT_FILE
     identity = _run_identity(config, data_dirs, data, train_rows)
     saved = _load_checkpoint(checkpoint_file, identity)
+    agreed_on_resume(accelerator, saved is not None, checkpoint_file)
 
     set_seed(config.seed)  # the same initial head on every process
     head = _new_head(data, config)

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from specdecode.distributed import (
     StepCallback,
     StepRecord,
+    agreed_on_resume,
     global_means,
     new_accelerator,
     share,
@@ -291,7 +292,7 @@ def train_drafter(
         target_features=verifier.config.d_model if cfg.target_features else 0,
         **extra,
     )
-    resuming = ckpt.exists()
+    resuming = agreed_on_resume(accelerator, ckpt.exists(), ckpt.last)
     if resuming:
         drafter = BlockDrafter.load(ckpt.last).train()
     elif cfg.init_drafter is not None:

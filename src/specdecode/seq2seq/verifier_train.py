@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from specdecode.distributed import (
     StepCallback,
     StepRecord,
+    agreed_on_resume,
     global_means,
     new_accelerator,
     share,
@@ -228,7 +229,7 @@ def train_verifier(
     torch.manual_seed(loop.seed)  # the same initial model on every process
     random.seed(loop.seed)
     ckpt = Checkpointer(out, loop.keep_snapshots)
-    resuming = ckpt.exists()
+    resuming = agreed_on_resume(accelerator, ckpt.exists(), ckpt.last)
     if resuming:
         model = MarianMTModel.from_pretrained(str(ckpt.last))
     else:
