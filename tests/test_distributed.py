@@ -41,7 +41,7 @@ from specdecode.distributed import StepRecord, global_means, share, step_seed
 
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 LOSS_RTOL = 1e-5  # per-step loss, two processes against one (measured: about 1e-7)
-WEIGHT_ATOL = 1e-5  # final weights, likewise (measured: below 1e-7)
+WEIGHT_ATOL = 1e-5  # final weights, likewise (measured: at most 1.6e-6)
 STEPS = 6  # of every seq2seq run; the resumed ones stop half-way first
 
 

@@ -36,6 +36,7 @@ from specdecode.distributed import (
     StepRecord,
     agreed_on_resume,
     global_means,
+    main_object,
     new_accelerator,
     share,
     step_seed,
@@ -371,7 +372,8 @@ def train_drafter(
             [tgt_ids[i] for i in batch], k_step, cfg.blocks_per_sentence, rng
         )
         rows, weight = share(batch, rank, world)
-        at = [batch.index(i) for i in rows]  # the rows' places in the global batch
+        place = {row: j for j, row in enumerate(batch)}
+        at = [place[i] for i in rows]  # the rows' places in the global batch
         torch.manual_seed(step_seed(loop.seed, state.step, rank))  # dropout
         src = pad([src_ids[i] for i in rows], tokenizer.pad_token_id).to(device)
         src_mask = (src != tokenizer.pad_token_id).long()
@@ -441,6 +443,7 @@ def train_drafter(
     }
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary = main_object(accelerator, summary)  # the main process's history, everywhere
     accelerator.wait_for_everyone()
     return summary
 

@@ -22,6 +22,7 @@ from specdecode.distributed import (
     StepRecord,
     agreed_on_resume,
     global_means,
+    main_object,
     new_accelerator,
     share,
     step_seed,
@@ -321,6 +322,7 @@ def train_verifier(
     if main:
         tokenizer.save_pretrained(str(ckpt.last))
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary = main_object(accelerator, summary)  # the main process's history, everywhere
     accelerator.wait_for_everyone()
     return summary
 
