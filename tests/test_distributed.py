@@ -338,12 +338,14 @@ def head_runs(tmp_path_factory, tiny_pair):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
-    def collect_argv(out: Path) -> list[str]:
+    def collect_argv(out: Path, *more: str) -> list[str]:
         return ["head", "collect", "--target", str(target), "--draft", str(draft), "--prompts",
                 str(prompts), "--max-new-tokens", "8", "--batch-size", "1", "--temperature",
-                "0.7", "--threads", "1", "--out", str(out), "--no-progress"]  # fmt: skip
+                "0.7", "--threads", "1", "--out", str(out), "--no-progress", *more]  # fmt: skip
 
+    rounds = ("--rounds", "3")  # inside real rounds (`acceptance.rounds`) as well as mixed
     assert main(collect_argv(root / "c-1")) == 0
+    assert main(collect_argv(root / "cr-1", *rounds)) == 0
     data = write_data(root / "data")
     config = TrainConfig(rule="greedy", **HEAD)
     reference, reference_cb = recorder()
@@ -353,7 +355,8 @@ def head_runs(tmp_path_factory, tiny_pair):
     work = root / "launch"
     head_job = {"data": str(data), "config": {"rule": "greedy", **HEAD}}
     jobs = [
-        job("cli", "collect", root / "c-2", work, argv=collect_argv(root / "c-2")),
+        job("cli", "c", root / "c-2", work, argv=collect_argv(root / "c-2")),
+        job("cli", "cr", root / "cr-2", work, argv=collect_argv(root / "cr-2", *rounds)),
         job("head", "h-P", root / "h-P", work, max_steps=HEAD_STOP, **head_job),
         job("head", "h-O", root / "h-O", work, **head_job),
     ]
@@ -370,23 +373,25 @@ def head_runs(tmp_path_factory, tiny_pair):
     }
 
 
-def test_head_collect_with_two_processes_writes_the_files_of_one(head_runs):
+@pytest.mark.parametrize("kind", ["c", "cr"])  # mixed sequences, inside rounds
+def test_head_collect_with_two_processes_writes_the_files_of_one(head_runs, kind):
     root = head_runs["root"]
     one, two = (
-        load_file(root / "c-1" / "examples.safetensors"),
-        load_file(root / "c-2" / "examples.safetensors"),
+        load_file(root / f"{kind}-1" / "examples.safetensors"),
+        load_file(root / f"{kind}-2" / "examples.safetensors"),
     )
     assert one.keys() == two.keys() and len(one["label_greedy"]) > 0
+    assert ("round" in one) == (kind == "cr")
     for key in one:
         assert torch.equal(one[key], two[key]), key
-    meta = [json.loads((root / c / "meta.json").read_text()) for c in ("c-1", "c-2")]
+    meta = [json.loads((root / f"{kind}-{n}" / "meta.json").read_text()) for n in (1, 2)]
     for m in meta:
         m.pop("seconds")
     assert meta[0] == meta[1]
-    shards = sorted(p.name for p in (root / "c-2" / "shards").iterdir())
-    assert shards == sorted(p.name for p in (root / "c-1" / "shards").iterdir())
+    shards = sorted(p.name for p in (root / f"{kind}-2" / "shards").iterdir())
+    assert shards == sorted(p.name for p in (root / f"{kind}-1" / "shards").iterdir())
     assert len(shards) == 4  # one per prompt, two turns of two processes
-    assert_one_writer(head_runs["launched"]["collect"])
+    assert_one_writer(head_runs["launched"][kind])
 
 
 def test_head_train_shares_batches_and_matches_one_process(head_runs):
