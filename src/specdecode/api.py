@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from specdecode.backends.torch_eager import CachedModel, context_length
+from specdecode.backends.base import ModelBackend
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.checks import (
     check_prompts,
     check_same_device,
@@ -29,8 +30,10 @@ from specdecode.checks import (
 from specdecode.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
+    LOOKUP_FIRST,
     PROMPT_LOOKUP,
     DecodeConfig,
+    PassPrices,
     PromptLookup,
     RoundPrices,
     SamplingConfig,
@@ -43,11 +46,56 @@ from specdecode.drafters import (
 )
 from specdecode.engine import StepEvent, decode
 from specdecode.length_policies import make_policy
+from specdecode.priced import PricedDrafter
 from specdecode.prompts import render_chat
 from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import make_rule
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+LLAMA_CPP = "llama.cpp"
+BACKENDS = ("torch", LLAMA_CPP)
+
+
+def as_backend(model, role: str) -> ModelBackend:
+    """A `transformers` decoder gets the PyTorch backend; a backend is taken as it is."""
+    if isinstance(model, torch.nn.Module):
+        return CachedModel(model.eval(), role)
+    if isinstance(model, ModelBackend):
+        return model
+    raise TypeError(
+        f"{role} must be a transformers causal LM or a model backend (e.g. "
+        f"backends.llamacpp.LlamaCppModel), got {type(model).__name__}"
+    )
+
+
+def module_of(backend: ModelBackend):
+    return backend.model if isinstance(backend, CachedModel) else backend
+
+
+def default_backend(name_or_path: str, device: str) -> str:
+    """llama.cpp for what is a GGUF (a known model, a .gguf file) on the CPU; else torch."""
+    from specdecode.models.catalogue import MODELS
+
+    is_gguf = name_or_path in MODELS or str(name_or_path).endswith(".gguf")
+    return LLAMA_CPP if is_gguf and str(device) == "cpu" else "torch"
+
+
+def gguf_path(name_or_path: str) -> Path:
+    """The GGUF file of a known model (fetched and checked) or a local .gguf path."""
+    from specdecode.models.catalogue import MODELS
+
+    if name_or_path in MODELS:
+        from specdecode.models.store import gguf_file
+
+        return gguf_file(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(
+            f"{name_or_path!r} is neither a known model nor a .gguf file: the llama.cpp backend "
+            f"runs GGUF files (known models: {', '.join(MODELS)}); a transformers model "
+            "directory runs with --backend torch"
+        )
+    return path
 
 
 @dataclass
@@ -67,30 +115,39 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: torch.nn.Module | ModelBackend,
         tokenizer=None,
-        drafter: torch.nn.Module | PromptLookup | None = None,
+        drafter: torch.nn.Module | ModelBackend | PromptLookup | None = None,
         drafter_tokenizer=None,
         acceptance_head: torch.nn.Module | None = None,
     ) -> None:
-        check_vocab_covers_tokenizer(target, tokenizer, "target")
-        self._target_lm = CachedModel(target.eval(), "target")
+        self._target_lm = as_backend(target, "target")
+        check_vocab_covers_tokenizer(self._target_lm.vocab_size, tokenizer, "target")
         self._draft_lm = None
         self.lookup = drafter if isinstance(drafter, PromptLookup) else None
         if self.lookup is not None:
             drafter = None
         if drafter is not None:
-            check_same_device(target, drafter)
-            self._draft_lm = CachedModel(drafter.eval(), "drafter")
+            if isinstance(target, torch.nn.Module) and isinstance(drafter, torch.nn.Module):
+                check_same_device(target, drafter)
+            self._draft_lm = as_backend(drafter, "drafter")
             if tokenizer is not None and drafter_tokenizer is not None:
                 check_same_vocabulary(tokenizer, drafter_tokenizer)
-        self.target = self._target_lm.model
-        self.drafter = self._draft_lm.model if self._draft_lm is not None else None
+        # the torch modules where the backend is PyTorch (heads, peers and kernels read them);
+        # the backend itself otherwise
+        self.target = module_of(self._target_lm)
+        self.drafter = module_of(self._draft_lm) if self._draft_lm is not None else None
         self.tokenizer = tokenizer
         self.acceptance_head = acceptance_head
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
-        self.vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.context = context_length(target)
+        self._pass_prices: PassPrices | None = None
+        self.vocab_size = self._target_lm.vocab_size
+        self.context = self._target_lm.context_length
+
+    @property
+    def backend(self) -> str:
+        """Which backend runs the target: "torch" or "llama.cpp"."""
+        return "torch" if isinstance(self._target_lm, CachedModel) else "llama.cpp"
 
     @classmethod
     def from_pretrained(
@@ -101,21 +158,35 @@ class SpeculativeDecoder:
         device: str = "cpu",
         prepack: bool | None = None,
         drafter_int8: bool = False,
+        backend: str | None = None,
+        threads: int | None = None,
     ) -> SpeculativeDecoder:
-        """Load local model directories (or known model names) offline; the drafter
+        """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
 
-        `prepack` gives the target's linear layers oneDNN-packed copies for products of 2+ rows
-        (`kernels.prepack_linears`): on CPUs where the default fp32 kernel runs a few rows at
-        two to three times the cost of one, a verify pass otherwise costs that much more than
-        a decoding step, which eats most of the speedup. None (the default): on for fp32 on
-        the CPU where this torch build has the kernels. It doubles the target's linear weights
-        in memory. An fp32 drafter gets the same packing: it decodes one row at a time, which
-        the timed switch packs where that is faster (the 0.5B default drafter on a 2-core AMD
-        EPYC: 100 ms a token packed against 150 on MKL). `drafter_int8` drafts with an int8
-        dynamically quantized copy of the drafter (CPU) instead: cheaper drafts, the same output
-        law (every token is verified).
+        `backend`: "llama.cpp" runs GGUF files as shipped (4-bit, an eighth of fp32's memory
+        and bytes per step); "torch" runs `transformers` models (a known model is converted to
+        fp32 safetensors once). None: llama.cpp for known models and `.gguf` files on the CPU,
+        torch otherwise. `threads`: llama.cpp's threads (default: the physical cores).
+
+        torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
+        products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
+        runs a few rows at two to three times the cost of one, a verify pass otherwise costs
+        that much more than a decoding step. None (the default): on for fp32 on the CPU where
+        this torch build has the kernels; it doubles the target's linear weights in memory, and
+        an fp32 drafter gets the same packing. `drafter_int8` drafts with an int8 dynamically
+        quantized copy of the drafter (CPU) instead: cheaper drafts, the same output law.
         """
+        backend = backend or default_backend(target, device)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if backend == LLAMA_CPP:
+            if device != "cpu" or dtype != torch.float32 or prepack or drafter_int8:
+                raise ValueError(
+                    "the llama.cpp backend runs a GGUF's own weights on the CPU: dtype, device, "
+                    "prepack and int8 drafting are options of the torch backend (--backend torch)"
+                )
+            return cls._from_gguf(target, drafter, threads)
         from specdecode.backends.kernels import (
             cpu_fp32,
             prepack_available,
@@ -149,6 +220,35 @@ class SpeculativeDecoder:
             prepack_linears(draft_model)
         return cls(target_model, tokenizer, draft_model, draft_tokenizer)
 
+    @classmethod
+    def _from_gguf(
+        cls, target: str, drafter: str | None, threads: int | None
+    ) -> SpeculativeDecoder:
+        from specdecode.backends.llamacpp import LlamaCppModel
+        from specdecode.models.tokenizer import gguf_tokenizer
+
+        path = gguf_path(target)
+        tokenizer = gguf_tokenizer(path)
+        target_lm = LlamaCppModel(path, role="target", threads=threads)
+        if drafter is None:
+            return cls(target_lm, tokenizer)
+        if drafter == PROMPT_LOOKUP:
+            return cls(target_lm, tokenizer, PromptLookup())
+        draft_path = gguf_path(drafter)
+        draft_lm = LlamaCppModel(draft_path, role="drafter", threads=threads)
+        return cls(target_lm, tokenizer, draft_lm, gguf_tokenizer(draft_path))
+
+    def pass_prices(self) -> PassPrices:
+        """This backend's pass prices here, timed once (a few seconds) and kept: what the
+        priced policy plans rounds from (`backends.prices`)."""
+        if self._pass_prices is None:
+            from specdecode.backends.prices import measure_pass_prices
+
+            self._pass_prices = measure_pass_prices(
+                self._target_lm, self._draft_lm, self.vocab_size, self.context
+            )
+        return self._pass_prices
+
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
         from specdecode.acceptance.head import load_head
@@ -174,9 +274,7 @@ class SpeculativeDecoder:
         return [[int(t) for t in p] for p in prompts]
 
     def default_stop_ids(self) -> tuple[int, ...]:
-        ids: set[int] = set()
-        eos = getattr(self.target.generation_config, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        ids: set[int] = set(self._target_lm.stop_token_ids())
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
@@ -250,7 +348,11 @@ class SpeculativeDecoder:
                 "lookup_first looks up before a drafter model: it needs a decoder with a "
                 "drafter model, drafting (use_drafter=True)"
             )
-        if use_drafter and self._draft_lm is not None:
+        if use_drafter and cfg.length_policy == "priced":
+            if lookup_first is not None:
+                raise ValueError("the priced policy looks up first by itself; drop lookup_first")
+            drafter = self._priced_drafter(cfg)
+        elif use_drafter and self._draft_lm is not None:
             policy = make_policy(cfg, self._checked_head(cfg, verification.name))
             drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
             if lookup_first is not None:
@@ -263,6 +365,19 @@ class SpeculativeDecoder:
             )
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
 
+    def _priced_drafter(self, cfg: DecodeConfig) -> PricedDrafter:
+        """Lookup and the drafter model (if any), each as far as it pays at this backend's
+        prices: matches of 3-4 tokens before a drafter model, of 1-4 with no model."""
+        prices = cfg.pass_prices or self.pass_prices()
+        model = None
+        if self._draft_lm is not None:
+            policy = make_policy(cfg)  # drafts what the priced plan tells it
+            model = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
+            lookup = self.lookup or LOOKUP_FIRST
+        else:
+            lookup = self.lookup or PromptLookup(max_ngram=4, min_ngram=1)
+        return PricedDrafter(lookup, model, prices, cfg.max_draft_tokens)
+
     def _checked_head(self, cfg: DecodeConfig, rule: str) -> torch.nn.Module | None:
         """The head, if the policy needs one and it learnt the acceptance of this rule.
 
@@ -272,6 +387,12 @@ class SpeculativeDecoder:
         """
         if cfg.length_policy not in HEAD_POLICIES:
             return self.acceptance_head
+        if self.backend != "torch":
+            raise ValueError(
+                f"length policy {cfg.length_policy!r} reads an acceptance head over the "
+                "drafter's PyTorch states; on llama.cpp use the priced policy (the default), "
+                "or --backend torch"
+            )
         head = self.acceptance_head
         if head is None:
             if rule not in self._shipped_heads:

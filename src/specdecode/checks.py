@@ -41,8 +41,7 @@ def check_same_vocabulary(target_tokenizer, drafter_tokenizer) -> None:
             )
 
 
-def check_vocab_covers_tokenizer(model: torch.nn.Module, tokenizer, role: str) -> None:
-    size = model.get_output_embeddings().weight.shape[0]
+def check_vocab_covers_tokenizer(size: int, tokenizer, role: str) -> None:
     if tokenizer is not None and len(tokenizer) > size:
         raise IncompatibleModelsError(
             f"{role} has {size} output logits but its tokenizer has {len(tokenizer)} tokens"

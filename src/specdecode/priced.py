@@ -135,20 +135,17 @@ class PricedDrafter:
         ]
         ngram = [n for _, n in found]  # 0: no match, the model drafts (if there is one)
         has_model = self.model is not None
-        rates = [
-            self.by_ngram.rate(n) if n else self.by_row.rate(b) for b, n in enumerate(ngram)
-        ]
-        caps = [
-            len(c) if n else (budget[b] if has_model else 0)
-            for b, (c, n) in enumerate(found)
-        ]
+        rates = [self.by_ngram.rate(n) if n else self.by_row.rate(b) for b, n in enumerate(ngram)]
+        caps = [len(c) if n else (budget[b] if has_model else 0) for b, (c, n) in enumerate(found)]
         plan = plan_lengths(rates, caps, [n == 0 and has_model for n in ngram], self.prices)
         self.round = (ngram, plan)
         device = sequences.device
         use = torch.tensor([n > 0 for n in ngram], device=device)  # [batch] lookup rows
-        model_k = torch.tensor([0 if n else k for n, k in zip(ngram, plan, strict=True)])
-        if has_model and int(model_k.max(initial=0)) > 0:
-            draft = self.model.propose(sequences, seq_lens, model_k.to(device), rng)
+        model_k = [0 if n else k for n, k in zip(ngram, plan, strict=True)]
+        if has_model and max(model_k, default=0) > 0:
+            draft = self.model.propose(
+                sequences, seq_lens, torch.tensor(model_k, device=device), rng
+            )
         else:
             draft = Draft.empty(len(lens), device)
         looked = [c[:k] if n else c[:0] for (c, n), k in zip(found, plan, strict=True)]

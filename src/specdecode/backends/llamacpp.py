@@ -122,6 +122,8 @@ class LlamaCppModel:
             )
         vocab = lib.llama_model_get_vocab(self.model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
+        ends = (lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab))
+        self._stop_ids = tuple(sorted({int(t) for t in ends if t >= 0}))
         self.hidden_size = int(lib.llama_model_n_embd(self.model))
         self.context_length = min(context, int(lib.llama_model_n_ctx_train(self.model)))
         self.threads = threads or physical_cores()
@@ -132,6 +134,10 @@ class LlamaCppModel:
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
         self.reset(0)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence and end-of-turn ids the GGUF names."""
+        return self._stop_ids
 
     # ---------------------------------------------------------------- set-up
 

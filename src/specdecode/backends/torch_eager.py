@@ -128,6 +128,20 @@ class CachedModel:
         self.compact_min_holes = compact_min_holes
         self.reset(0)
 
+    @property
+    def vocab_size(self) -> int:
+        """Logits per position (families pad the embedding past the tokenizer's size)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def context_length(self) -> int | None:
+        return context_length(self.model)
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids the model's generation config names."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        return tuple(sorted([eos] if isinstance(eos, int) else (eos or [])))
+
     def reset(self, batch_size: int) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)

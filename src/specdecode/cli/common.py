@@ -29,7 +29,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--length-policy",
         choices=POLICIES,
         default="constant",
-        help="how many tokens to draft per round (head: SpecDec++; head-u: the head also "
+        help="how many tokens to draft per round (priced, generate's default: as far as this "
+        "machine's measured prices say drafting pays, lookup first, a plain step when nothing "
+        "does; head: SpecDec++; head-u: the head also "
         "reads each token's acceptance number, sampling only; the default pair's heads ship)",
     )
     parser.add_argument(
@@ -66,7 +68,19 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads (default: torch all cores, llama.cpp the physical cores)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "llama.cpp"),
+        default=None,
+        help="llama.cpp runs known models' GGUF files as shipped (the default on the CPU); "
+        "torch runs transformers models (known models converted to fp32 once)",
+    )
 
 
 def set_threads(threads: int | None) -> None:

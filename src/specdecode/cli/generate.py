@@ -25,7 +25,7 @@ from specdecode.config import (
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.api import SpeculativeDecoder
+    from specdecode.api import SpeculativeDecoder, default_backend
 
     set_threads(args.threads)
     if args.batch_size < 1:
@@ -33,15 +33,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     draft = None if args.no_draft else args.draft
     dtype = DTYPES[args.dtype]
+    backend = args.backend or default_backend(args.target, args.device)
+    torch_only = backend == "torch"
     decoder = SpeculativeDecoder.from_pretrained(
         args.target,
         draft,
         dtype,
         args.device,
         prepack=False if args.no_prepack else None,
-        drafter_int8=draft not in (None, PROMPT_LOOKUP)
+        drafter_int8=torch_only
+        and draft not in (None, PROMPT_LOOKUP)
         and int8_draft_wanted(args.draft_precision, args.device, dtype),
+        backend=backend,
+        threads=args.threads,
     )
+    if args.length_policy == "priced" and draft is not None and not args.json:
+        print(f"[{decoder.backend} prices] {decoder.pass_prices().describe()}", file=sys.stderr)
     if args.head is not None:
         decoder.load_head(args.head)
     prices = None
@@ -146,4 +153,4 @@ def add_subcommands(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
     add_decoding_arguments(p)
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, length_policy="priced")
