@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -155,3 +157,85 @@ def test_text_prompts_and_chat_template(decoder):
     assert decoder.encode(["t5"], chat=True) == [[2, 5, 3]]
     with pytest.raises(ValueError, match="mix of text and token-id prompts"):
         decoder.encode(["t5", [5]])
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(tiny_pair, tmp_path_factory, tiny_llama, word_tokenizer):
+    """The tiny pair's folders, a drafter with another vocabulary and bad prompt files."""
+    target, draft, _ = tiny_pair
+    root = tmp_path_factory.mktemp("cli_inputs")
+    tiny_llama(1, layers=1).save_pretrained(root / "other")
+    word_tokenizer(prefix="w").save_pretrained(root / "other")
+    (root / "bad.jsonl").write_text('{"prompt": "t5 t6"}\n{oops\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "utf16.jsonl").write_bytes('{"prompt": "t5"}\n'.encode("utf-16"))
+    (root / "one.jsonl").write_text('{"prompt": "t5 t6"}\n')
+    return {"target": str(target), "draft": str(draft), "root": root}
+
+
+PROMPT = ["--prompt", "t5 t6 t7"]
+SAMPLED = ["--temperature", "0.7"]
+
+# each bad input of the report: the arguments after the tiny pair, and what the error must say
+BAD_INPUTS = {
+    "unknown-model": (["--target", "gpt-17-ultra", *PROMPT], "'gpt-17-ultra' is neither a known"),
+    "drafter-other-vocabulary": (["--draft", "{root}/other", *PROMPT], "tokenizers differ"),
+    "empty-prompt": (["--prompt", ""], "prompt 0 is empty"),
+    "bad-json-line": (["--prompts", "{root}/bad.jsonl"], r"bad\.jsonl, line 2: not valid JSON"),
+    "empty-prompts-file": (["--prompts", "{root}/empty.jsonl"], r"empty\.jsonl: no prompts in"),
+    "prompts-not-utf8": (
+        ["--prompts", "{root}/utf16.jsonl"],
+        r"utf16\.jsonl, line 1: not UTF-8 text \(byte 0xff at column 1\)",
+    ),
+    "max-new-tokens-0": ([*PROMPT, "--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    "max-new-tokens--1": ([*PROMPT, "--max-new-tokens", "-1"], "max_new_tokens must be >= 1"),
+    "temperature--1": ([*PROMPT, "--temperature", "-1"], "temperature must be a finite number"),
+    "top-p-2": ([*PROMPT, *SAMPLED, "--top-p", "2"], r"top_p must be in \(0, 1\], got 2.0"),
+    "top-k--5": ([*PROMPT, *SAMPLED, "--top-k", "-5"], "top_k must be an integer >= 0"),
+    "k-0": ([*PROMPT, "--num-draft-tokens", "0"], "num_draft_tokens must be >= 1, got 0"),
+    "batch-size-0": ([*PROMPT, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    "prompt-longer-than-context": (
+        ["--prompt", " ".join(["t5"] * 300)],
+        "prompt 0 has 300 tokens, longer than the target's context of 256",
+    ),
+    "missing-head": (
+        [*PROMPT, "--length-policy", "head", "--head", "{root}/no-head"],
+        "no acceptance head at",
+    ),
+    "bound-5-2": (
+        [*PROMPT, "--length-policy", "heuristic", "--bound", "5", "2"],
+        r"1 <= MIN <= MAX, got 5 2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_cli_bad_input_is_one_named_error_exit_2(cli_inputs, capsys, case):
+    from specdecode.cli.main import main
+
+    extra, match = BAD_INPUTS[case]
+    extra = [a.format(root=cli_inputs["root"]) for a in extra]
+    argv = ["generate", "--target", cli_inputs["target"], "--draft", cli_inputs["draft"]]
+    argv += ["--no-prepack", "--max-new-tokens", "4", *extra]  # no kernel timing: seconds
+    capsys.readouterr()
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]  # above it, at most the loading progress bars
+    assert last.startswith("specdecode generate: error: ")
+    assert re.search(match, last), last
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cli/common.read_prompts slices with load_prompts; require_prompts would refuse it",
+)
+def test_cli_prompt_slice_left_empty_is_an_error(cli_inputs, capsys):
+    from specdecode.cli.main import main
+
+    argv = ["generate", "--target", cli_inputs["target"], "--draft", cli_inputs["draft"]]
+    argv += ["--no-prepack", "--prompts", str(cli_inputs["root"] / "one.jsonl"), "--limit", "0"]
+    assert main(argv) == 2

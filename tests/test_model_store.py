@@ -660,16 +660,8 @@ def test_damaged_fp32_without_gguf_is_a_named_error(tiny, damage, monkeypatch, c
     # the command line: one line, exit 2, no traceback; then the fix it names works
     monkeypatch.setenv("SPECDECODE_CACHE", str(tiny.cache))
     capsys.readouterr()
-    generate = [
-        "generate",
-        "--target",
-        TINY,
-        "--no-draft",
-        "--prompt",
-        "ab",
-        "--max-new-tokens",
-        "2",
-    ]
+    generate = ["generate", "--target", TINY, "--backend", "torch", "--no-draft", "--no-prepack"]
+    generate += ["--prompt", "ab", "--max-new-tokens", "2"]
     assert main(generate) == 2
     err_text = capsys.readouterr().err
     assert err_text.count("\n") == 1 and "Traceback" not in err_text
@@ -742,6 +734,24 @@ def test_damaged_gguf_is_a_named_error(tiny, damage):
                  "--cache-dir", str(tiny.cache)]) == 0  # fmt: skip
     assert tiny.gguf().read_bytes() == tiny.data
     assert tiny.state().artefacts == ("gguf",)  # --force started the model afresh
+
+
+def test_damaged_gguf_refused_by_the_llamacpp_backend(tiny, monkeypatch, capsys):
+    """The llama.cpp backend runs the GGUF itself: it gets the same check and the same error."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tiny.cache))
+    time.sleep(2 * SETTLE_NS / 1e9)
+    flip(tiny.file(model_store.GGUF_FILE))
+    generate = ["generate", "--target", TINY, "--backend", "llama.cpp", "--no-draft"]
+    generate += ["--prompt", "ab", "--max-new-tokens", "2", "--json"]
+    capsys.readouterr()
+    assert main(generate) == 2
+    err_text = capsys.readouterr().err
+    assert err_text.count("\n") == 1 and "Traceback" not in err_text
+    assert str(tiny.file(model_store.GGUF_FILE)) in err_text
+    assert f"specdecode models fetch {TINY} --force" in err_text
+    assert main(["models", "fetch", TINY, "--gguf-only", "--force", "--quiet"]) == 0
+    pytest.importorskip("llama_cpp")
+    assert main(generate) == 0
 
 
 def test_deleted_gguf_is_fetched_again(tiny, caplog):
