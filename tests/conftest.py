@@ -2,19 +2,23 @@
 
 Tiny randomly initialised models and tokenizers built from configs (fp32, CPU), fake installed
 distributions, drafters and acceptance heads built from a target, the sampled-law check (exact
-marginals and a chi-square test) and the coupled-randomness runs that several modules share. A
-helper that builds things is a fixture returning the builder (`tiny_llama(seed=1, layers=1)`).
+marginals and a chi-square test), the coupled-randomness runs, a synthetic head collection and a
+tiny translation corpus: what several modules share. A helper that builds things is a fixture
+returning the builder (`tiny_llama(seed=1, layers=1)`).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     GPT2Config,
@@ -30,6 +34,7 @@ from specdecode import SpeculativeDecoder
 from specdecode.acceptance.head import AcceptanceHead, HeadConfig
 from specdecode.config import SamplingConfig
 from specdecode.sampling import logits_to_probs
+from specdecode.seq2seq.corpus import Verse
 
 VOCAB = 96
 
@@ -300,6 +305,88 @@ class CoupledRuns:
 
 
 # --------------------------------------------------------------------------------------------
+# synthetic data: a head collection (no models) and a tiny translation corpus
+
+
+@dataclass(frozen=True)
+class SyntheticHeadData:
+    """`prompts` x `per_prompt` collected examples of a drafter with `hidden`-wide states."""
+
+    hidden: int = 16
+    prompts: int = 12
+    per_prompt: int = 100
+
+    @property
+    def meta(self) -> dict:
+        return {
+            "drafter": {"name": "tiny-drafter", "fingerprint": "d0d0d0d0d0d0d0d0"},
+            "target": {"name": "tiny-target", "fingerprint": "7a7a7a7a7a7a7a7a"},
+            "temperature": 0.7,
+            "mixing_ratio": 0.5,
+            "prompts": "synthetic",
+            "num_prompts": self.prompts,
+            "max_new_tokens": self.per_prompt,
+            "seconds": 0.0,
+        }
+
+    def write(
+        self,
+        directory: Path,
+        shuffle_labels: bool = False,
+        seed: int = 0,
+        signal_in_law: bool = False,
+    ) -> Path:
+        """A collection whose label is [hidden @ w > 0], 10% flipped.
+
+        With `signal_in_law` the label follows the first law feature instead, and the hidden
+        state is noise.
+        """
+        g = torch.Generator().manual_seed(seed)
+        n = self.prompts * self.per_prompt
+        hidden = torch.randn(n, self.hidden, generator=g)  # [N, H]
+        law = torch.randn(n, 3, generator=g)  # [N, 3]
+        drawn = torch.randn(n, generator=g)  # [N] how likely the drawn token was, in some units
+        w = torch.randn(self.hidden, generator=g)  # [H]
+        score = law[:, 0] if signal_in_law else hidden @ w / w.norm()  # [N] ~ N(0, 1)
+        flip = torch.rand(n, generator=g) < 0.1
+        greedy = ((score > 0) ^ flip).float()  # [N]
+        sampling = torch.sigmoid(2 * score)  # [N]
+        if shuffle_labels:
+            perm = torch.randperm(n, generator=g)
+            greedy, sampling = greedy[perm], sampling[perm]
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "hidden": hidden.half(),
+            "label_greedy": greedy,
+            "label_sampling": sampling,
+            "prompt_index": torch.arange(self.prompts).repeat_interleave(self.per_prompt),
+            "position": torch.arange(self.per_prompt).repeat(self.prompts),
+            "law_greedy": law,
+            "law_sampling": law.clone(),
+            # the drawn token's acceptance follows its log probability (a monotone function of it)
+            "label_drawn": torch.sigmoid(2 * drawn),
+            "drawn_log_prob": -torch.exp(-drawn),
+        }
+        save_file(tensors, directory / "examples.safetensors")
+        (directory / "meta.json").write_text(json.dumps(self.meta))
+        return directory
+
+
+SUBJECTS = [("el hombre", "the man"), ("la mujer", "the woman"), ("el rey", "the king")]
+VERBS = [("come", "eats"), ("ve", "sees"), ("tiene", "has")]
+OBJECTS = [("pan", "bread"), ("agua", "water"), ("la casa", "the house"), ("el campo", "the field")]
+
+
+def _tiny_corpus() -> dict[str, list[Verse]]:
+    """36 made-up verses (subject, verb, object), split 30 / 3 / 3."""
+    rows = [
+        Verse(f"Book {i}:1", f"{s} {v} {o}.", f"{se} {ve} {oe}.", f"{se} {ve} {oe}.")
+        for i, ((s, se), (v, ve), (o, oe)) in enumerate(itertools.product(SUBJECTS, VERBS, OBJECTS))
+    ]
+    return {"train": rows[:30], "valid": rows[30:33], "test": rows[33:]}
+
+
+# --------------------------------------------------------------------------------------------
 # fixtures: each helper above, reached by name from a test's arguments
 
 
@@ -365,3 +452,16 @@ def sampled_law() -> SampledLaw:
 @pytest.fixture(scope="session")
 def coupled_runs() -> CoupledRuns:
     return CoupledRuns()
+
+
+@pytest.fixture(scope="session")
+def head_data() -> SyntheticHeadData:
+    """head_data.write(directory, shuffle_labels, seed, signal_in_law): a synthetic collection;
+    head_data.hidden, .prompts, .per_prompt, .meta: what it holds."""
+    return SyntheticHeadData()
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus():
+    """tiny_corpus(): {"train", "valid", "test"} lists of made-up Spanish-English verses."""
+    return _tiny_corpus

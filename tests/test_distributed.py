@@ -185,14 +185,12 @@ def test_step_seeds_differ_by_step_and_process():
 
 
 @pytest.fixture(scope="module")
-def seq2seq_runs(tmp_path_factory):
+def seq2seq_runs(tmp_path_factory, tiny_corpus):
     """Verifier, distillation and drafter: single-process runs here, two-process ones launched.
 
     Per trainer: R (one process, STEPS steps, the reference), P (two processes, half-way, then
     resumed here on one), O (one process half-way here, then resumed on two).
     """
-    from test_seq2seq_train import tiny_corpus
-
     from specdecode.seq2seq.corpus import corpus_dir, write_splits
     from specdecode.seq2seq.distill import distill
     from specdecode.seq2seq.drafter_train import TrainDrafterConfig, train_drafter
@@ -326,10 +324,8 @@ HEAD_STOP = 20  # the stopped runs stop here, inside the second epoch (15 steps 
 
 
 @pytest.fixture(scope="module")
-def head_runs(tmp_path_factory, tiny_pair):
+def head_runs(tmp_path_factory, tiny_pair, head_data):
     """`head collect` (through the command line) and `head train`, as `seq2seq_runs` does."""
-    from test_head_train import write_data
-
     from specdecode.acceptance.train import TrainConfig, train_head
     from specdecode.cli.main import main
 
@@ -346,7 +342,7 @@ def head_runs(tmp_path_factory, tiny_pair):
     rounds = ("--rounds", "3")  # inside real rounds (`acceptance.rounds`) as well as mixed
     assert main(collect_argv(root / "c-1")) == 0
     assert main(collect_argv(root / "cr-1", *rounds)) == 0
-    data = write_data(root / "data")
+    data = head_data.write(root / "data")
     config = TrainConfig(rule="greedy", **HEAD)
     reference, reference_cb = recorder()
     result = train_head(data, root / "h-R", config, progress=False, on_step=reference_cb)
@@ -435,12 +431,10 @@ def test_head_checkpoint_of_two_processes_resumes_on_one(head_runs):
     assert gap < WEIGHT_ATOL
 
 
-def test_head_checkpoint_refuses_other_settings(tmp_path):
-    from test_head_train import write_data
-
+def test_head_checkpoint_refuses_other_settings(tmp_path, head_data):
     from specdecode.acceptance.train import TrainConfig, train_head
 
-    data = write_data(tmp_path / "data")
+    data = head_data.write(tmp_path / "data")
     config = TrainConfig(rule="greedy", **HEAD)
     train_head(data, tmp_path / "head", config, progress=False, max_steps=3)
     assert (tmp_path / "head" / "checkpoint" / "state.pt").is_file()

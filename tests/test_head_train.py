@@ -36,64 +36,12 @@ from specdecode.cli.head import (
     cmd_train,
 )
 
-HIDDEN = 16
-PROMPTS = 12
-PER_PROMPT = 100
-META = {
-    "drafter": {"name": "tiny-drafter", "fingerprint": "d0d0d0d0d0d0d0d0"},
-    "target": {"name": "tiny-target", "fingerprint": "7a7a7a7a7a7a7a7a"},
-    "temperature": 0.7,
-    "mixing_ratio": 0.5,
-    "prompts": "synthetic",
-    "num_prompts": PROMPTS,
-    "max_new_tokens": PER_PROMPT,
-    "seconds": 0.0,
-}
 FAST = dict(epochs=4, batch_size=32, lr=1e-2, val_fraction=0.25, num_layers=1)
 
 
-def write_data(
-    directory: Path, shuffle_labels: bool = False, seed: int = 0, signal_in_law: bool = False
-) -> Path:
-    """PROMPTS x PER_PROMPT examples; label = [hidden @ w > 0], 10% flipped.
-
-    With `signal_in_law` the label follows the first law feature instead, and the hidden state
-    is noise.
-    """
-    g = torch.Generator().manual_seed(seed)
-    n = PROMPTS * PER_PROMPT
-    hidden = torch.randn(n, HIDDEN, generator=g)  # [N, H]
-    law = torch.randn(n, 3, generator=g)  # [N, 3]
-    drawn = torch.randn(n, generator=g)  # [N] how likely the drawn token was, in some units
-    w = torch.randn(HIDDEN, generator=g)  # [H]
-    score = law[:, 0] if signal_in_law else hidden @ w / w.norm()  # [N] ~ N(0, 1)
-    flip = torch.rand(n, generator=g) < 0.1
-    greedy = ((score > 0) ^ flip).float()  # [N]
-    sampling = torch.sigmoid(2 * score)  # [N]
-    if shuffle_labels:
-        perm = torch.randperm(n, generator=g)
-        greedy, sampling = greedy[perm], sampling[perm]
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        "hidden": hidden.half(),
-        "label_greedy": greedy,
-        "label_sampling": sampling,
-        "prompt_index": torch.arange(PROMPTS).repeat_interleave(PER_PROMPT),
-        "position": torch.arange(PER_PROMPT).repeat(PROMPTS),
-        "law_greedy": law,
-        "law_sampling": law.clone(),
-        # the drawn token's acceptance follows its log probability (a monotone function of it)
-        "label_drawn": torch.sigmoid(2 * drawn),
-        "drawn_log_prob": -torch.exp(-drawn),
-    }
-    save_file(tensors, directory / "examples.safetensors")
-    (directory / "meta.json").write_text(json.dumps(META))
-    return directory
-
-
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_data(tmp_path_factory.mktemp("head") / "data")
+def data_dir(tmp_path_factory: pytest.TempPathFactory, head_data) -> Path:
+    return head_data.write(tmp_path_factory.mktemp("head") / "data")
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +50,11 @@ def trained(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     return out, train_head(data_dir, out, TrainConfig(rule="greedy", **FAST), progress=False)
 
 
-def test_learnable_problem_beats_shuffled_control(trained, tmp_path: Path) -> None:
+def test_learnable_problem_beats_shuffled_control(trained, tmp_path: Path, head_data) -> None:
     out, result = trained
     assert result["best"]["val_auc"] > 0.8
     assert result["best"]["val_loss"] < result["constant_baseline"]["val_loss"]
-    control_data = write_data(tmp_path / "shuffled", shuffle_labels=True)
+    control_data = head_data.write(tmp_path / "shuffled", shuffle_labels=True)
     control = train_head(
         control_data, tmp_path / "control", TrainConfig(rule="greedy", **FAST), progress=False
     )
@@ -118,13 +66,13 @@ def test_learnable_problem_beats_shuffled_control(trained, tmp_path: Path) -> No
     assert (out / "reliability.png").stat().st_size > 0
 
 
-def test_split_keeps_prompts_whole(data_dir: Path, trained) -> None:
+def test_split_keeps_prompts_whole(data_dir: Path, trained, head_data) -> None:
     prompt_index = load_file(data_dir / "examples.safetensors")["prompt_index"]
     train_rows, val_rows = split_by_prompt(prompt_index, 0.25, seed=0)
     train_prompts = set(prompt_index[train_rows].tolist())
     val_prompts = set(prompt_index[val_rows].tolist())
     assert not train_prompts & val_prompts
-    assert train_prompts | val_prompts == set(range(PROMPTS))
+    assert train_prompts | val_prompts == set(range(head_data.prompts))
     assert len(val_prompts) == 3
     assert train_rows.numel() + val_rows.numel() == prompt_index.numel()
     # the split recorded by the run is this one, and another seed picks other prompts
@@ -133,19 +81,19 @@ def test_split_keeps_prompts_whole(data_dir: Path, trained) -> None:
     assert set(prompt_index[other].tolist()) != val_prompts
 
 
-def test_saved_head_carries_identity(trained, data_dir: Path, tmp_path: Path) -> None:
+def test_saved_head_carries_identity(trained, data_dir: Path, tmp_path: Path, head_data) -> None:
     out, _ = trained
     head = load_head(out)
     assert head.config.rule == "greedy"
     assert head.config.temperature == 0.0
     assert head.config.drafter.name == "tiny-drafter"
-    assert head.config.target.fingerprint == META["target"]["fingerprint"]
-    assert head.config.hidden_size == HIDDEN
+    assert head.config.target.fingerprint == head_data.meta["target"]["fingerprint"]
+    assert head.config.hidden_size == head_data.hidden
     config = TrainConfig(rule="sampling", epochs=1, num_layers=0, val_fraction=0.25)
     train_head(data_dir, tmp_path / "sampling", config, progress=False)
     sampling = load_head(tmp_path / "sampling", rule="sampling")
-    assert sampling.config.temperature == META["temperature"]
-    assert sampling.config.drafter.fingerprint == META["drafter"]["fingerprint"]
+    assert sampling.config.temperature == head_data.meta["temperature"]
+    assert sampling.config.drafter.fingerprint == head_data.meta["drafter"]["fingerprint"]
 
 
 def test_ece_detects_calibration() -> None:
@@ -192,8 +140,8 @@ def test_same_seed_same_weights(data_dir: Path, tmp_path: Path) -> None:
         assert torch.equal(first[key], second[key]), key
 
 
-def test_law_features_carry_what_the_hidden_state_lacks(tmp_path: Path) -> None:
-    data = write_data(tmp_path / "law", signal_in_law=True)
+def test_law_features_carry_what_the_hidden_state_lacks(tmp_path: Path, head_data) -> None:
+    data = head_data.write(tmp_path / "law", signal_in_law=True)
     with_law = train_head(data, tmp_path / "with", TrainConfig(**FAST), progress=False)
     config = TrainConfig(law_features=False, **FAST)
     without = train_head(data, tmp_path / "without", config, progress=False)
@@ -202,8 +150,8 @@ def test_law_features_carry_what_the_hidden_state_lacks(tmp_path: Path) -> None:
     assert load_head(tmp_path / "with").reads_law and not load_head(tmp_path / "without").reads_law
 
 
-def test_data_without_law_features_is_refused_or_trained_without(tmp_path: Path) -> None:
-    data = write_data(tmp_path / "old")
+def test_data_without_law_features_is_refused_or_trained_without(tmp_path: Path, head_data) -> None:
+    data = head_data.write(tmp_path / "old")
     tensors = load_file(data / "examples.safetensors")
     save_file(
         {k: v for k, v in tensors.items() if not k.startswith("law_")},
@@ -217,7 +165,9 @@ def test_data_without_law_features_is_refused_or_trained_without(tmp_path: Path)
     assert result["best"]["val_auc"] > 0.8
 
 
-def test_sampling_heads_learn_the_drawn_tokens_acceptance(data_dir: Path, tmp_path: Path) -> None:
+def test_sampling_heads_learn_the_drawn_tokens_acceptance(
+    data_dir: Path, tmp_path: Path, head_data
+) -> None:
     """By default a sampling head reads the drawn token's log probability and learns its
     acceptance; --expected-label learns the expectation over the law; greedy heads never read
     it (the drawn token is the argmax there)."""
@@ -233,13 +183,13 @@ def test_sampling_heads_learn_the_drawn_tokens_acceptance(data_dir: Path, tmp_pa
     train_head(data_dir, tmp_path / "greedy", TrainConfig(rule="greedy", **FAST), False)
     assert not load_head(tmp_path / "greedy").reads_drawn
     tensors = load_file(data_dir / "examples.safetensors")
-    old = write_data(tmp_path / "old")
+    old = head_data.write(tmp_path / "old")
     save_file({k: v for k, v in tensors.items() if "drawn" not in k}, old / "examples.safetensors")
     with pytest.raises(ValueError, match=r"no label_drawn.*--expected-label"):
         train_head(old, tmp_path / "out", TrainConfig(rule="sampling", **FAST), progress=False)
 
 
-def test_clear_errors(tmp_path: Path, data_dir: Path) -> None:
+def test_clear_errors(tmp_path: Path, data_dir: Path, head_data) -> None:
     with pytest.raises(ValueError, match="rule"):
         TrainConfig(rule="beam")
     with pytest.raises(ValueError, match="val_fraction"):
@@ -257,22 +207,24 @@ def test_clear_errors(tmp_path: Path, data_dir: Path) -> None:
     empty.mkdir()
     save_file(
         {
-            "hidden": torch.zeros(0, HIDDEN, dtype=torch.float16),
+            "hidden": torch.zeros(0, head_data.hidden, dtype=torch.float16),
             **{k: torch.zeros(0) for k in ("label_greedy", "label_sampling")},
             **{k: torch.zeros(0, dtype=torch.int64) for k in ("prompt_index", "position")},
         },
         empty / "examples.safetensors",
     )
-    (empty / "meta.json").write_text(json.dumps(META))
+    (empty / "meta.json").write_text(json.dumps(head_data.meta))
     with pytest.raises(ValueError, match="no examples"):
         train_head(empty, tmp_path / "out", progress=False)
-    one_prompt = write_data(tmp_path / "one")
+    one_prompt = head_data.write(tmp_path / "one")
     tensors = load_file(one_prompt / "examples.safetensors")
     tensors["prompt_index"] = torch.zeros_like(tensors["prompt_index"])
     save_file(tensors, one_prompt / "examples.safetensors")
     with pytest.raises(ValueError, match="at least 2 distinct prompts"):
         train_head(one_prompt, tmp_path / "out", progress=False)
-    (one_prompt / "meta.json").write_text(json.dumps({**META, "hidden_size": HIDDEN + 1}))
+    (one_prompt / "meta.json").write_text(
+        json.dumps({**head_data.meta, "hidden_size": head_data.hidden + 1})
+    )
     with pytest.raises(ValueError, match="hidden size mismatch"):
         load_examples(one_prompt, "greedy")
     with pytest.raises(ValueError, match="rule"):
@@ -298,26 +250,29 @@ def test_cli_prints_summary(data_dir: Path, tmp_path: Path, capsys) -> None:
     assert (config.num_layers, config.width) == (1, 4)
 
 
-def test_collections_combine_with_prompts_kept_apart(data_dir: Path, tmp_path: Path) -> None:
+def test_collections_combine_with_prompts_kept_apart(
+    data_dir: Path, tmp_path: Path, head_data
+) -> None:
     """Two collections for one pair train one head; their prompt 0s stay different prompts."""
-    other = write_data(tmp_path / "other", seed=1)
+    other = head_data.write(tmp_path / "other", seed=1)
     one = load_examples(data_dir, "sampling", law=True)
     both = load_collections([data_dir, other], "sampling", law=True)
     assert len(both.label) == 2 * len(one.label)
-    assert torch.unique(both.prompt_index).numel() == 2 * PROMPTS
+    assert torch.unique(both.prompt_index).numel() == 2 * head_data.prompts
     assert torch.equal(both.hidden[len(one.label) :], load_examples(other, "sampling").hidden)
     assert both.features is not None and both.features.shape == (2 * len(one.label), 3)
     result = train_head([data_dir, other], tmp_path / "head", TrainConfig(**FAST), False)
     assert result["data"]["examples"] == 2 * len(one.label)
-    assert result["data"]["prompts"] == 2 * PROMPTS
+    assert result["data"]["prompts"] == 2 * head_data.prompts
     assert len(result["data"]["dirs"]) == 2
 
     # collections recorded inside rounds: round ids, like prompts, stay apart
     rounds = []
+    n = head_data.prompts * head_data.per_prompt
     for directory in (data_dir, other):
         tensors = load_file(directory / "examples.safetensors")
-        tensors["round"] = torch.arange(PROMPTS * PER_PROMPT) // 4  # rounds of 4 drafts
-        tensors["slot"] = torch.arange(PROMPTS * PER_PROMPT) % 4
+        tensors["round"] = torch.arange(n) // 4  # rounds of 4 drafts
+        tensors["slot"] = torch.arange(n) % 4
         copy = tmp_path / f"{directory.name}-rounds"
         copy.mkdir()
         save_file(tensors, copy / "examples.safetensors")
@@ -325,13 +280,13 @@ def test_collections_combine_with_prompts_kept_apart(data_dir: Path, tmp_path: P
         rounds.append(copy)
     joined = load_collections(rounds, "greedy")
     assert joined.round is not None and joined.slot is not None
-    assert torch.unique(joined.round).numel() == 2 * PROMPTS * PER_PROMPT // 4
-    assert torch.equal(joined.slot, torch.arange(2 * PROMPTS * PER_PROMPT) % 4)
+    assert torch.unique(joined.round).numel() == 2 * n // 4
+    assert torch.equal(joined.slot, torch.arange(2 * n) % 4)
     assert load_collections([rounds[0], other], "greedy").round is None  # not all have rounds
 
     def variant(name: str, **meta) -> Path:
-        directory = write_data(tmp_path / name, seed=2)
-        (directory / "meta.json").write_text(json.dumps({**META, **meta}))
+        directory = head_data.write(tmp_path / name, seed=2)
+        (directory / "meta.json").write_text(json.dumps({**head_data.meta, **meta}))
         return directory
 
     stranger = variant("stranger", drafter={"name": "other", "fingerprint": "e" * 16})
@@ -346,7 +301,7 @@ def test_collections_combine_with_prompts_kept_apart(data_dir: Path, tmp_path: P
 
 
 def test_sampling_head_is_calibrated_against_acceptance_numbers(
-    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, head_data
 ) -> None:
     """A drawn-token sampling head also fits logit P(accept | z, u) = bias + a z + b log u on
     verdicts drawn from its labels: a larger number means a likelier rejection (b < 0), and on
@@ -375,7 +330,7 @@ def test_sampling_head_is_calibrated_against_acceptance_numbers(
     )
     with pytest.raises(ValueError, match="only a sampling head of the drawn token"):
         calibrate_head(tmp_path / "greedy", [data_dir])
-    other = write_data(tmp_path / "other")
+    other = head_data.write(tmp_path / "other")
     meta = json.loads((other / "meta.json").read_text())
     meta["target"] = {"name": "another-target", "fingerprint": "0123456789abcdef"}
     (other / "meta.json").write_text(json.dumps(meta))

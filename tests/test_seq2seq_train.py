@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import replace
 
 import pytest
 import torch
 
-from specdecode.seq2seq.corpus import Verse, corpus_dir, write_splits
+from specdecode.seq2seq.corpus import corpus_dir, write_splits
 from specdecode.seq2seq.training import LoopConfig, inverse_sqrt, token_batches
-
-SUBJECTS = [("el hombre", "the man"), ("la mujer", "the woman"), ("el rey", "the king")]
-VERBS = [("come", "eats"), ("ve", "sees"), ("tiene", "has")]
-OBJECTS = [("pan", "bread"), ("agua", "water"), ("la casa", "the house"), ("el campo", "the field")]
-
-
-def tiny_corpus() -> dict[str, list[Verse]]:
-    rows = [
-        Verse(f"Book {i}:1", f"{s} {v} {o}.", f"{se} {ve} {oe}.", f"{se} {ve} {oe}.")
-        for i, ((s, se), (v, ve), (o, oe)) in enumerate(itertools.product(SUBJECTS, VERBS, OBJECTS))
-    ]
-    return {"train": rows[:30], "valid": rows[30:33], "test": rows[33:]}
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, monkeypatch, tiny_corpus):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     write_splits(tiny_corpus(), corpus_dir(tmp_path / "cache"))
     return tmp_path / "cache"
@@ -52,7 +39,7 @@ def test_token_batches_cover_everything_within_budget():
     assert all(max(lengths[i] for i in b) * len(b) <= 200 for b in batches if len(b) > 1)
 
 
-def test_train_distill_draft_export_translate(cache, tmp_path):
+def test_train_distill_draft_export_translate(cache, tmp_path, tiny_corpus):
     from specdecode.cli.main import main
     from specdecode.seq2seq.api import TranslationPair
     from specdecode.seq2seq.block_drafter import BlockDrafter
