@@ -100,7 +100,6 @@ class LlamaCppModel:
         role: str = "model",
         context: int = DEFAULT_CONTEXT,
         threads: int | None = None,
-        hidden_states: bool = False,
         max_rows: int = 1,
     ) -> None:
         lib = _llama()
@@ -127,7 +126,6 @@ class LlamaCppModel:
         self.hidden_size = int(lib.llama_model_n_embd(self.model))
         self.context_length = min(context, int(lib.llama_model_n_ctx_train(self.model)))
         self.threads = threads or physical_cores()
-        self.hidden_states = hidden_states
         self.ctx = None
         self.rows_capacity = 0
         self.batch = None
@@ -217,13 +215,8 @@ class LlamaCppModel:
         """Append a ragged block to every row in one `llama_decode`; logits of its end.
 
         tokens, valid: [batch, n] -> logits [batch, logits_to_keep, vocab] (float32; zero at a
-        hole), hidden [batch, logits_to_keep, hidden] when asked (and the context has them).
+        hole), hidden [batch, logits_to_keep, hidden] when asked.
         """
-        if want_hidden and not self.hidden_states:
-            raise ValueError(
-                f"{self.role}: hidden states were not enabled when this llama.cpp model was "
-                "loaded (hidden_states=True)"
-            )
         batch, n = tokens.shape
         keep = min(logits_to_keep, n)
         valid_l = valid.tolist()
