@@ -118,6 +118,22 @@ class Registry(dict[str, type]):
 
 CAUSAL = Registry("causal")
 
+T = TypeVar("T")
+
+
+@dataclass
+class SharedModels:
+    """What the methods of one run share (models, decoders, quantized copies), each built once
+    on first use: a method asks for what it runs on, so a run loads only what its methods
+    need, and a new backend's methods keep their model here beside the others'."""
+
+    built: dict[str, Any] = field(default_factory=dict, kw_only=True, repr=False)
+
+    def shared(self, key: str, build: Callable[[], T]) -> T:
+        if key not in self.built:
+            self.built[key] = build()
+        return self.built[key]
+
 
 @contextmanager
 def kernels(models: Sequence[torch.nn.Module], dense: bool) -> Iterator[None]:
@@ -269,7 +285,7 @@ class Settings:
 
 
 @dataclass
-class Models:
+class Models(SharedModels):
     """The models every causal method shares, so all of them run on the same weights."""
 
     target: torch.nn.Module
@@ -277,20 +293,20 @@ class Models:
     drafter: torch.nn.Module
     head: str | None = None  # acceptance head directory, for the `head` policy
     round_prices: dict[str, RoundPrices] = field(default_factory=dict)  # by kind, calibrated
-    _decoders: dict[str, SpeculativeDecoder] = field(default_factory=dict)
 
     def decoder(self, kind: str = "ar") -> SpeculativeDecoder:
         """The engine method `kind`'s decoder, built once and shared (`ar`'s encodes)."""
         cls = CAUSAL.lookup(kind)
         if not issubclass(cls, EngineMethod):
             raise ValueError(f"{kind!r} does not run this engine")
-        key = cls.decoder_of or cls.name
-        if key not in self._decoders:
+
+        def build() -> SpeculativeDecoder:
             decoder = SpeculativeDecoder(self.target, self.tokenizer, cls.make_drafter(self))
             if self.head is not None and decoder.drafter is not None:
                 decoder.load_head(self.head)
-            self._decoders[key] = decoder
-        return self._decoders[key]
+            return decoder
+
+        return self.shared(f"decoder {cls.decoder_of or cls.name}", build)
 
 
 def build_causal(specs: Sequence[Method], models: Models, settings: Settings) -> list[CausalMethod]:

@@ -25,15 +25,15 @@ extra figure of these rows.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
 from specdecode.backends.kernels import kernel_summary, model_bytes, prepack_linears
-from specdecode.bench.methods import Registry, Result, SpecMethod, timed_generate
+from specdecode.bench.methods import Registry, Result, SharedModels, SpecMethod, timed_generate
 from specdecode.bench.runner import (
     MethodRecord,
     bench_record,
@@ -143,21 +143,12 @@ def _kind(name: str) -> str:
     return name.removesuffix("+dense")
 
 
-T = TypeVar("T")
+@dataclass
+class PairModels(SharedModels):
+    """The pair every translation method shares, and what some build from it."""
 
-
-class PairModels:
-    """The models every translation method shares, each built once, on first use."""
-
-    def __init__(self, pair: TranslationPair, cfg: Seq2SeqBenchConfig) -> None:
-        self.pair = pair
-        self.cfg = cfg
-        self.built: dict[str, Any] = {}
-
-    def shared(self, key: str, build: Callable[[], T]) -> T:
-        if key not in self.built:
-            self.built[key] = build()
-        return self.built[key]
+    pair: TranslationPair
+    cfg: Seq2SeqBenchConfig
 
     def assistant(self) -> torch.nn.Module:
         return self.shared("assistant", self._load_assistant)
