@@ -229,10 +229,6 @@ def test_cli_bad_input_is_one_named_error_exit_2(cli_inputs, capsys, case):
     assert "Traceback" not in captured.err and captured.out == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli/common.read_prompts slices with load_prompts; require_prompts would refuse it",
-)
 def test_cli_prompt_slice_left_empty_is_an_error(cli_inputs, capsys):
     from specdecode.cli.main import main
 

@@ -92,6 +92,6 @@ def set_threads(threads: int | None) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return list(args.prompt)
-    from specdecode.prompts import load_prompts
+    from specdecode.prompts import require_prompts
 
-    return [p.text for p in load_prompts(args.prompts, limit=args.limit)]
+    return [p.text for p in require_prompts(args.prompts, limit=args.limit)]
