@@ -680,7 +680,7 @@ def test_older_cache_without_records_is_recreated(tiny, caplog):
     assert tiny.state().state == "partial"
     with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
         model, _ = tiny.load()
-    assert "no hash recorded" in caplog.text and "a fresh download" in caplog.text
+    assert "no hash recorded" in caplog.text and "the GGUF, fetched first" in caplog.text
     assert len(tiny.installs) == 3
     assert_same_weights(model, tiny.model)
     assert tiny.state(full=True).state == "ok"

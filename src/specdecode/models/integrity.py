@@ -9,22 +9,25 @@ every file the store writes (the joined GGUF, every file of the fp32 conversion:
 config, tokenizer files) gets a record in ``specdecode_files.json`` next to it, and every load
 compares the file with its record.
 
-What a check costs. sha256 runs at about 0.6 GB/s on the 2-core Xeon this was written on, so
-hashing the default pair at every load would add about 16 s for the fp32 safetensors (7.1 + 2.5
-GB) or 2.7 s for the two GGUF files (1.1 + 0.5 GB) to loads that take a few seconds. A load
-therefore checks each file's size and *stamp* (size, mtime, ctime, inode) against the record,
-which is a ``stat`` (microseconds), and hashes a file in full only when its stamp changed since
-it was last hashed, then records the new stamp. ``models verify`` always hashes in full. ctime is
-in the stamp because a program can set mtime back (``touch -r``, ``rsync -t``) but not ctime:
-any write or ``utime`` moves it. What the fast path cannot see is a change that moves no
-timestamp at all (bit rot under the filesystem, a raw block-device write); ``models verify``
-is the check for that.
+What a check costs. sha256 runs at 0.4-0.7 GB/s on the shared 2-core Xeon this was written on
+(measured on the real joined target GGUF: 1.12 GB in 2.5 s at a first read, 1.6 s at a
+second), so hashing the default pair at every load would add 14-24 s for its fp32 safetensors
+(7.1 + 2.5 GB) or 2.3-4 s for its two GGUF files (1.1 + 0.5 GB), to loads that take seconds. A
+load therefore checks each file's size and *stamp* (size, mtime, ctime, inode) against the
+record: one ``stat``, about 5 us a file, under a millisecond for a whole model. It hashes a file
+in full only when its stamp changed since it was last hashed, then records the new stamp. ``models
+verify`` always hashes in full. ctime is in the stamp because a program can set mtime back
+(``touch -r``, ``rsync -t``) but not ctime: any write or ``utime`` moves it. What the fast path
+cannot see is a change that moves no timestamp at all (bit rot under the filesystem, a raw write
+to the block device); ``models verify`` is the check for that.
 
 A stamp is trusted only once it is *settled*: its mtime and ctime at least ``RACY_NS`` older
 than the moment the file was hashed. Filesystem timestamps are coarse (a clock tick, several
 ms), so a write landing in the same tick as the hash would leave the stamp unchanged; the same
 "racy clean" problem git solves for its index. A freshly written file is therefore hashed once
 more at its next load (the default target's GGUF: about 2 s, once), after which its stamp holds.
+A conversion instead waits out the window (at most 2 s, after a minute of converting) before it
+hashes its files in place (``record_files``), so the 7 GB fp32 target is not hashed twice.
 
 Concurrency. Each model has a lock file under ``<cache>/locks/``, taken with ``flock``: shared
 while a process checks and loads a model, exclusive while one fetches, converts, repairs or

