@@ -68,6 +68,24 @@ def as_backend(model, role: str) -> ModelBackend:
     )
 
 
+def encode_prompts(tokenizer, prompts: Prompts, chat: bool = False) -> list[list[int]]:
+    """Token ids of text prompts (with the tokenizer's chat template if `chat`), or the ids as
+    given; one kind per call."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
+        if chat:
+            prompts = [render_chat(tokenizer, p) for p in prompts]
+            return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return [tokenizer(p).input_ids if p else [] for p in prompts]
+    if any(isinstance(p, str) for p in prompts):
+        raise ValueError("mix of text and token-id prompts; give one kind")
+    return [[int(t) for t in p] for p in prompts]
+
+
 def module_of(backend: ModelBackend):
     return backend.model if isinstance(backend, CachedModel) else backend
 
@@ -259,19 +277,7 @@ class SpeculativeDecoder:
         return self.acceptance_head
 
     def encode(self, prompts: Prompts, chat: bool = False) -> list[list[int]]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(p, str) for p in prompts):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
-            if chat:
-                prompts = [render_chat(self.tokenizer, p) for p in prompts]
-                return [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-            return [self.tokenizer(p).input_ids if p else [] for p in prompts]
-        if any(isinstance(p, str) for p in prompts):
-            raise ValueError("mix of text and token-id prompts; give one kind")
-        return [[int(t) for t in p] for p in prompts]
+        return encode_prompts(self.tokenizer, prompts, chat)
 
     def default_stop_ids(self) -> tuple[int, ...]:
         ids: set[int] = set(self._target_lm.stop_token_ids())

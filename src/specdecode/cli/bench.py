@@ -105,6 +105,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "--max-draft-batch is a --pair (seq2seq) bench option; for a causal pair, "
             "`specdecode generate --max-draft-batch N` gates drafting by batch"
         )
+    from specdecode.api import default_backend
+
+    if (args.backend or default_backend(args.target, args.device)) == "llama.cpp":
+        return cmd_bench_llama(args)
     from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
     from specdecode.bench.runner import BenchConfig, run_bench
@@ -161,6 +165,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _report(record, args)
 
 
+def cmd_bench_llama(args: argparse.Namespace) -> int:
+    """The bench on llama.cpp (`bench.llamacpp`): GGUF files as shipped, the peers beside."""
+    from specdecode.bench.llamacpp import DEFAULT_METHODS, LlamaBenchConfig, run_llama_bench
+    from specdecode.prompts import require_prompts
+
+    if args.device != "cpu" or args.dtype != "float32" or args.length_policy != ["constant"]:
+        raise ValueError(
+            "the llama.cpp bench runs GGUF weights on the CPU with its own methods (priced is "
+            "the priced policy); --device, --dtype and --length-policy are torch-bench options "
+            "(--backend torch)"
+        )
+    cfg = LlamaBenchConfig(
+        target=args.target,
+        draft=args.draft,
+        prompts=args.prompts,
+        limit=args.limit,
+        skip=args.skip,
+        methods=tuple(args.methods or DEFAULT_METHODS),
+        num_draft_tokens=tuple(args.num_draft_tokens),
+        batch_sizes=tuple(args.batch_sizes),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=0 if args.seed is None else args.seed,
+        chat=args.chat or args.prompts == "mtbench",
+        threads=args.threads,
+        repeats=args.repeats,
+        rss=args.rss,
+    )
+    prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
+    from specdecode.api import encode_prompts, gguf_path
+    from specdecode.models.tokenizer import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(gguf_path(cfg.target))
+    ids = encode_prompts(tokenizer, [p.text for p in prompts], chat=cfg.chat)
+    record = run_llama_bench(cfg, ids, progress=not args.quiet)
+    record["prompt_ids"] = [p.id for p in prompts]
+    return _report(record, args)
+
+
 def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:
     """`--bound 1 12 3 12` -> ((1, 12), (3, 12)): the adaptive policies run once per pair."""
     if not values:
@@ -197,8 +242,12 @@ def add_subcommands(subparsers) -> None:
         "--methods",
         nargs="+",
         default=None,
-        help="ar hf hf-assisted hf-assisted-k sd sd-int8 (default all but hf-assisted-k); suffix "
-        "+dense for default kernels. With --pair: ar hf hf-beam5 hf-assisted specdec "
+        help="On llama.cpp (known models on the CPU): ar priced priced-lookup sd sd-lookup "
+        "llama-cpp-python llama-cpp-python-lookup torch-ar torch-sd-int8-lookup (default: ar "
+        "priced sd-lookup and the two llama-cpp-python peers). With --backend torch: ar hf "
+        "hf-assisted hf-assisted-k sd sd-int8 sd-lookup sd-int8-lookup hf-lookup (default: ar hf "
+        "hf-assisted sd sd-int8); suffix +dense for default kernels. With --pair: ar hf hf-beam5 "
+        "hf-assisted specdec "
         "specdec-int8 specdec-alt specdec-alt-int8 specdec-relaxed (default: all but the int8 and "
         "alt ones; each specdec kind includes its relaxed runs; -int8 drafts with an int8 copy "
         "of the drafter, -alt with --alt-drafter)",
@@ -245,6 +294,11 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels for all")
     p.add_argument("--out", default="runs/bench", help="folder for record.json, table.md, plots")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--rss",
+        action="store_true",
+        help="llama.cpp bench: also each method's peak memory, in a process of its own",
+    )
     p.add_argument(
         "--rederive",
         metavar="DIR",

@@ -1,0 +1,461 @@
+"""The bench on llama.cpp: this engine on GGUF files as shipped, against what a CPU user runs.
+
+A speedup counts against what a user would run instead, so a llama.cpp run puts beside this
+engine's methods on the llama.cpp backend the peers a CPU user picks: llama-cpp-python's own
+generation loop (plain, one sequence at a time; a batch is its prompts one after another) and
+its prompt-lookup decoding. All share the same threads and run interleaved by the one runner
+(`runner.measure`); `ar` is this engine's plain decoding on llama.cpp, the baseline of every
+ratio. Optional `torch-*` methods put the PyTorch backend (fp32 target, int8 drafter) in the
+same table (they convert the GGUF to fp32 once).
+
+llama.cpp does not promise the same logits for a token scored in passes of different shapes, so
+"the same output" is checked as agreement with `ar` except after a near tie: a text that
+differs is rescored at its first divergence, and the divergence passes if the top-2 gap there is
+within the backend's noise, measured at the start of the run (`measure_noise`). Peak memory is
+measured per method in a process of its own (`--rss`), since one process holding every method's
+models says nothing about any one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from specdecode.api import SpeculativeDecoder, gguf_path
+from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
+from specdecode.bench.methods import Registry, Result, Settings
+from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
+from specdecode.config import PromptLookup
+
+LLAMA = Registry("llama.cpp")
+DEFAULT_METHODS = ("ar", "priced", "sd-lookup", "llama-cpp-python", "llama-cpp-python-lookup")
+
+
+@dataclass(frozen=True)
+class LlamaBenchConfig:
+    target: str
+    draft: str
+    prompts: str
+    limit: int | None = 20
+    skip: int = 0
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    num_draft_tokens: tuple[int, ...] = (4,)
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False
+    threads: int | None = None
+    repeats: int = 1
+    rss: bool = False  # peak RSS per method, each in a process of its own
+    backend: str = "llama.cpp"
+
+    def __post_init__(self) -> None:
+        check_run(self.methods, self.batch_sizes, self.repeats)
+        for name in self.methods:
+            LLAMA.lookup(name)
+        if any(k < 1 for k in self.num_draft_tokens):
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+
+    def specs(self) -> list[tuple[str, int | None]]:
+        """(method, k) for every row: methods with a draft length once per k."""
+        return [
+            (name, k)
+            for name in self.methods
+            for k in (self.num_draft_tokens if LLAMA[name].takes_k else [None])
+        ]
+
+
+class Shared:
+    """The models of one run, each loaded once: the llama.cpp target and drafter are shared by
+    every engine method (each call resets their sequences)."""
+
+    def __init__(self, cfg: LlamaBenchConfig) -> None:
+        self.cfg = cfg
+        self.built: dict[str, Any] = {}
+
+    def get(self, key: str, build):
+        if key not in self.built:
+            self.built[key] = build()
+        return self.built[key]
+
+    def threads(self) -> int:
+        return self.cfg.threads or physical_cores()
+
+    def target(self) -> LlamaCppModel:
+        path = gguf_path(self.cfg.target)
+        return self.get(
+            "target", lambda: LlamaCppModel(path, role="target", threads=self.threads())
+        )
+
+    def drafter(self) -> LlamaCppModel:
+        path = gguf_path(self.cfg.draft)
+        return self.get(
+            "drafter", lambda: LlamaCppModel(path, role="drafter", threads=self.threads())
+        )
+
+    def tokenizer(self):
+        from specdecode.models.tokenizer import gguf_tokenizer
+
+        return self.get("tokenizer", lambda: gguf_tokenizer(gguf_path(self.cfg.target)))
+
+    def decoder(self, drafter: str | None) -> SpeculativeDecoder:
+        def build() -> SpeculativeDecoder:
+            other = {None: None, "model": self.drafter(), "lookup": PromptLookup()}[drafter]
+            return SpeculativeDecoder(self.target(), self.tokenizer(), other)
+
+        return self.get(f"decoder {drafter}", build)
+
+
+class LlamaMethod:
+    """A method of the llama.cpp bench: the `BenchMethod` protocol over `Shared` models."""
+
+    name: ClassVar[str]
+    takes_k: ClassVar[bool] = False
+
+    def __init__(self, k: int | None, shared: Shared, settings: Settings) -> None:
+        self.k, self.shared, self.settings = k, shared, settings
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[k={self.k}]" if self.k is not None else self.name
+
+    @property
+    def exact(self) -> bool:
+        return self.settings.temperature == 0
+
+    @property
+    def pairing(self) -> str | None:
+        return None
+
+    def skips(self, batch_size: int) -> str | None:
+        return None
+
+    def prepare(self, sample: Sequence[list[int]]) -> None:
+        from dataclasses import replace
+
+        self.generate(list(sample), replace(self.settings, max_new_tokens=8))
+
+    def run(self, batch: Sequence[list[int]]) -> Result:
+        return self.generate(list(batch), self.settings)
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        raise NotImplementedError
+
+
+class EngineOnLlama(LlamaMethod):
+    """This engine on the llama.cpp backend."""
+
+    drafter: ClassVar[str | None] = "model"
+    options: ClassVar[dict] = {}
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        decoder = self.shared.decoder(self.drafter)
+        out = decoder.generate(
+            prompts,
+            use_drafter=self.drafter is not None,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=s.stop_token_ids,
+            num_draft_tokens=self.k or 1,
+            **self.options,
+        )
+        return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+
+
+@LLAMA.add
+class PlainOnLlama(EngineOnLlama):
+    name = "ar"
+    drafter = None
+
+
+@LLAMA.add
+class PricedOnLlama(EngineOnLlama):
+    name = "priced"  # `specdecode generate`'s default: lookup first, the drafter, as they pay
+    options: ClassVar[dict] = {"length_policy": "priced"}
+
+
+@LLAMA.add
+class PricedLookupOnLlama(EngineOnLlama):
+    name = "priced-lookup"  # the priced policy with lookup alone (no drafter model)
+    drafter = "lookup"
+    options: ClassVar[dict] = {"length_policy": "priced"}
+
+
+@LLAMA.add
+class DraftModelOnLlama(EngineOnLlama):
+    name = "sd"
+    takes_k = True
+
+
+@LLAMA.add
+class LookupOnLlama(EngineOnLlama):
+    name = "sd-lookup"
+    takes_k = True
+    drafter = "lookup"
+
+
+@LLAMA.add
+class LlamaCppPython(LlamaMethod):
+    """llama-cpp-python's own generation loop (`Llama.generate`, which `create_completion`
+    wraps, without its text handling): one sequence at a time, so a batch is its prompts one
+    after another. Its cache is cleared before each prompt: no prefix is reused."""
+
+    name = "llama-cpp-python"
+
+    def make(self):
+        from llama_cpp import Llama
+
+        threads = self.shared.threads()
+        return Llama(
+            str(gguf_path(self.shared.cfg.target)),
+            n_ctx=4096,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+            **self.extra(),
+        )
+
+    def extra(self) -> dict:
+        return {}
+
+    def llama(self):
+        return self.shared.get(self.label, self.make)
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        import time
+
+        llm = self.llama()
+        stops = set(s.stop_token_ids)
+        greedy = s.temperature == 0
+        out: list[list[int]] = []
+        t0 = time.perf_counter()
+        for prompt in prompts:
+            llm.reset()
+            tokens: list[int] = []
+            for token in llm.generate(
+                prompt,
+                temp=s.temperature,
+                top_k=1 if greedy else s.top_k,
+                top_p=s.top_p,
+                reset=True,
+            ):
+                if token in stops:
+                    tokens.append(token)
+                    break
+                tokens.append(token)
+                if len(tokens) >= s.max_new_tokens:
+                    break
+            out.append(tokens)
+        return Result(out, time.perf_counter() - t0)
+
+
+@LLAMA.add
+class LlamaCppPythonLookup(LlamaCppPython):
+    """llama-cpp-python's prompt-lookup decoding (`LlamaPromptLookupDecoding`, k tokens)."""
+
+    name = "llama-cpp-python-lookup"
+    takes_k = True
+
+    def extra(self) -> dict:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        return {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=self.k)}
+
+
+class TorchMethod(LlamaMethod):
+    """This engine on the PyTorch backend (fp32 target), beside the llama.cpp rows."""
+
+    drafter_int8: ClassVar[bool] = False
+
+    def generate(self, prompts: list[list[int]], s: Settings) -> Result:
+        cfg = self.shared.cfg
+
+        def build() -> SpeculativeDecoder:
+            draft = cfg.draft if self.drafter_int8 else None
+            return SpeculativeDecoder.from_pretrained(
+                cfg.target, draft, backend="torch", drafter_int8=self.drafter_int8
+            )
+
+        decoder = self.shared.get(self.name, build)
+        out = decoder.generate(
+            prompts,
+            use_drafter=self.drafter_int8,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=s.stop_token_ids,
+            num_draft_tokens=self.k or 1,
+            lookup_first=PromptLookup(4, 3) if self.drafter_int8 else None,
+        )
+        return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+
+
+@LLAMA.add
+class TorchPlain(TorchMethod):
+    name = "torch-ar"
+
+
+@LLAMA.add
+class TorchInt8LookupFirst(TorchMethod):
+    name = "torch-sd-int8-lookup"  # the torch backend's best (int8 drafter, lookup first)
+    takes_k = True
+    drafter_int8 = True
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def measure_noise(target: LlamaCppModel, prompt: list[int], text: list[int]) -> float:
+    """How far a logit moves with the shape of the pass that scores it: the text's positions
+    scored in one pass, in passes of 5 and one at a time; the largest difference of any logit,
+    doubled (a top-2 gap is a difference of two logits)."""
+    ids = prompt + text
+    n = len(text)
+    ones = torch.ones(1, len(ids), dtype=torch.bool)
+    target.reset(1)
+    whole, _ = target.forward(torch.tensor([ids]), ones, logits_to_keep=n)  # [1, n, vocab]
+    worst = 0.0
+    for width in (1, 5):
+        target.reset(1)
+        target.forward(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.bool))
+        parts = []
+        for start in range(0, n, width):
+            piece = torch.tensor([text[start : start + width]])
+            logits, _ = target.forward(piece, torch.ones_like(piece, dtype=torch.bool),
+                                       logits_to_keep=piece.shape[1])  # fmt: skip
+            parts.append(logits)
+        stepped = torch.cat(parts, 1)[:, :n]  # [1, n, vocab], after each text token
+        worst = max(worst, float((stepped[0] - whole[0]).abs().max()))
+    target.reset(0)
+    return 2 * worst
+
+
+def divergences(
+    target: LlamaCppModel, prompts: list[list[int]], got: list[list[int]], want: list[list[int]]
+) -> list[dict]:
+    """Each text differing from `ar`'s: where it first differs and the top-2 gap there."""
+    found = []
+    for index, (prompt, a, b) in enumerate(zip(prompts, got, want, strict=True)):
+        if a == b:
+            continue
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if first is None:  # one text is a prefix of the other: a stop decided differently
+            first = min(len(a), len(b))
+        ids = prompt + b[:first]
+        target.reset(1)
+        logits, _ = target.forward(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))
+        target.reset(0)
+        found.append({"input": index, "token": first, "top2_gap": top2_gap(logits[0, -1])})
+    return found
+
+
+def run_llama_bench(
+    cfg: LlamaBenchConfig, prompt_ids: list[list[int]], progress: bool = True
+) -> dict:
+    shared = Shared(cfg)
+    reference = shared.decoder(None)
+    settings = Settings(
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        cfg.seed,
+        reference.default_stop_ids(),
+    )
+    methods = [LLAMA[name](k, shared, settings) for name, k in cfg.specs()]
+    records, skipped = measure(methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress)
+    target = shared.target()
+    sample = records[(REFERENCE, cfg.batch_sizes[0])].outputs[0][:48]
+    noise = measure_noise(target, prompt_ids[0], sample) if sample else 0.0
+    prices = reference.pass_prices() if "priced" in cfg.methods else None
+
+    def extras(row: dict, method: LlamaMethod, rec, base) -> None:
+        if rec.stats is not None:
+            total = rec.stats.total
+            row["tokens_per_target_call"] = total.tokens_per_target_call
+            row["acceptance"] = total.acceptance_rate
+            row["drafted"] = total.drafted
+        if method.exact and method.label != REFERENCE:
+            found = divergences(target, prompt_ids, rec.outputs, base.outputs)
+            row["divergences"] = found
+            row["mismatches"] = [d["input"] for d in found if d["top2_gap"] > noise]
+
+    rows = speed_rows(methods, records, "tokens", extras, also_against=("llama-cpp-python",))
+    if cfg.rss:
+        for row in rows:
+            row["peak_rss_gib"] = peak_rss(cfg, row["method"], prompt_ids[0])
+    return bench_record(
+        cfg,
+        rows,
+        skipped,
+        backend="llama.cpp",
+        threads=shared.threads(),
+        noise_bound=noise,
+        noise_how="twice the largest logit difference between the first prompt's ar text scored "
+        "in one pass, in passes of 5 and one token at a time",
+        pass_prices=asdict(prices) if prices is not None else None,
+    )
+
+
+def peak_rss(cfg: LlamaBenchConfig, label: str, prompt: list[int]) -> float:
+    """Peak resident memory (GiB) of a process that loads one method and decodes one prompt."""
+    job = json.dumps({"config": asdict(cfg), "label": label, "prompt": prompt})
+    run = subprocess.run(
+        [sys.executable, "-m", "specdecode.bench.llamacpp"],
+        input=job,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"the memory probe of {label} failed: {run.stderr.strip()[-400:]}")
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+def _probe() -> None:
+    job = json.loads(sys.stdin.read())
+    config = job["config"]
+    config = {
+        key: tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        if isinstance(value, list)
+        else value
+        for key, value in config.items()
+    }
+    cfg = LlamaBenchConfig(**config)
+    name, _, rest = job["label"].partition("[k=")
+    k = int(rest.rstrip("]")) if rest else None
+    settings = Settings(
+        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, _stop_ids(cfg)
+    )
+    LLAMA[name](k, Shared(cfg), settings).run([job["prompt"]])
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
+def _stop_ids(cfg: LlamaBenchConfig) -> tuple[int, ...]:
+    """The stop ids without loading a model: the GGUF's own, read by a vocabulary-only load."""
+    from specdecode.models.tokenizer import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(gguf_path(cfg.target))
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return tuple(sorted(ids))
+
+
+if __name__ == "__main__":
+    _probe()
