@@ -771,6 +771,31 @@ def test_damaged_gguf_and_fp32_name_both(tiny):
     assert "model.gguf" in str(err.value) and "model.safetensors" in str(err.value)
 
 
+# --------------------------------------------------------------------------- the GGUF's tokenizer
+
+
+def test_gguf_tokenizer_is_recorded_checked_and_recreated(tiny, caplog):
+    """The llama.cpp backend's tokenizer copy lives in the model folder as a third artefact."""
+    from specdecode.models.tokenizer import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(tiny.file(model_store.GGUF_FILE))  # handed to the store
+    assert tokenizer.get_vocab() == {t: i for i, t in enumerate(_TOKENS)}
+    saved = [n for n, r in records(tiny).items() if r["artefact"] == "tokenizer"]
+    assert f"{model_store.TOKENIZER_DIR}/tokenizer.json" in saved
+    assert tiny.state().artefacts == ("gguf", "fp32", "tokenizer")
+    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+        tiny.fetch()  # the fp32 copy does not take the tokenizer's files for strays of its own
+    assert caplog.text == "" and tiny.installs == []
+
+    flip(tiny.file(f"{model_store.TOKENIZER_DIR}/tokenizer.json"))
+    assert tiny.state().state == "damaged"
+    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+        again = model_store.gguf_tokenizer(TINY, tiny.cache, progress=False)
+    assert "GGUF tokenizer is damaged (tokenizer.json: sha256 is" in caplog.text
+    assert again.get_vocab() == tokenizer.get_vocab()
+    assert tiny.state(full=True).state == "ok" and tiny.installs == []
+
+
 # --------------------------------------------------------------------------- the checks
 
 

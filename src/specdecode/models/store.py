@@ -99,6 +99,7 @@ __all__ = [
     "MARKER_FILE",
     "MODELS",
     "RECORD_FILE",
+    "TOKENIZER_DIR",
     "Chunk",
     "ConversionError",
     "DamagedModelError",
@@ -107,6 +108,7 @@ __all__ = [
     "ModelLoadError",
     "ModelSpec",
     "ModelState",
+    "cached_model_of",
     "check_disk_space",
     "chunk_series",
     "convert_gguf",
@@ -114,6 +116,7 @@ __all__ = [
     "fetch_model",
     "get_spec",
     "gguf_file",
+    "gguf_tokenizer",
     "inspect_model",
     "is_converted",
     "join_chunks",
@@ -128,6 +131,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GGUF_FILE = "model.gguf"
+# the GGUF's own tokenizer, saved as a transformers tokenizer for the llama.cpp backend; the name
+# models.tokenizer gives it beside a GGUF (``<stem>.tokenizer``)
+TOKENIZER_DIR = "model.tokenizer"
+_TOKENIZER_SCRATCH = ".tokenizer-"
 _READ_BLOCK = 8 << 20  # 8 MiB per read when joining
 
 
@@ -272,6 +279,7 @@ class _Cache:
         found = [p for p in (self.packages, self.legacy_work) if p.exists()]
         if self.directory.is_dir():
             found += sorted(self.directory.glob("*.partial"))
+            found += sorted(self.directory.glob(f"{_TOKENIZER_SCRATCH}*"))
         if (self.root / "models").is_dir():
             found += sorted((self.root / "models").glob(f".tmp-{self.spec.dir_name}-*"))
         return found
@@ -285,12 +293,18 @@ def _cache(name: str, cache_dir: str | os.PathLike[str] | None) -> _Cache:
 
 
 def _is_bookkeeping(name: str) -> bool:
-    """Files of a model folder that are not part of the fp32 conversion."""
+    """Files of a model folder that belong to no derived artefact (fp32 copy, tokenizer)."""
     return (
         name in (GGUF_FILE, RECORD_FILE)
         or name.endswith(".partial")
+        or name.startswith(_TOKENIZER_SCRATCH)
         or (name.startswith(".") and name.endswith(".tmp"))
     )
+
+
+def _artefact_of(name: str) -> str:
+    """Which derived artefact a file of the model folder belongs to."""
+    return "tokenizer" if name.startswith(f"{TOKENIZER_DIR}/") else "fp32"
 
 
 def _disk_bytes(paths: Sequence[Path]) -> int:
@@ -309,7 +323,8 @@ def _disk_bytes(paths: Sequence[Path]) -> int:
 
 @dataclass(frozen=True)
 class _Converted:
-    """The fp32 conversion in a model folder, checked against its records."""
+    """A derived artefact (the fp32 conversion, or the GGUF's tokenizer) in a model folder,
+    checked against its records."""
 
     checks: tuple[FileCheck, ...]
     unrecorded: tuple[Path, ...]
@@ -364,19 +379,23 @@ def _note_gguf(c: _Cache, records: FileRecords, check: FileCheck) -> bool:
     return True
 
 
-def _converted_files(c: _Cache) -> list[str]:
-    """Relative names of the files in the model folder that belong to a conversion."""
+def _converted_files(c: _Cache, artefact: str = "fp32") -> list[str]:
+    """Relative names of the files in the model folder that belong to ``artefact``."""
     if not c.directory.is_dir():
         return []
     return sorted(
         rel
         for p in c.directory.rglob("*")
-        if p.is_file() and not _is_bookkeeping(rel := p.relative_to(c.directory).as_posix())
+        if p.is_file()
+        and not _is_bookkeeping(rel := p.relative_to(c.directory).as_posix())
+        and _artefact_of(rel) == artefact
     )
 
 
-def _check_converted(c: _Cache, records: FileRecords, *, full: bool, progress: bool) -> _Converted:
-    recorded = records.names("fp32")
+def _check_converted(
+    c: _Cache, records: FileRecords, *, full: bool, progress: bool, artefact: str = "fp32"
+) -> _Converted:
+    recorded = records.names(artefact)
     checks = tuple(
         check_file(
             c.directory,
@@ -390,7 +409,7 @@ def _check_converted(c: _Cache, records: FileRecords, *, full: bool, progress: b
         for name in recorded
     )
     known = set(records.files)
-    unrecorded = tuple(c.directory / n for n in _converted_files(c) if n not in known)
+    unrecorded = tuple(c.directory / n for n in _converted_files(c, artefact) if n not in known)
     return _Converted(checks, unrecorded)
 
 
@@ -739,6 +758,88 @@ def _load_hf(path: Path, dtype: torch.dtype, device: str | torch.device, hint: s
     return model.to(device).eval(), tokenizer
 
 
+def gguf_tokenizer(
+    name: str, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
+) -> Any:
+    """The ``transformers`` tokenizer stored in catalogue model ``name``'s GGUF (llama.cpp
+    backend), read out of the GGUF once (20-40 s for the Qwen vocabulary) and kept in the model
+    folder as ``model.tokenizer/``, recorded and checked like every other cached file.
+
+    Checked at every call (a ``stat`` a file while unchanged); a damaged, partial or missing
+    copy is re-created from the verified GGUF, with a message. ``models.tokenizer.gguf_tokenizer``
+    hands the store's own GGUF files here.
+    """
+    from transformers import AutoTokenizer
+
+    c = _cache(name, cache_dir)
+    folder = c.directory / TOKENIZER_DIR
+    with c.lock.shared():
+        records = FileRecords.load(c.directory)
+        saved = _check_converted(c, records, full=False, progress=progress, artefact="tokenizer")
+        if saved.ok:
+            if records.restamp(saved.checks):
+                records.save_quietly()
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    with c.lock.exclusive():
+        _clear_partial(c)
+        return _ensure_tokenizer(c, progress)
+
+
+def _ensure_tokenizer(c: _Cache, progress: bool) -> Any:
+    """The checked GGUF tokenizer, re-created from the GGUF if need be (exclusive lock held)."""
+    from transformers import AutoTokenizer
+
+    folder = c.directory / TOKENIZER_DIR
+    records = FileRecords.load(c.directory)
+    saved = _check_converted(c, records, full=False, progress=progress, artefact="tokenizer")
+    if saved.ok:
+        if records.restamp(saved.checks):
+            records.save_quietly()
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not saved.absent:
+        listed = "; ".join(f"{p.path.name}: {p.detail}" for p in saved.problems)
+        logger.warning(
+            "%s: the cached GGUF tokenizer is %s (%s); re-creating it from the GGUF",
+            c.spec.name,
+            "damaged" if saved.damaged else "incomplete",
+            listed,
+        )
+    _ensure_gguf(c, progress)
+    scratch = Path(tempfile.mkdtemp(prefix=_TOKENIZER_SCRATCH, dir=c.directory))
+    try:
+        alone = scratch / "gguf"
+        alone.mkdir()
+        (alone / GGUF_FILE).symlink_to(c.gguf.absolute())  # the model folder's other files out
+        tokenizer = AutoTokenizer.from_pretrained(str(alone), gguf_file=GGUF_FILE)
+        tokenizer.save_pretrained(str(scratch / "out"))
+        records = FileRecords.load(c.directory)
+        for rel in {*records.names("tokenizer"), *_converted_files(c, "tokenizer")}:
+            records.files.pop(rel, None)
+        records.save()
+        shutil.rmtree(folder, ignore_errors=True)
+        (scratch / "out").chmod(0o755)
+        for path in (scratch / "out").rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        os.replace(scratch / "out", folder)
+        record_files(records, _converted_files(c, "tokenizer"), "tokenizer", progress=progress)
+        records.save()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return tokenizer
+
+
+def cached_model_of(path: str | os.PathLike[str]) -> tuple[str, Path] | None:
+    """``(name, cache root)`` when ``path`` is the joined GGUF of a catalogue model in a store
+    cache (``<root>/models/<name>-<sha12>/model.gguf``); None for any other file."""
+    path = Path(path).absolute()
+    if path.name != GGUF_FILE:
+        return None
+    for spec in MODELS.values():
+        if path.parent.name == spec.dir_name and path.parent.parent.name == "models":
+            return spec.name, path.parent.parent.parent
+    return None
+
+
 # --------------------------------------------------------------------------- state, removal
 
 
@@ -803,14 +904,15 @@ def _inspect_locked(c: _Cache, *, full: bool, progress: bool) -> ModelState:
         else:
             assert gguf.problem is not None
             problems.append(gguf.problem)
-    converted = _check_converted(c, records, full=full, progress=progress)
-    hashed += sum(check.hashed for check in converted.checks)
-    if converted.ok:
-        artefacts.append("fp32")
-    problems += converted.problems
+    for artefact in ("fp32", "tokenizer"):
+        derived = _check_converted(c, records, full=full, progress=progress, artefact=artefact)
+        hashed += sum(check.hashed for check in derived.checks)
+        if derived.ok:
+            artefacts.append(artefact)
+        problems += derived.problems
+        changed |= records.restamp(derived.checks)
     if not records.readable:
         problems.append(FileProblem(c.directory / RECORD_FILE, "unrecorded", "unreadable"))
-    changed |= records.restamp(converted.checks)
     if changed:
         records.save_quietly()
     leftovers = tuple(c.leftovers())

@@ -23,6 +23,11 @@ def gguf_tokenizer(gguf: Path, cache: Path | None = None) -> Any:
     time, written to a temporary folder and renamed, so a half-written copy is never read."""
     from transformers import AutoTokenizer
 
+    from specdecode.models import store
+
+    managed = store.cached_model_of(gguf) if cache is None else None
+    if managed is not None:  # a catalogue model's GGUF: its copy is recorded and checked there
+        return store.gguf_tokenizer(managed[0], managed[1], progress=False)
     cache = cache if cache is not None else gguf.parent / f"{gguf.stem}.{TOKENIZER_DIR}"
     if (cache / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
