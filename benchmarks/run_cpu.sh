@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
-specdecode bench --prompts humaneval --limit 3 --max-new-tokens 128 \
+specdecode bench --backend torch --prompts humaneval --limit 3 --max-new-tokens 128 \
   --methods ar hf-assisted hf-assisted-k sd-int8 --num-draft-tokens 3 4 5 6 \
   --out $out/humaneval-k-sweep --quiet
 best() {  # best k of a method family in the sweep record
@@ -36,19 +36,19 @@ if [ "$hf_better" = 1 ]; then
   methods="$methods hf-assisted-k"; [ "$k_hf" != "$k_sd" ] && ks="$k_sd $k_hf"
 fi
 echo "sweep: best sd-int8 k=$k_sd, best hf-assisted-k k=$k_hf (beats defaults: $hf_better)"
-specdecode bench --prompts humaneval --limit 20 --max-new-tokens 128 \
+specdecode bench --backend torch --prompts humaneval --limit 20 --max-new-tokens 128 \
   --methods $methods --num-draft-tokens $ks --out $out/humaneval-greedy-b1 --quiet
-specdecode bench --prompts humaneval --limit 8 --max-new-tokens 128 --temperature 0.7 --seed 0 \
+specdecode bench --backend torch --prompts humaneval --limit 8 --max-new-tokens 128 --temperature 0.7 --seed 0 \
   --methods ar hf sd-int8 --num-draft-tokens 2 3 --batch-sizes 8 4 \
   --out $out/humaneval-sample-batch --quiet
 # prompt lookup (no drafter model) against transformers' prompt lookup decoding
-specdecode bench --prompts humaneval --limit 8 --max-new-tokens 128 \
+specdecode bench --backend torch --prompts humaneval --limit 8 --max-new-tokens 128 \
   --methods ar hf-lookup sd-lookup --num-draft-tokens 4 10 --out $out/humaneval-lookup --quiet
 # lookup first, the drafter elsewhere: code, chat, and code sampled at temperature 0.7
-specdecode bench --prompts humaneval --limit 12 --max-new-tokens 128 \
+specdecode bench --backend torch --prompts humaneval --limit 12 --max-new-tokens 128 \
   --methods ar sd-int8 sd-int8-lookup --num-draft-tokens 4 5 --out $out/humaneval-lookup-first --quiet
-specdecode bench --prompts mtbench --limit 12 --max-new-tokens 128 \
+specdecode bench --backend torch --prompts mtbench --limit 12 --max-new-tokens 128 \
   --methods ar sd-int8 sd-int8-lookup --num-draft-tokens 4 --out $out/mtbench-lookup-first --quiet
-specdecode bench --prompts humaneval --limit 12 --max-new-tokens 128 --temperature 0.7 --seed 0 \
+specdecode bench --backend torch --prompts humaneval --limit 12 --max-new-tokens 128 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 sd-int8-lookup --num-draft-tokens 4 \
   --out $out/humaneval-lookup-first-t07 --quiet

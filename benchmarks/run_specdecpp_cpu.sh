@@ -24,7 +24,7 @@ for rule in greedy sampling; do
 done
 
 # --- the first unpaired sampling bench kept: HumanEval 0-15 at T = 0.7 (2-core Intel Xeon) ------
-specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+specdecode bench --backend torch --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 5 6 7 --length-policy constant heuristic head \
   --stop-threshold 0.6 0.7 0.8 --bound 1 12 --out "$res/specdecpp-humaneval-t07-unpaired" --quiet
 
@@ -65,10 +65,10 @@ for set in "humaneval 6 0-6" "mtbench 4 4"; do
 done
 
 # --- greedy benches on the EPYC (the greedy head; every method writes the same text) -----------
-specdecode bench --prompts humaneval --limit 6 --max-new-tokens 64 --temperature 0 --seed 0 \
+specdecode bench --backend torch --prompts humaneval --limit 6 --max-new-tokens 64 --temperature 0 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant heuristic head \
   --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out "$res/specdecpp-humaneval-greedy" --quiet
-specdecode bench --prompts mtbench --limit 4 --max-new-tokens 64 --temperature 0 --seed 0 \
+specdecode bench --backend torch --prompts mtbench --limit 4 --max-new-tokens 64 --temperature 0 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 3 5 --length-policy constant heuristic head \
   --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out "$res/specdecpp-mtbench-greedy" --quiet
 
@@ -100,7 +100,7 @@ python $studies/specdecpp-history-feature/specdecpp_history_feature.py \
 
 # --- paired in wall-clock time: HumanEval 0-15, T = 0.7, coupled (before short products were
 # padded, 2026-11-23) --------------------------------------------------------------------------
-specdecode bench --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+specdecode bench --backend torch --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
   --methods ar sd-int8 --num-draft-tokens 6 8 --length-policy constant heuristic head \
   --stop-threshold 0.8 0.9 --bound 1 12 --coupled \
   --out "$res/specdecpp-humaneval-t07-unpadded" --quiet
@@ -127,12 +127,12 @@ python $studies/round-cost-parts/round_cost_parts.py 3 48 > $studies/round-cost-
 # --- priced heads (--priced: each head method also runs knowing the machine's round prices,
 # from the run's calibration), with one padding count per weight (2026-11-24) ---------------------
 priced_bench() {  # PROMPTS "CONSTANT KS" OUT: constants, heuristic, head-u flat and priced
-  specdecode bench --prompts "$1" --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
+  specdecode bench --backend torch --prompts "$1" --limit 16 --max-new-tokens 64 --temperature 0.7 --seed 0 \
     --methods ar sd-int8 --num-draft-tokens $2 --length-policy constant heuristic head-u \
     --stop-threshold 0.8 0.9 --bound 1 12 --coupled --priced --out "$3" --quiet
 }
 priced_bench humaneval "4 5 6 8" "$res/specdecpp-humaneval-t07-priced-mlp-unpadded"
-specdecode bench --prompts mtbench --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
+specdecode bench --backend torch --prompts mtbench --skip 16 --limit 16 --max-new-tokens 64 --temperature 0.7 \
   --seed 0 --methods ar sd-int8 --num-draft-tokens 2 3 4 --length-policy constant head-u \
   --stop-threshold 0.9 --bound 1 12 --coupled --priced \
   --out "$res/specdecpp-mtbench-t07-97-112" --quiet

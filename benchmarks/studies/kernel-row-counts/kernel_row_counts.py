@@ -94,7 +94,7 @@ def share_unpadded(rule, samples: dict[int, list[float]], repeats: int) -> float
 def main(n_prompts: int, new_tokens: int) -> None:
     torch.set_num_threads(2)
     decoder = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True, backend="torch"
     )
     packed = [m for m in decoder.target.modules() if isinstance(m, PACKED)]
     shapes = {shape_name(m): m for m in reversed(packed)}

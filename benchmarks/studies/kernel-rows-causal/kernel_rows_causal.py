@@ -37,7 +37,7 @@ def speed_ratio(slow: list[float], fast: list[float]) -> float:
 def main(n: int, new_tokens: int) -> None:
     torch.set_num_threads(2)
     decoder = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", prepack=True, drafter_int8=True, backend="torch"
     )
     packed = [m for m in decoder.target.modules() if isinstance(m, PrepackedLinear)]
     timed = [(m.min_rows, m.pad_to) for m in packed]

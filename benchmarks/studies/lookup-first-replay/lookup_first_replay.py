@@ -43,7 +43,7 @@ def texts_and_drafter_hits() -> list[dict]:
     if CACHE.is_file():
         return json.loads(CACHE.read_text())
     decoder = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", drafter_int8=True
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", drafter_int8=True, backend="torch"
     )
     drafter = quantize_int8(load_causal_lm("qwen2.5-coder-0.5b")[0])
     rows = []

@@ -157,7 +157,7 @@ def main() -> None:
     n_prompts = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 48
     decoder = SpeculativeDecoder.from_pretrained(
-        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", drafter_int8=True
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", drafter_int8=True, backend="torch"
     )
     instrument(decoder)
     prompts = [p.text for p in load_prompts("humaneval", limit=n_prompts)]
