@@ -32,7 +32,7 @@ from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
 from specdecode.bench.methods import Registry, Result, Settings
 from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
-from specdecode.config import PromptLookup
+from specdecode.config import LOOKUP_FIRST, PromptLookup
 
 LLAMA = Registry("llama.cpp")
 DEFAULT_METHODS = ("ar", "priced", "sd-lookup", "llama-cpp-python", "llama-cpp-python-lookup")
@@ -152,6 +152,30 @@ class LlamaMethod:
         raise NotImplementedError
 
 
+def engine_run(
+    decoder: SpeculativeDecoder,
+    prompts: list[list[int]],
+    s: Settings,
+    drafts: bool,
+    k: int | None,
+    options: dict,
+) -> Result:
+    """One timed call of this engine, on whichever backend the decoder runs."""
+    out = decoder.generate(
+        prompts,
+        use_drafter=drafts,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+        stop_token_ids=s.stop_token_ids,
+        num_draft_tokens=k or 1,
+        **options,
+    )
+    return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+
+
 class EngineOnLlama(LlamaMethod):
     """This engine on the llama.cpp backend."""
 
@@ -160,19 +184,7 @@ class EngineOnLlama(LlamaMethod):
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         decoder = self.shared.decoder(self.drafter)
-        out = decoder.generate(
-            prompts,
-            use_drafter=self.drafter is not None,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop_token_ids=s.stop_token_ids,
-            num_draft_tokens=self.k or 1,
-            **self.options,
-        )
-        return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+        return engine_run(decoder, prompts, s, self.drafter is not None, self.k, self.options)
 
 
 @LLAMA.add
@@ -290,19 +302,8 @@ class TorchMethod(LlamaMethod):
             )
 
         decoder = self.shared.get(self.name, build)
-        out = decoder.generate(
-            prompts,
-            use_drafter=self.drafter_int8,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            seed=s.seed,
-            stop_token_ids=s.stop_token_ids,
-            num_draft_tokens=self.k or 1,
-            lookup_first=PromptLookup(4, 3) if self.drafter_int8 else None,
-        )
-        return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+        options = {"lookup_first": LOOKUP_FIRST} if self.drafter_int8 else {}
+        return engine_run(decoder, prompts, s, self.drafter_int8, self.k, options)
 
 
 @LLAMA.add

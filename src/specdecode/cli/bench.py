@@ -120,22 +120,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     fits = cpu_fp32(args.device, DTYPES[args.dtype])  # where the CPU kernels apply
     default_methods = ["ar", "hf", "hf-assisted", "sd"] + (["sd-int8"] if fits else [])
     cfg = BenchConfig(
-        target=args.target,
-        draft=args.draft,
-        prompts=args.prompts,
-        limit=args.limit,
-        skip=args.skip,
+        **_run_settings(args),
         methods=tuple(args.methods or default_methods),
-        num_draft_tokens=tuple(args.num_draft_tokens),
-        batch_sizes=tuple(args.batch_sizes),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=0 if args.seed is None else args.seed,
-        chat=args.chat or args.prompts == "mtbench",
         prepack=not args.no_prepack and fits,
-        threads=args.threads,
         policies=tuple(args.length_policy),
         stop_thresholds=tuple(args.stop_threshold or [0.7]),
         confidence_thresholds=tuple(args.confidence_threshold),
@@ -145,7 +132,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         priced=args.priced,
         device=args.device,
         dtype=args.dtype,
-        repeats=args.repeats,
     )
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
     prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
@@ -177,23 +163,7 @@ def cmd_bench_llama(args: argparse.Namespace) -> int:
             "(--backend torch)"
         )
     cfg = LlamaBenchConfig(
-        target=args.target,
-        draft=args.draft,
-        prompts=args.prompts,
-        limit=args.limit,
-        skip=args.skip,
-        methods=tuple(args.methods or DEFAULT_METHODS),
-        num_draft_tokens=tuple(args.num_draft_tokens),
-        batch_sizes=tuple(args.batch_sizes),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=0 if args.seed is None else args.seed,
-        chat=args.chat or args.prompts == "mtbench",
-        threads=args.threads,
-        repeats=args.repeats,
-        rss=args.rss,
+        **_run_settings(args), methods=tuple(args.methods or DEFAULT_METHODS), rss=args.rss
     )
     prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
     from specdecode.api import encode_prompts, gguf_path
@@ -204,6 +174,27 @@ def cmd_bench_llama(args: argparse.Namespace) -> int:
     record = run_llama_bench(cfg, ids, progress=not args.quiet)
     record["prompt_ids"] = [p.id for p in prompts]
     return _report(record, args)
+
+
+def _run_settings(args: argparse.Namespace) -> dict:
+    """What every causal bench takes from the command line, whichever backend runs it."""
+    return dict(
+        target=args.target,
+        draft=args.draft,
+        prompts=args.prompts,
+        limit=args.limit,
+        skip=args.skip,
+        num_draft_tokens=tuple(args.num_draft_tokens),
+        batch_sizes=tuple(args.batch_sizes),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=0 if args.seed is None else args.seed,
+        chat=args.chat or args.prompts == "mtbench",
+        threads=args.threads,
+        repeats=args.repeats,
+    )
 
 
 def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:
