@@ -170,7 +170,7 @@ class DecodeConfig:
     coupled: bool = False
     # rounds draft only while at most this many rows are running (None: always). Above it a
     # round is a plain step of every row: where a batch makes the target's pass compute-bound
-    # (a CPU at batch 8 or more, `benchmarks/README.md`), verifying k + 1 positions a row costs
+    # (a CPU at batch 8 or more, `docs/findings.md`), verifying k + 1 positions a row costs
     # more than the drafts save. Rows that finish shrink the batch and drafting resumes.
     max_draft_batch: int | None = None
     # head policies: what a round costs here; None prices every verify pass alike (SpecDec++)
@@ -260,7 +260,7 @@ class DecodeConfig:
 
 
 # `transformers`' assistant_confidence_threshold default; for the head, the threshold that led
-# most of the recorded SpecDec++ runs of the default pair (benchmarks/README.md)
+# most of the recorded SpecDec++ runs of the default pair (docs/adaptive-length.md)
 POLICY_DEFAULT_THRESHOLDS = {
     "constant": 0.0,
     "heuristic": 0.0,

@@ -282,7 +282,7 @@ class LookupFirstDrafter:
     greedy HumanEval outputs a 3-gram recurs at a third of the positions, and lookup's drafts
     there keep 2.7 of 4 tokens, about what the model keeps anywhere (2.6), without the model's
     0.15 target steps a drafted token; replayed round by round on those outputs, +6% tokens per
-    target step over the model alone (`benchmarks/README.md`).
+    target step over the model alone (`docs/findings.md`).
     """
 
     def __init__(self, lookup: PromptLookup, model: ModelDrafter) -> None:

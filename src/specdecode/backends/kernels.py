@@ -31,8 +31,8 @@ shape at load (`row_plan`); on that machine a whole step of the 1.5B target went
 The plan is read off median times, not the best of a few: a one-row product of the MLP's weight
 now and then runs as fast as five rows (1.20 ms best) but typically takes 1.36 ms, and plans
 read off best times left it unpadded in two runs of three, which made a verify pass of 2
-positions cost 1.14-1.20 target steps where one of 3-6 cost 0.8-0.9 (`benchmarks/README.md`,
-eighteenth session).
+positions cost 1.14-1.20 target steps where one of 3-6 cost 0.8-0.9 (`docs/findings.md`,
+measured 2026-11-24).
 
 The dense weight stays the module's parameter (nothing else changes for `transformers`); the
 packed copy costs one more copy of the linear weights in memory. Results agree with the default
@@ -187,7 +187,7 @@ def row_plan(module: _Packed, repeats: int = 7, clock=time.perf_counter) -> Plan
     Which kernel is faster for one row depends on the CPU: on the 2-core Intel Xeon the
     project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
     on the 2-core AMD EPYC, the packed copy (whole decodes 1.40x faster for the 1.5B target and
-    1.21x for the seq2seq verifier, `benchmarks/kernel_rows_causal.py`, `specdec_kernel_rows.py`).
+    1.21x for the seq2seq verifier, `benchmarks/studies/kernel-rows-causal/`, `benchmarks/studies/specdec-kernel-rows/`).
     Plain decoding is the baseline of every speedup, so it gets the faster one.
     """
     candidates = product_candidates(module, range(1, MOST_PADDED_ROWS + 1))

@@ -26,7 +26,7 @@ from specdecode.stats import DecodeStats, RowStats
 from specdecode.verification import TopBetaTau, make_rule
 
 # Exact SpecDec against plain decoding of the shipped pair by batch size, 2-core AMD EPYC
-# (benchmarks/specdec-draft-batch.txt): 1.2-1.4x at 1, 0.9-1.2x at 4, 0.9-1.0x at 8, 0.7-0.8x
+# (benchmarks/studies/specdec-draft-batch/): 1.2-1.4x at 1, 0.9-1.2x at 4, 0.9-1.0x at 8, 0.7-0.8x
 # at 32. Past a few rows the verify pass is compute-bound on a CPU and drafting costs more than
 # it saves; over the test split at batch 32, drafting only while at most 4 rows run is level
 # with plain decoding (1.02-1.05x), where drafting every round ran 0.64-0.74x.
@@ -65,7 +65,7 @@ class TranslationPair:
         packed too where that is faster on this machine (`kernels.row_plan`, per weight
         shape, which also pads short products; None): on the 2-core AMD EPYC whole
         translations of the shipped pair ran 1.21x faster packed from one row than from two
-        (`benchmarks/specdec_kernel_rows.py`), so plain decoding, the baseline of every
+        (`benchmarks/studies/specdec-kernel-rows/`), so plain decoding, the baseline of every
         speedup, gets the faster kernel as well. Results agree with the default kernels to
         fp32 rounding.
         """

@@ -19,7 +19,7 @@ compute-bound, that is most of the drafter's cost.
 Source side: the drafter reads the verifier's encoder states instead of running an encoder of
 its own (SpecDec gives the drafter its own encoder, initialised from the verifier's). Reuse costs
 nothing at inference (the verifier encodes each input once anyway), halves the drafter's size,
-and lets a CPU session's training budget go to the decoder alone. Decoder layers are initialised
+and lets a few hours of CPU training go to the decoder alone. Decoder layers are initialised
 from the verifier's decoder (same post-norm layout), embeddings and output projection are the
 verifier's shared embeddings, so training starts from a model that already reads the source.
 """
@@ -206,7 +206,7 @@ class BlockDrafter(nn.Module):
 
         Its weights take a quarter of the bytes: with the packed verifier, the weights a round
         reads drop from about 37 MB to 25, under the 32 MB last-level cache of the CPU measured
-        (`benchmarks/README.md`). Drafts change a little; the verifier's output never does.
+        (`docs/seq2seq.md`). Drafts change a little; the verifier's output never does.
         """
         if any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in self.modules()):
             raise ValueError("this drafter is already int8")

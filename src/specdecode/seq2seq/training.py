@@ -1,7 +1,7 @@
 """What the seq2seq trainers share: token-budget batches, the inverse-square-root schedule,
 resumable checkpoints, a wall-clock budget, and greedy BLEU on the validation split.
 
-Training runs on a 2-core CPU within a session, so every trainer is resumable: the model,
+Training runs on a 2-core CPU in pieces of a few hours, so every trainer is resumable: the model,
 optimizer, scheduler, step counter and data position are saved every few minutes, and the same
 command picks up where it stopped. `accelerate` drives the loop, so the same command uses a GPU
 where there is one, and several processes under `accelerate launch` (`specdecode.distributed`
@@ -169,7 +169,7 @@ def average_snapshots(snapshots: Sequence[Path], out: Path) -> Path:
     the newest snapshot's other files (configuration, tokenizer).
 
     Why: the mean of the last few checkpoints of a run is a cheap, well-known gain in BLEU, and
-    a run still descending noisily at the end of a CPU session is where it helps most.
+    a run still descending noisily at the end of a CPU run of a few hours is where it helps most.
     """
     from safetensors.torch import load_file, save_file
 
