@@ -187,7 +187,8 @@ def row_plan(module: _Packed, repeats: int = 7, clock=time.perf_counter) -> Plan
     Which kernel is faster for one row depends on the CPU: on the 2-core Intel Xeon the
     project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
     on the 2-core AMD EPYC, the packed copy (whole decodes 1.40x faster for the 1.5B target and
-    1.21x for the seq2seq verifier, `benchmarks/studies/kernel-rows-causal/`, `benchmarks/studies/specdec-kernel-rows/`).
+    1.21x for the seq2seq verifier; benchmarks/studies/kernel-rows-causal/ and
+    benchmarks/studies/specdec-kernel-rows/).
     Plain decoding is the baseline of every speedup, so it gets the faster one.
     """
     candidates = product_candidates(module, range(1, MOST_PADDED_ROWS + 1))

@@ -2,9 +2,10 @@
 
 The recipe is SpecDec's AR verifier (fairseq `transformer` with shared embeddings, label
 smoothing 0.1, Adam, inverse-square-root schedule), sized for a few hours on a 2-core CPU:
-d_model 256, 3+3 layers, 4 heads, FFN 1024, a shared 8k BPE (7.7M parameters; PARALLEL.md measured BLEU 23 on
-held-out books after 40 minutes). The same loop trains the small autoregressive assistant used
-by the `hf-assisted` baseline (`--decoder-layers 1`, on distilled data).
+d_model 256, 3+3 layers, 4 heads, FFN 1024, a shared 8k BPE (7.7M parameters; PARALLEL.md
+measured BLEU 23 on held-out books after 40 minutes). The same loop trains the small
+autoregressive assistant used by the `hf-assisted` baseline (`--decoder-layers 1`, on
+distilled data).
 """
 
 from __future__ import annotations
