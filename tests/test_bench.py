@@ -527,3 +527,45 @@ def test_bench_prompt_lookup_methods(tiny_pair, tmp_path):
     lookup = rows[("sd-lookup[k=3]", 1)]
     assert lookup["drafter_forwards_per_token"] == 0 and lookup["drafted_per_round"] > 0
     assert all(not r["mismatches"] for r in record["methods"])
+
+
+class Priced:
+    """A method whose time and output depend on its batch alone, so that a run split across
+    processes must record what one process records."""
+
+    def __init__(self, label, offset=0, exact=True):
+        self.label, self.exact, self.pairing, self.offset = label, exact, None, offset
+
+    def skips(self, batch_size):
+        return None
+
+    def prepare(self, sample):
+        pass
+
+    def run(self, batch):
+        seconds = 0.1 * sum(batch) + 0.01 * len(batch)
+        return Result([[x + self.offset, x % 3] for x in batch], seconds)
+
+
+def test_a_run_shared_across_processes_merges_into_the_single_process_record():
+    """Inputs cut into chunks of lcm(batch sizes), dealt to 3 processes, measured apart and
+    merged: the same batches, times, outputs and mismatches, in input order."""
+    from specdecode.bench.runner import chunks_of, measure, merge
+
+    inputs = list(range(1, 12))  # 11 inputs: the last chunk is short
+    sizes = [1, 2, 4]
+    methods = [Priced("ar"), Priced("same"), Priced("bad", offset=1)]
+    whole, _ = measure(methods, inputs, sizes, progress=False)
+    parts = []
+    for process in range(3):
+        mine = chunks_of(len(inputs), sizes, process, 3)
+        records, _ = measure(methods, [inputs[i] for i in mine], sizes, progress=False)
+        parts.append((mine, records))
+    assert sorted(i for mine, _ in parts for i in mine) == list(range(len(inputs)))
+    merged = merge(parts, sizes)
+    assert merged.keys() == whole.keys()
+    for key, rec in whole.items():
+        got = merged[key]
+        assert got.outputs == rec.outputs and got.mismatches == rec.mismatches, key
+        assert got.seconds == pytest.approx(rec.seconds) and got.inputs == rec.inputs, key
+    assert merged[("bad", 4)].mismatches == list(range(len(inputs)))

@@ -441,3 +441,37 @@ def test_head_checkpoint_refuses_other_settings(tmp_path, head_data):
     other = TrainConfig(rule="greedy", **{**HEAD, "lr": 1e-3})
     with pytest.raises(ValueError, match=r"other settings or data \(lr\)"):
         train_head(data, tmp_path / "head", other, progress=False)
+
+
+def test_bench_shared_across_two_processes_writes_the_one_record(tiny_pair, tmp_path):
+    """`accelerate launch` of `specdecode bench` with two processes: the main process writes
+    one record whose outputs equal a single process's run of the same prompts."""
+    target, draft, prompts = tiny_pair
+    args = ["bench", "--backend", "torch", "--target", str(target), "--draft", str(draft),
+            "--prompts", str(prompts), "--limit", "4", "--max-new-tokens", "8", "--methods",
+            "ar", "sd", "--batch-sizes", "1", "2", "--no-prepack", "--no-plots", "--quiet"]  # fmt: skip
+    single = tmp_path / "single"
+    assert subprocess.run([sys.executable, "-m", "specdecode.cli", *args, "--out", str(single)],
+                          capture_output=True, text=True, timeout=600).returncode == 0  # fmt: skip
+    shared = tmp_path / "shared"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+        "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()), "-m", "specdecode.cli", *args,
+        "--out", str(shared),
+    ]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "HF_HOME": str(tmp_path / "hf")}  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    one = json.loads((single / "record.json").read_text())
+    two = json.loads((shared / "record.json").read_text())
+    assert two["ok"] and one["ok"]
+
+    def texts(record: dict) -> dict:
+        return {(r["method"], r["batch_size"]): r["tokens"] for r in record["methods"]}
+
+    assert texts(two) == texts(one)
+    assert [len(r["per_batch_seconds"]) for r in two["methods"]] == [
+        len(r["per_batch_seconds"]) for r in one["methods"]
+    ]

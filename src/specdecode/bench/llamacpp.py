@@ -31,7 +31,13 @@ import torch
 from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
 from specdecode.bench.methods import Registry, Result, Settings
-from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
+from specdecode.bench.runner import (
+    REFERENCE,
+    bench_record,
+    check_run,
+    measure_shared,
+    speed_rows,
+)
 from specdecode.config import LOOKUP_FIRST, PromptLookup
 
 LLAMA = Registry("llama.cpp")
@@ -369,7 +375,7 @@ def divergences(
 
 def run_llama_bench(
     cfg: LlamaBenchConfig, prompt_ids: list[list[int]], progress: bool = True
-) -> dict:
+) -> dict | None:
     shared = Shared(cfg)
     reference = shared.decoder(None)
     settings = Settings(
@@ -381,7 +387,11 @@ def run_llama_bench(
         reference.default_stop_ids(),
     )
     methods = [LLAMA[name](k, shared, settings) for name, k in cfg.specs()]
-    records, skipped = measure(methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress)
+    records, skipped, main = measure_shared(
+        methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress
+    )
+    if not main:
+        return None  # the main process writes the run's one record
     target = shared.target()
     sample = records[(REFERENCE, cfg.batch_sizes[0])].outputs[0][:48]
     noise = measure_noise(target, prompt_ids[0], sample) if sample else 0.0

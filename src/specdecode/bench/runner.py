@@ -20,6 +20,7 @@ translations (`seq2seq`).
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import resource
@@ -161,6 +162,98 @@ def measure(
                         tqdm.write(f"MISMATCH: {method.label} differs from ar on input {index}")
     bar.close()
     return records, skipped
+
+
+# ---- the bench across processes ----
+# The bench across processes: `accelerate launch` shares the inputs out, the main process merges.
+#
+# Why by chunks of whole batches: a batch's time is the figure the runner records, so a process
+# must run the same batches a single process would. The inputs are cut into chunks of
+# lcm(batch sizes) inputs (so no batch of any size straddles two chunks), chunk c goes to process
+# c mod N, each process measures its chunks with the one runner (`runner.measure`), and the main
+# process merges the records back into input order: the same batches, outputs and mismatches as
+# one process would record, each batch timed on the process that ran it. With several GPUs that
+# divides a run's wall time by N; on one CPU it only has to give the same record.
+
+Records = dict[tuple[str, int], MethodRecord]
+
+
+def chunks_of(count: int, batch_sizes: Sequence[int], process: int, processes: int) -> list[int]:
+    """The input indices process `process` of `processes` measures, in input order."""
+    size = math.lcm(*batch_sizes)
+    starts = range(process * size, count, processes * size)
+    return [i for start in starts for i in range(start, min(start + size, count))]
+
+
+def merge(parts: Sequence[tuple[list[int], Records]], batch_sizes: Sequence[int]) -> Records:
+    """One record per (method, batch size) from each process's (input indices, records): its
+    batches, outputs and mismatches put back in input order."""
+    merged: Records = {}
+    keys = dict.fromkeys(key for _, records in parts for key in records)
+    for key in keys:
+        label, batch_size = key
+        batches: list[tuple[int, int, MethodRecord, int]] = []  # (global start, part, rec, j)
+        outputs: dict[int, list[int]] = {}
+        out = MethodRecord(label, batch_size)
+        for p, (mine, records) in enumerate(parts):
+            rec = records.get(key)
+            if rec is None:
+                continue
+            local = 0
+            for j, n in enumerate(rec.inputs):
+                batches.append((mine[local], p, rec, j))
+                local += n
+            outputs.update({mine[i]: o for i, o in enumerate(rec.outputs)})
+            out.mismatches += [mine[i] for i in rec.mismatches]
+            out.unpaired += [mine[i] for i in rec.unpaired]
+            if rec.stats is not None:
+                if out.stats is None:
+                    out.stats = DecodeStats([RowStats()])
+                out.stats.absorb(rec.stats, [0] * len(rec.stats.rows))
+        for _, _, rec, j in sorted(batches, key=lambda b: b[0]):
+            out.seconds.append(rec.seconds[j])
+            out.tokens.append(rec.tokens[j])
+            out.inputs.append(rec.inputs[j])
+            out.first_round_seconds.append(rec.first_round_seconds[j])
+            out.first_round_tokens.append(rec.first_round_tokens[j])
+        out.outputs = [outputs[i] for i in sorted(outputs)]
+        out.mismatches.sort()
+        out.unpaired.sort()
+        merged[key] = out
+    return merged
+
+
+def launched_processes() -> int:
+    """How many processes `accelerate launch` (torchrun) started; 1 outside a launch."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def measure_shared(
+    methods: Sequence[BenchMethod],
+    inputs: Sequence[Any],
+    batch_sizes: Sequence[int],
+    repeats: int = 1,
+    progress: bool = True,
+) -> tuple[Records, list[str], bool]:
+    """`runner.measure`, shared across the launched processes -> (records, skipped, is_main):
+    the merged records on the main process, each process's own on the others."""
+    if launched_processes() == 1:
+        return (*measure(methods, inputs, batch_sizes, repeats, progress), True)
+    from specdecode.distributed import gather_objects, process_state
+
+    state = process_state()
+    mine = chunks_of(len(inputs), batch_sizes, state.process_index, state.num_processes)
+    if not mine:
+        raise ValueError(
+            f"{len(inputs)} inputs leave process {state.process_index} of "
+            f"{state.num_processes} nothing to measure (chunks of {math.lcm(*batch_sizes)}); "
+            "launch fewer processes or give more prompts"
+        )
+    records, skipped = measure(
+        methods, [inputs[i] for i in mine], batch_sizes, repeats, progress and state.is_main_process
+    )
+    parts = gather_objects(state, (mine, records))
+    return merge(parts, batch_sizes), skipped, state.is_main_process
 
 
 def differing(got: list[list[int]], want: list[list[int]], start: int) -> list[int]:
@@ -355,7 +448,7 @@ def round_prices(costs: dict, longest_round: int) -> dict[str, RoundPrices]:
 
 def run_bench(
     cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress: bool = True
-) -> dict:
+) -> dict | None:
     settings = Settings(
         cfg.max_new_tokens,
         cfg.temperature,
@@ -369,7 +462,11 @@ def run_bench(
     longest = max((m.spec.bound[1] for m in methods if m.spec.bound is not None), default=0)
     costs = calibrate(models, methods, prompt_ids[0], longest)
     models.round_prices = round_prices(costs, longest)
-    records, skipped = measure(methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress)
+    records, skipped, main = measure_shared(
+        methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress
+    )
+    if not main:
+        return None  # the main process writes the run's one record
     drafters = drafter_kinds(methods)
 
     def extras(row: dict, method: CausalMethod, rec: MethodRecord, base: MethodRecord) -> None:

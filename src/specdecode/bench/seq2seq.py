@@ -38,7 +38,7 @@ from specdecode.bench.runner import (
     MethodRecord,
     bench_record,
     check_run,
-    measure,
+    measure_shared,
     speed_rows,
 )
 from specdecode.seq2seq.api import TranslationPair
@@ -338,7 +338,7 @@ def bleu_scores(hyps: list[str], refs: list[str], refs2: list[str]) -> dict:
     return out
 
 
-def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
+def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict | None:
     from specdecode.seq2seq.corpus import read_split
 
     verses = read_split(cfg.split)
@@ -351,7 +351,11 @@ def run_seq2seq_bench(cfg: Seq2SeqBenchConfig, progress: bool = True) -> dict:
     models = PairModels(pair, cfg)
     methods = [SEQ2SEQ.lookup(spec.kind)(spec, models) for spec in specs]
     sources = [v.src for v in verses]
-    records, skipped = measure(methods, sources, cfg.batch_sizes, cfg.repeats, progress)
+    records, skipped, main = measure_shared(
+        methods, sources, cfg.batch_sizes, cfg.repeats, progress
+    )
+    if not main:
+        return None  # the main process writes the run's one record
 
     def extras(row: dict, method: Translation, rec: MethodRecord, base: MethodRecord) -> None:
         row.update(translation_figures(method.spec, rec, verses, pair))

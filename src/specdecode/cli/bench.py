@@ -65,10 +65,13 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
     return _report(run_seq2seq_bench(cfg, progress=not args.quiet), args)
 
 
-def _report(record: dict, args: argparse.Namespace) -> int:
-    """Write and print a run's record and table; a mismatch fails the command."""
+def _report(record: dict | None, args: argparse.Namespace) -> int:
+    """Write and print a run's record and table; a mismatch fails the command. None: a
+    process of a launched run other than the main one, which writes for all."""
     from specdecode.bench.report import markdown_table, write_report
 
+    if record is None:
+        return 0
     out = Path(args.out)
     write_report(record, out, plots=not args.no_plots)
     print(markdown_table(record))
