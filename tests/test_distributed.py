@@ -449,7 +449,8 @@ def test_bench_shared_across_two_processes_writes_the_one_record(tiny_pair, tmp_
     target, draft, prompts = tiny_pair
     args = ["bench", "--backend", "torch", "--target", str(target), "--draft", str(draft),
             "--prompts", str(prompts), "--limit", "4", "--max-new-tokens", "8", "--methods",
-            "ar", "sd", "--batch-sizes", "1", "2", "--no-prepack", "--no-plots", "--quiet"]  # fmt: skip
+            "ar", "sd", "--batch-sizes", "1", "2", "--no-prepack", "--no-plots",
+            "--quiet"]  # fmt: skip
     single = tmp_path / "single"
     assert subprocess.run([sys.executable, "-m", "specdecode.cli", *args, "--out", str(single)],
                           capture_output=True, text=True, timeout=600).returncode == 0  # fmt: skip
