@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -395,7 +396,8 @@ def run_llama_bench(
     target = shared.target()
     sample = records[(REFERENCE, cfg.batch_sizes[0])].outputs[0][:48]
     noise = measure_noise(target, prompt_ids[0], sample) if sample else 0.0
-    prices = reference.pass_prices() if "priced" in cfg.methods else None
+    priced = shared.decoder("model") if "priced" in cfg.methods else None
+    prices = priced.pass_prices() if priced is not None else None
 
     def extras(row: dict, method: LlamaMethod, rec, base) -> None:
         if rec.stats is not None:
@@ -456,7 +458,17 @@ def _probe() -> None:
         cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, _stop_ids(cfg)
     )
     LLAMA[name](k, Shared(cfg), settings).run([job["prompt"]])
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    print(high_water_gib())
+
+
+def high_water_gib() -> float:
+    """This process's peak resident memory. Not `getrusage`'s ru_maxrss: Linux carries it over
+    an exec from the forked copy of the parent, so a probe started by a 7 GiB bench process
+    would report 7 GiB whatever it loads; the memory map's own high-water mark starts afresh."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _stop_ids(cfg: LlamaBenchConfig) -> tuple[int, ...]:
