@@ -230,52 +230,62 @@ class LlamaCppModel:
                     f"{self.role}: row {b} would hold {lengths_l[b] + counts[b]} tokens, beyond "
                     f"this llama.cpp context of {self.context_length} per row"
                 )
-        out_rows: list[int] = []
-        out_cols: list[int] = []
-        out_index: list[int] = []  # which of llama.cpp's outputs each wanted position is
         if want_hidden != self.embeddings_on:  # with embeddings on, llama.cpp outputs (and
             # computes the logits of) every token of a batch: only when the hidden states are read
             self.lib.llama_set_embeddings(self.ctx, want_hidden)
             self.embeddings_on = want_hidden
-        if count:
-            self._ensure_batch(count)
-            lb = self.batch
-            i = 0
-            for b in range(batch):
-                pos = lengths_l[b]
-                seq = self.seq_ids[b]
-                row_tokens, row_valid = tokens_l[b], valid_l[b]
-                for j in range(n):
-                    if not row_valid[j]:
-                        continue
-                    lb.token[i] = row_tokens[j]
-                    lb.pos[i] = pos
-                    lb.n_seq_id[i] = 1
-                    lb.seq_id[i][0] = seq
-                    wanted = j >= n - keep
-                    lb.logits[i] = wanted
-                    if wanted:
-                        out_rows.append(b)
-                        out_cols.append(j - (n - keep))
-                        out_index.append(i if want_hidden else len(out_index))
+        # every valid token in batch order: (row, column of its logits or -1, token, position)
+        entries: list[tuple[int, int, int, int]] = []
+        for b in range(batch):
+            pos = lengths_l[b]
+            for j in range(n):
+                if valid_l[b][j]:
+                    entries.append(
+                        (b, j - (n - keep) if j >= n - keep else -1, tokens_l[b][j], pos)
+                    )
                     pos += 1
-                    i += 1
-            self._decode(count)
         logits = torch.zeros(batch, keep, self.vocab_size)  # [batch, keep, vocab]
         hidden = torch.zeros(batch, keep, self.hidden_size) if want_hidden else None
-        if out_rows:
-            rows_t, cols_t = torch.tensor(out_rows), torch.tensor(out_cols)
-            outputs = count if want_hidden else len(out_rows)
-            index = torch.tensor(out_index) if want_hidden else slice(None)
-            logits[rows_t, cols_t] = self._outputs(
-                self.lib.llama_get_logits(self.ctx), outputs, self.vocab_size
-            )[index]  # the one copy of the logits (two where every token was output)
-            if hidden is not None:
-                hidden[rows_t, cols_t] = self._outputs(
-                    self.lib.llama_get_embeddings(self.ctx), outputs, self.hidden_size
-                )[index]
+        # llama_decode takes at most n_batch tokens: a longer block (a batch of long prompts)
+        # goes in pieces, each piece's outputs copied before the next overwrites them
+        for start in range(0, count, self.max_batch_tokens):
+            self._decode_piece(entries[start : start + self.max_batch_tokens], logits, hidden)
         self.lengths = self.lengths + torch.tensor(counts, dtype=torch.long)
         return logits, hidden
+
+    def _decode_piece(
+        self,
+        piece: list[tuple[int, int, int, int]],
+        logits: torch.Tensor,  # [batch, keep, vocab], filled in place
+        hidden: torch.Tensor | None,  # [batch, keep, hidden], filled in place
+    ) -> None:
+        """One `llama_decode` of `piece`, its wanted outputs copied into logits (and hidden)."""
+        self._ensure_batch(len(piece))
+        lb = self.batch
+        rows, cols, index = [], [], []  # where each output goes, and which output it is
+        for i, (b, col, token, pos) in enumerate(piece):
+            lb.token[i] = token
+            lb.pos[i] = pos
+            lb.n_seq_id[i] = 1
+            lb.seq_id[i][0] = self.seq_ids[b]
+            lb.logits[i] = col >= 0
+            if col >= 0:
+                rows.append(b)
+                cols.append(col)
+                index.append(i if hidden is not None else len(index))
+        self._decode(len(piece))
+        if not rows:
+            return
+        rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+        outputs = len(piece) if hidden is not None else len(rows)
+        pick = torch.tensor(index) if hidden is not None else slice(None)
+        logits[rows_t, cols_t] = self._outputs(
+            self.lib.llama_get_logits(self.ctx), outputs, self.vocab_size
+        )[pick]  # the one copy of the logits (two where every token was output)
+        if hidden is not None:
+            hidden[rows_t, cols_t] = self._outputs(
+                self.lib.llama_get_embeddings(self.ctx), outputs, self.hidden_size
+            )[pick]
 
     def _decode(self, count: int) -> None:
         self.batch.n_tokens = count
