@@ -271,3 +271,25 @@ def test_cli_generate_runs_on_llamacpp_by_default(smol_gguf):
     assert "Traceback" not in run.stderr
     assert '"completion"' in run.stdout
     assert physical_cores() >= 1
+
+
+def test_a_block_longer_than_a_llama_batch_goes_in_pieces(smol):
+    """Rows whose tokens together pass llama.cpp's n_batch (512) are decoded in pieces rather
+    than tripping its assertion (which aborts the process): every row's cache holds all its
+    tokens, and a row that fits the first piece scores as alone."""
+    target, _, tok = smol
+    text = tok("\n".join(PROMPTS * 12)).input_ids
+    rows = [text[:400], text[:300], text[:350]]
+    width = max(map(len, rows))
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, ids in enumerate(rows):
+        tokens[b, width - len(ids) :] = torch.tensor(ids)
+        valid[b, width - len(ids) :] = True
+    target.reset(len(rows))
+    logits, _ = target.forward(tokens, valid, logits_to_keep=2)
+    assert target.lengths.tolist() == [400, 300, 350]
+    assert torch.isfinite(logits).all() and (logits.abs().sum(-1) > 0).all()
+    target.reset(1)
+    alone, _ = target.forward(torch.tensor([rows[0]]), ones(400), logits_to_keep=2)
+    assert (logits[0] - alone[0]).abs().max() <= NOISE
