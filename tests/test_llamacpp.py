@@ -237,6 +237,17 @@ def test_plan_drafts_only_where_it_pays():
     assert plan_lengths([0.9], [0], [False], cheap) == [0]
 
 
+def test_pass_prices_extrapolate_the_measured_growth():
+    """Beyond the passes timed at load, a pass grows as the upper half of the timed ones did,
+    whatever the noise of the last step (a flat last step must not make 72 tokens cost 12)."""
+    noisy_end = PassPrices((1.0, 1.5, 1.8, 1.6, 2.1, 2.4, 2.7, 2.8, 3.1, 3.3, 3.55, 3.5), 0.6)
+    assert noisy_end.pass_cost(12) == 3.5
+    assert noisy_end.pass_cost(72) > 3.5 + 60 * 0.2
+    assert noisy_end.pass_cost(13) > noisy_end.pass_cost(12)
+    # at batch 8, drafts of a 0.8-acceptance drafter model do not pay at these prices
+    assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, noisy_end) == [0] * 8
+
+
 def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
