@@ -110,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     from specdecode.api import default_backend
 
-    if (args.backend or default_backend(args.target, args.device)) == "llama.cpp":
+    if (args.backend or _default_bench_backend(args, default_backend)) == "llama.cpp":
         return cmd_bench_llama(args)
     from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
@@ -146,6 +146,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     models = Models(target, tokenizer, drafter, head=cfg.head)
     ids = models.decoder("ar").encode([p.text for p in prompts], chat=cfg.chat)
     record = run_bench(cfg, models, ids, progress=not args.quiet)
+    if record is None:  # a launched process other than the main one
+        return 0
     record["models"] = {"target": model_identity(cfg.target), "draft": model_identity(cfg.draft)}
     if set(HEAD_POLICIES) & set(cfg.policies):
         record["models"]["head"] = _measured_head(cfg, target, drafter)
@@ -175,8 +177,28 @@ def cmd_bench_llama(args: argparse.Namespace) -> int:
     tokenizer = gguf_tokenizer(gguf_path(cfg.target))
     ids = encode_prompts(tokenizer, [p.text for p in prompts], chat=cfg.chat)
     record = run_llama_bench(cfg, ids, progress=not args.quiet)
+    if record is None:  # a launched process other than the main one
+        return 0
     record["prompt_ids"] = [p.id for p in prompts]
     return _report(record, args)
+
+
+def _default_bench_backend(args: argparse.Namespace, default_backend) -> str:
+    """llama.cpp for known models on the CPU, unless the run asks for what only the torch
+    bench has (a dtype, length policies, bounds, heads, its methods, its kernels)."""
+    from specdecode.bench.llamacpp import LLAMA
+
+    torch_only = (
+        args.dtype != "float32"
+        or args.length_policy != ["constant"]
+        or args.bound
+        or args.head
+        or args.priced
+        or args.coupled
+        or args.no_prepack
+        or any(m not in LLAMA for m in args.methods or [])
+    )
+    return "torch" if torch_only else default_backend(args.target, args.device)
 
 
 def _run_settings(args: argparse.Namespace) -> dict:
