@@ -31,6 +31,7 @@ from specdecode.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
     LOOKUP_FIRST,
+    PRICED_DRAFT_BATCH,
     PROMPT_LOOKUP,
     DecodeConfig,
     PassPrices,
@@ -315,7 +316,9 @@ class SpeculativeDecoder:
             stop_threshold=stop_threshold,
             bound=tuple(bound) if bound is not None else None,
             coupled=coupled,
-            max_draft_batch=max_draft_batch,
+            max_draft_batch=PRICED_DRAFT_BATCH
+            if max_draft_batch is None and length_policy == "priced"
+            else max_draft_batch,
             round_prices=round_prices,
         )
 

@@ -280,6 +280,10 @@ POLICY_DEFAULT_THRESHOLDS = {
 }
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 HEAD_POLICIES = ("head", "head-u")  # the policies that read an acceptance head
+# the priced policy drafts only while this many rows run (unless max_draft_batch says otherwise):
+# its prices are timed on one row, and a pass of 8 rows costs about 20% more than one row of as
+# many tokens, which its plan does not see (measured at batch 8 on 2 cores: 0.69x plain decoding)
+PRICED_DRAFT_BATCH = 1
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound
 
 

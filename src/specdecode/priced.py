@@ -75,10 +75,11 @@ def plan_lengths(
     best, best_ratio = list(k), expected / cost
     while True:
         pick, pick_score, pick_cost = -1, 0.0, 0.0
+        grown = prices.pass_cost(tokens + 1) - prices.pass_cost(tokens)  # the same for every row
         for b in range(batch):
             if k[b] >= caps[b]:
                 continue
-            added = prices.pass_cost(tokens + 1) - prices.pass_cost(tokens)
+            added = grown
             if uses_model[b]:
                 rows = depth_rows[k[b] + 1]  # one more row in the drafter's pass at this depth
                 before = prices.pass_cost(rows) if rows else 0.0
@@ -112,15 +113,10 @@ class PricedDrafter:
         model: ModelDrafter | None,
         prices: PassPrices,
         max_tokens: int,
-        max_rows: int = 1,
     ) -> None:
         if model is not None and prices.draft is None:
             raise ValueError("pricing a drafter model's rounds needs its step's price")
         self.lookup, self.model, self.prices, self.max_tokens = lookup, model, prices, max_tokens
-        # rounds draft only while at most `max_rows` rows run: the prices are timed on one row,
-        # and a pass of 8 rows costs about 20% more than one row of as many tokens, which the
-        # plan does not see (measured at batch 8 on 2 cores: 0.69x plain decoding)
-        self.max_rows = max_rows
         self.by_ngram = Acceptance(lookup.max_ngram + 1)  # lookup acceptance by match length
         self.by_row = Acceptance(0)  # the model's acceptance, per row
         self.round: tuple[list[int], list[int]] | None = None  # (source n-gram or 0, drafted)
@@ -131,9 +127,6 @@ class PricedDrafter:
             self.model.start(batch_size)
 
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
-        if sequences.shape[0] > self.max_rows:
-            self.round = None
-            return Draft.empty(sequences.shape[0], sequences.device)
         budget = max_tokens.clamp(max=self.max_tokens).tolist()
         lens = seq_lens.tolist()
         texts = sequences[:, : max(lens, default=0)].cpu()  # [batch, longest] the round's copy
@@ -165,7 +158,7 @@ class PricedDrafter:
         return self.model.next_law(sequences, seq_lens, rows)
 
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
-        if self.round is None:  # a plain round: nothing drafted, nothing to learn
+        if self.round is None:  # a plain round (the engine did not ask for a draft)
             if self.model is not None:
                 self.model.rollback(lengths, num_drafted, num_accepted)
             return
@@ -184,6 +177,7 @@ class PricedDrafter:
         if self.model is not None:
             self.model.rollback(lengths, num_drafted.masked_fill(self._looked(num_drafted), 0),
                                 num_accepted)  # fmt: skip
+        self.round = None  # heard: a round the engine runs plain next leaves nothing to learn
 
     def _looked(self, like: torch.Tensor) -> torch.Tensor:
         ngram = self.round[0] if self.round is not None else [0] * like.shape[0]

@@ -25,13 +25,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
-from specdecode.bench.methods import Registry, Result, Settings
+from specdecode.bench.methods import Registry, Result, Settings, SharedModels
 from specdecode.bench.runner import (
     REFERENCE,
     bench_record,
@@ -82,45 +82,39 @@ class LlamaBenchConfig:
         ]
 
 
-class Shared:
-    """The models of one run, each loaded once: the llama.cpp target and drafter are shared by
-    every engine method (each call resets their sequences)."""
+@dataclass
+class Shared(SharedModels):
+    """The models of one run, each loaded once (`SharedModels`): the llama.cpp target and
+    drafter are shared by every engine method (each call resets their sequences)."""
 
-    def __init__(self, cfg: LlamaBenchConfig) -> None:
-        self.cfg = cfg
-        self.built: dict[str, Any] = {}
-
-    def get(self, key: str, build):
-        if key not in self.built:
-            self.built[key] = build()
-        return self.built[key]
+    cfg: LlamaBenchConfig
 
     def threads(self) -> int:
         return self.cfg.threads or physical_cores()
 
     def target(self) -> LlamaCppModel:
         path = gguf_path(self.cfg.target)
-        return self.get(
+        return self.shared(
             "target", lambda: LlamaCppModel(path, role="target", threads=self.threads())
         )
 
     def drafter(self) -> LlamaCppModel:
         path = gguf_path(self.cfg.draft)
-        return self.get(
+        return self.shared(
             "drafter", lambda: LlamaCppModel(path, role="drafter", threads=self.threads())
         )
 
     def tokenizer(self):
         from specdecode.models.tokenizer import gguf_tokenizer
 
-        return self.get("tokenizer", lambda: gguf_tokenizer(gguf_path(self.cfg.target)))
+        return self.shared("tokenizer", lambda: gguf_tokenizer(gguf_path(self.cfg.target)))
 
     def decoder(self, drafter: str | None) -> SpeculativeDecoder:
         def build() -> SpeculativeDecoder:
             other = {None: None, "model": self.drafter(), "lookup": PromptLookup()}[drafter]
             return SpeculativeDecoder(self.target(), self.tokenizer(), other)
 
-        return self.get(f"decoder {drafter}", build)
+        return self.shared(f"decoder {drafter}", build)
 
 
 class LlamaMethod:
@@ -251,7 +245,7 @@ class LlamaCppPython(LlamaMethod):
         return {}
 
     def llama(self):
-        return self.shared.get(self.label, self.make)
+        return self.shared.shared(self.label, self.make)
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         import time
@@ -308,7 +302,7 @@ class TorchMethod(LlamaMethod):
                 cfg.target, draft, backend="torch", drafter_int8=self.drafter_int8
             )
 
-        decoder = self.shared.get(self.name, build)
+        decoder = self.shared.shared(self.name, build)
         options = {"lookup_first": LOOKUP_FIRST} if self.drafter_int8 else {}
         return engine_run(decoder, prompts, s, self.drafter_int8, self.k, options)
 
