@@ -130,8 +130,8 @@ def test_collection_resumes_and_refuses_other_settings(tmp_path, tiny_llama):
 
 
 def test_resumed_collection_adds_law_features_to_old_shards(tmp_path, tiny_llama):
-    """Shards from before the law features get them from their stored hidden states; they
-    match what collection records directly, up to the fp16 storage of the hidden state."""
+    """Shards from before the law features get them from one teacher-forced drafter pass per
+    response; they match what collection records directly (the same prefixes)."""
     target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
     cfg = CollectConfig(max_new_tokens=6, batch_size=2, temperature=0.8)
     collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
@@ -148,7 +148,7 @@ def test_resumed_collection_adds_law_features_to_old_shards(tmp_path, tiny_llama
 
 def test_resumed_collection_adds_drawn_labels_by_teacher_forcing(tmp_path, tiny_llama):
     """Shards from before the drawn-token label get it from one target pass per response; it
-    matches what collection records directly (same prefixes, up to fp16 hidden states)."""
+    matches what collection records directly (the same prefixes, in one pass)."""
     target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
     cfg = CollectConfig(max_new_tokens=6, batch_size=2, temperature=0.8)
     collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)

@@ -35,13 +35,19 @@ With `rounds` = k > 0 the examples come instead from real decoding, inside round
 tokens (`head_rounds`): the states the head meets at inference, with no mixing. Both kinds have
 the same tensors; rounds also record each example's round and slot.
 
+Both models are `ModelBackend`s (a `transformers` module is wrapped in the PyTorch backend), so
+a collection runs on either backend: on llama.cpp the hidden state is the drafter's final norm
+output as llama.cpp computes it from the GGUF, the state `transformers` returns for the GGUF's
+fp32 conversion, and the pair's identity is the conversion's (`model_identity`), so a head
+trained on one backend's states is admitted on the other's (`acceptance.head` says why that is
+sound). The collection's `meta.json` names the backend, and a collection resumes only on the
+backend it began on.
+
 Collection is written in shards, one per batch of prompts, and resumes where it stopped; under
-`accelerate launch` the processes share out the shards and the main process writes them all. Shards
-written before the law features existed get them on resume from their stored hidden states,
-through the drafter's output layer (the hidden state is the input of that layer, stored in fp16).
-Shards written before the drawn-token label get it on resume too: q from the stored hidden
-states, p from one teacher-forced target pass over each recorded response (prompt + committed
-tokens), which sees the same prefixes the collection did, in one pass instead of one per token.
+`accelerate launch` the processes share out the shards and the main process writes them all.
+Shards written before the law features or the drawn-token label existed get them on resume
+(`backfill`): one teacher-forced pass of each model over each recorded response (prompt +
+committed tokens) sees the prefixes the collection saw, in one pass instead of one per token.
 """
 
 from __future__ import annotations
@@ -55,8 +61,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.acceptance.examples import EXAMPLES_FILE, META_FILE
-from specdecode.acceptance.head import ModelIdentity, law_features
+from specdecode.acceptance.head import IDENTITY_ROWS, ModelIdentity, law_features
 from specdecode.acceptance.labels import acceptance_labels, drawn_acceptance
+from specdecode.backends.base import ModelBackend
+from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.config import SamplingConfig
 from specdecode.distributed import gather_objects, main_object, process_state
@@ -99,8 +107,8 @@ def _draw(logits: torch.Tensor, law: torch.Tensor | None, gen: torch.Generator) 
 
 @torch.no_grad()
 def collect_batch(
-    target: CachedModel,
-    drafter: CachedModel,
+    target: ModelBackend,
+    drafter: ModelBackend,
     prompts: list[list[int]],
     cfg: CollectConfig,
     stop_ids: tuple[int, ...],
@@ -117,7 +125,7 @@ def collect_batch(
         valid[row, width - len(prompt) :] = True
     target.reset(batch)
     drafter.reset(batch)
-    vocab = target.model.get_output_embeddings().weight.shape[0]
+    vocab = target.vocab_size
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)  # [batch]
     keys = ("hidden", "greedy", "soft", "law_greedy", "law_sampling", "row", "position")
@@ -167,71 +175,104 @@ def collect_batch(
     return out
 
 
-def _drafter_logits(drafter: torch.nn.Module, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Stored hidden states [n, hidden] through the drafter's output layer -> logits [n, vocab]."""
-    out = drafter.get_output_embeddings()
-    logits = out(hidden.to(out.weight.device, out.weight.dtype))
-    return align_vocab(logits.float(), vocab)
+def model_identity(model: torch.nn.Module | ModelBackend) -> ModelIdentity:
+    """Whose states a collection holds: a `transformers` model's identity, or on llama.cpp its
+    GGUF's, which is the identity of the GGUF's fp32 conversion (the same weights: the same
+    name and fingerprint, read from the file's first embedding rows, `ModelIdentity.of_rows`)."""
+    if isinstance(model, CachedModel):
+        model = model.model
+    if isinstance(model, torch.nn.Module):
+        return ModelIdentity.of(model)
+    if isinstance(model, LlamaCppModel):
+        from specdecode.models.convert import gguf_identity_parts
+        from specdecode.models.store import GGUF_FILE
+
+        path = model.path  # a store's model.gguf is named by its folder, as its conversion is
+        name = path.parent.name if path.name == GGUF_FILE else path.stem
+        return ModelIdentity.of_rows(name, *gguf_identity_parts(path, IDENTITY_ROWS))
+    raise TypeError(
+        f"a head collection reads a transformers model or a llama.cpp model, got "
+        f"{type(model).__name__}"
+    )
+
+
+def as_backend(model: torch.nn.Module | ModelBackend, role: str) -> ModelBackend:
+    """A `transformers` module on the PyTorch backend; a backend as it is (as the API does;
+    this package sits above the API but may not import it: the API imports the head)."""
+    return CachedModel(model.eval(), role) if isinstance(model, torch.nn.Module) else model
+
+
+def backend_name(lm: ModelBackend) -> str:
+    """The backend whose drafter states a collection records: torch or llama.cpp."""
+    return "llama.cpp" if isinstance(lm, LlamaCppModel) else "torch"
 
 
 @torch.no_grad()
-def add_law_features(
-    part: dict[str, torch.Tensor], drafter: torch.nn.Module, vocab: int, temperature: float
-) -> dict[str, torch.Tensor]:
-    """The law features of a shard collected without them, from its stored hidden states."""
-    sampling = SamplingConfig(temperature)
-    greedy, sampled = [], []
-    for hidden in part["hidden"].split(256):  # [chunk, hidden]
-        logits = _drafter_logits(drafter, hidden, vocab)  # [chunk, vocab]
-        probs = logits.softmax(-1)
-        law = probs if sampling.greedy else logits_to_probs(logits, sampling)
-        greedy.append(law_features(probs))
-        sampled.append(law_features(law))
-    return {**part, "law_greedy": torch.cat(greedy), "law_sampling": torch.cat(sampled)}
+def teacher_forced(
+    lm: ModelBackend, prompt: list[int], tokens: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """The logits [n, vocab] before each of the n committed `tokens` of one response after
+    `prompt`: one pass over prompt + tokens[:-1] through the backend (its cache is reset)."""
+    ids = torch.tensor([list(prompt) + tokens[:-1].tolist()], device=lm.device)  # [1, len]
+    lm.reset(1)
+    logits, _ = lm.forward(ids, torch.ones_like(ids, dtype=torch.bool), len(tokens))
+    return align_vocab(logits[0].float(), vocab)  # [n, vocab]
 
 
 @torch.no_grad()
-def add_drawn_labels(
+def backfill(
     part: dict[str, torch.Tensor],
-    target: torch.nn.Module,
-    drafter: torch.nn.Module,
+    target: ModelBackend,
+    drafter: ModelBackend,
     prompts: list[list[int]],
     vocab: int,
     temperature: float,
 ) -> dict[str, torch.Tensor]:
-    """`label_drawn` and `drawn_log_prob` for a shard collected without them.
+    """The law features and the drawn token's label of a shard collected without them.
 
-    Under greedy they are the greedy label and the log top probability, already stored. Under
-    sampling each response is rebuilt as prompt + committed tokens (`prompts`: the token ids
-    indexed by the shard's `prompt_index`) and passed through the target once (teacher
-    forcing); the drafter's law comes from the stored hidden states through its output layer.
+    Each response is rebuilt as prompt + committed tokens (`prompts`: the token ids indexed by
+    the shard's `prompt_index`) and passed once through the drafter (its law at every position)
+    and, under sampling, once through the target (p of the drawn token): the prefixes the
+    collection saw. Under greedy the drawn token is the argmax, so its label is the greedy label
+    and its log probability the top one. Tensors the shard already holds are kept.
     """
+    if "token" not in part:
+        raise ValueError(
+            "the shard was collected before the committed tokens were recorded, so its law "
+            "features and drawn-token labels cannot be added: collect again into a new --out"
+        )
     sampling = SamplingConfig(temperature)
-    if sampling.greedy:
-        drawn_log_prob = part["law_greedy"][:, 0]
-        return {**part, "label_drawn": part["label_greedy"], "drawn_log_prob": drawn_log_prob}
-    device = next(target.parameters()).device
-    label = torch.zeros(len(part["position"]))
-    log_prob = torch.zeros(len(part["position"]))
+    n = len(part["position"])
+    law = {"law_greedy": torch.zeros(n, 3), "law_sampling": torch.zeros(n, 3)}
+    label, log_prob = torch.zeros(n), torch.zeros(n)
     for index in part["prompt_index"].unique().tolist():
         rows = (part["prompt_index"] == index).nonzero()[:, 0]
-        rows = rows[part["position"][rows].argsort()]  # [n] this response's positions, in order
+        rows = rows[part["position"][rows].argsort()]  # [m] this response's positions, in order
         if not torch.equal(part["position"][rows], torch.arange(len(rows))):
             raise ValueError(f"the shard's response to prompt {index} has missing positions")
-        prompt = torch.tensor(prompts[index])
-        ids = torch.cat([prompt, part["token"][rows][:-1]])[None].to(device)  # [1, len]
-        p_logits = target(input_ids=ids, logits_to_keep=len(rows)).logits[0]  # [n, V]
-        p_law = logits_to_probs(align_vocab(p_logits.float(), vocab), sampling)  # [n, V]
-        q_logits = _drafter_logits(drafter, part["hidden"][rows], vocab)  # [n, V]
-        q_law = logits_to_probs(q_logits, sampling).to(device)
-        got = drawn_acceptance(p_law, q_law, part["proposal"][rows].to(device))
-        label[rows], log_prob[rows] = got[0].cpu(), got[1].cpu()
-    return {**part, "label_drawn": label, "drawn_log_prob": log_prob}
+        tokens = part["token"][rows]  # [m]
+        q_logits = teacher_forced(drafter, prompts[index], tokens, vocab)  # [m, vocab]
+        probs = q_logits.softmax(-1)
+        q_law = probs if sampling.greedy else logits_to_probs(q_logits, sampling)
+        law["law_greedy"][rows] = law_features(probs).cpu()
+        law["law_sampling"][rows] = law_features(q_law).cpu()
+        if not sampling.greedy and "label_drawn" not in part:
+            p_logits = teacher_forced(target, prompts[index], tokens, vocab)  # [m, vocab]
+            p_law = logits_to_probs(p_logits, sampling)
+            drawn = part["proposal"][rows].to(q_law.device)
+            got = drawn_acceptance(p_law, q_law.to(p_law.device), drawn.to(p_law.device))
+            label[rows], log_prob[rows] = got[0].cpu(), got[1].cpu()
+    out = law | part  # features already stored win
+    if "label_drawn" not in part:
+        if sampling.greedy:
+            label, log_prob = out["label_greedy"], out["law_greedy"][:, 0]
+        out |= {"label_drawn": label, "drawn_log_prob": log_prob}
+    return out
 
 
 def collect(
-    target: torch.nn.Module,
-    drafter: torch.nn.Module,
+    target: torch.nn.Module | ModelBackend,
+    drafter: torch.nn.Module | ModelBackend,
     prompts: list[list[int]],
     out_dir: str | Path,
     cfg: CollectConfig,
@@ -242,8 +283,10 @@ def collect(
 ) -> dict:
     """Collect into `out_dir` (resuming finished shards) and merge into one examples file.
 
-    `source` and `skip` name the prompts (the set, and how many of its first prompts were left
-    out); a later call with the same settings resumes, and may ask for more or fewer prompts.
+    `target` and `drafter`: `transformers` modules (run on the PyTorch backend) or model
+    backends (`LlamaCppModel`). `source` and `skip` name the prompts (the set, and how many of
+    its first prompts were left out); a later call with the same settings resumes, and may ask
+    for more or fewer prompts.
 
     Under `accelerate launch` the shards still to collect are dealt out to the processes in
     turn; each shard depends only on its prompts and its seed, so it is the shard one process
@@ -257,16 +300,18 @@ def collect(
     main = state.is_main_process
     out = Path(out_dir)
     shards = out / "shards"
+    target_lm, drafter_lm = as_backend(target, "target"), as_backend(drafter, "drafter")
     meta = {
-        "drafter": asdict(ModelIdentity.of(drafter)),
-        "target": asdict(ModelIdentity.of(target)),
+        "drafter": asdict(model_identity(drafter_lm)),
+        "target": asdict(model_identity(target_lm)),
+        "backend": backend_name(drafter_lm),
         "prompts": source,
         "skip": skip,
         **asdict(cfg),
     }
     old = out / META_FILE
-    if old.is_file():
-        before = {"rounds": 0} | json.loads(old.read_text())  # older ones had no rounds
+    if old.is_file():  # older ones had no rounds, and ran on torch
+        before = {"rounds": 0, "backend": "torch"} | json.loads(old.read_text())
         if {k: before.get(k) for k in meta} != meta:
             raise ValueError(
                 f"{out} holds a collection made with other settings or models; "
@@ -275,16 +320,15 @@ def collect(
     meta["num_prompts"] = len(prompts)
     started = time.perf_counter()
     seconds = json.loads(old.read_text()).get("seconds", 0.0) if old.is_file() else 0.0
-    target_lm, drafter_lm = CachedModel(target, "target"), CachedModel(drafter, "drafter")
     starts = range(0, len(prompts), cfg.batch_size)
-    vocab = target.get_output_embeddings().weight.shape[0]
+    vocab = target_lm.vocab_size
     todo: list[int] = []
     if main:  # the shards on the writer's disk are the truth; older ones are brought up to date
         shards.mkdir(parents=True, exist_ok=True)
         for n in range(len(starts)):
             shard = shards / f"{n:05d}.safetensors"
             if shard.is_file():
-                _upgrade_shard(shard, target, drafter, prompts, vocab, cfg)
+                _upgrade_shard(shard, target_lm, drafter_lm, prompts, vocab, cfg)
             else:
                 todo.append(n)
     todo = main_object(state, todo)
@@ -319,25 +363,21 @@ def collect(
 
 def _upgrade_shard(
     shard: Path,
-    target: torch.nn.Module,
-    drafter: torch.nn.Module,
+    target: ModelBackend,
+    drafter: ModelBackend,
     prompts: list[list[int]],
     vocab: int,
     cfg: CollectConfig,
 ) -> None:
     """A shard written by an older collection, given the tensors it lacks (rewritten in place)."""
     part = load_file(shard)
-    if "law_greedy" not in part:  # written before the law features were recorded
-        part = add_law_features(part, drafter, vocab, cfg.temperature)
-        save_file(part, shard)
-    if "label_drawn" not in part:  # written before the drawn-token label was recorded
-        if "token" not in part:
-            raise ValueError(
-                f"{shard} was collected before the committed tokens were recorded, so "
-                "its drawn-token labels cannot be added: collect again into a new --out"
-            )
-        part = add_drawn_labels(part, target, drafter, prompts, vocab, cfg.temperature)
-        save_file(part, shard)
+    if "law_greedy" in part and "label_drawn" in part:
+        return
+    try:
+        part = backfill(part, target, drafter, prompts, vocab, cfg.temperature)
+    except ValueError as error:
+        raise ValueError(f"{shard}: {error}") from error
+    save_file(part, shard)
 
 
 def _collect_shard(
@@ -346,8 +386,8 @@ def _collect_shard(
     prompts: list[list[int]],
     cfg: CollectConfig,
     stop_ids: tuple[int, ...],
-    target_lm: CachedModel,
-    drafter_lm: CachedModel,
+    target_lm: ModelBackend,
+    drafter_lm: ModelBackend,
 ) -> dict[str, torch.Tensor]:
     """Shard `n`: the prompts from `start` on, one batch; a function of them and the seed alone."""
     batch = prompts[start : start + cfg.batch_size]

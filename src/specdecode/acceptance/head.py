@@ -23,6 +23,17 @@ A head is only meaningful for the drafter whose states it reads and the target w
 learnt, so the saved config names both (a readable name and a weight fingerprint) and `load_head`
 refuses a head trained for another pair. It also records the verification rule of its labels:
 greedy labels (argmax agreement) and sampling labels (expected acceptance) are different targets.
+
+The identity is the weights', not the backend's: a GGUF on llama.cpp has the identity of its
+fp32 conversion on torch (`ModelIdentity.of_rows`), so a head trained on one backend's states
+loads on the other's, and the collection it was trained on records which backend that was
+(`meta.json`'s `backend`, kept in `training.json`). Admitted, not refused, because the states
+are the same quantity: llama.cpp's embeddings output is the final norm's output, as the last
+hidden state of `transformers` is, computed from the same weights; what differs is llama.cpp's
+quantized arithmetic. Measured on SmolLM2-135M (Q8_0, HumanEval prompts), the two backends'
+states differ by 2-3% of their norm (cosine >= 0.997), where neighbouring positions' states
+differ by 65-70%; the law features differ as little (the top probability by 0.01 at the
+median). A head is a function of the state smooth at that scale, trained with dropout.
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ RULES = ("greedy", "sampling")
 LAW_FEATURES = ("log top probability", "entropy", "log margin top-1 / top-2")
 DRAWN_FEATURE = "log probability of the drawn token"
 _MAX_MARGIN = 30.0  # a filtered law (top-k = 1) has a zero runner-up: cap its log margin
+IDENTITY_ROWS = 8  # the input embedding's rows a model's fingerprint reads
+ModelSizes = tuple[str, int, int, int]  # model type, vocabulary, hidden size, layers
 SHIPPED_DIR = (
     Path(__file__).parent.parent / "heads"
 )  # heads trained by the project for default pairs
@@ -114,6 +127,14 @@ class ModelIdentity:
     def of(cls, model: nn.Module) -> ModelIdentity:
         return cls(model_name(model), model_fingerprint(model), model_signs(model))
 
+    @classmethod
+    def of_rows(cls, name: str, sizes: ModelSizes, rows: torch.Tensor) -> ModelIdentity:
+        """The identity of a model known by its sizes and its input embedding's first
+        `IDENTITY_ROWS` rows ([rows, hidden], fp32), with no torch module: a GGUF file read as
+        its conversion reads it (`models.convert.gguf_identity_parts`) gets the identity of its
+        converted torch model, so a head is the same pair's on either backend."""
+        return cls(name, _digest(sizes, rows.to(torch.float32)), _digest(sizes, rows > 0))
+
     def admits(self, model: nn.Module) -> bool:
         """Whether `model` is this one: the same fp32 bytes, or, loaded in lower precision
         (a GPU user's bfloat16), the same signs. A float32 model must match exactly."""
@@ -137,26 +158,33 @@ def model_fingerprint(model: nn.Module) -> str:
     Embeddings are left alone by int8 dynamic quantization of the Linear layers, so the fp32
     drafter and its int8 copy share a fingerprint, as they share hidden states up to rounding.
     """
-    embedding, digest = _sized_digest(model)
-    digest.update(embedding[:8].to(torch.float32).cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return _digest(model_sizes(model), _first_rows(model).to(torch.float32))
 
 
 def model_signs(model: nn.Module) -> str:
     """Architecture sizes plus the signs of the input embedding's first rows: what survives
     loading the same weights in bfloat16 or float16, where the fp32 bytes do not."""
-    embedding, digest = _sized_digest(model)
-    digest.update((embedding[:8] > 0).to(torch.uint8).cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return _digest(model_sizes(model), _first_rows(model) > 0)
 
 
-def _sized_digest(model: nn.Module) -> tuple[torch.Tensor, hashlib._Hash]:
+def model_sizes(model: nn.Module) -> ModelSizes:
+    """(model type, vocabulary, hidden size, layers) of a `transformers` model."""
     config = model.config
-    embedding = model.get_input_embeddings().weight.detach()
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    return (config.model_type, int(vocab), int(hidden), int(config.num_hidden_layers))
+
+
+def _first_rows(model: nn.Module) -> torch.Tensor:
+    return model.get_input_embeddings().weight.detach()[:IDENTITY_ROWS]
+
+
+def _digest(sizes: ModelSizes, rows: torch.Tensor) -> str:
+    """sizes, rows [IDENTITY_ROWS, hidden] (fp32 values or bool signs) -> 16 hex digits."""
     digest = hashlib.sha256()
-    sizes = (config.model_type, embedding.shape[0], embedding.shape[1], config.num_hidden_layers)
-    digest.update(repr(sizes).encode())
-    return embedding, digest
+    digest.update(repr(tuple(sizes)).encode())
+    values = rows.to(torch.float32 if rows.is_floating_point() else torch.uint8)
+    digest.update(values.cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ the k-th token of a round, whose prefix holds k - 1 drafted tokens. Measured on 
 at T = 0.7, the shipped sampling head ranks the tokens of real rounds as well as those of its
 collection, but predicts lower there (mean 0.73 against a true 0.88) and so stops rounds early.
 
-Here the engine itself decodes, with a constant policy drafting `rounds` tokens a round; two
-wrappers around the protocols record what the head needs and what verification said:
+Here the engine itself decodes, on either backend (`ModelBackend`: PyTorch or llama.cpp), with
+a constant policy drafting `rounds` tokens a round; two wrappers around the protocols record what
+the head needs and what verification said:
 * `RecordingPolicy` wraps the length policy and, after every drafted position, keeps the
   drafter's hidden state, the drafting law's features and the drawn token (what `HeadLength`
   reads there);
@@ -30,7 +31,7 @@ import torch
 
 from specdecode.acceptance.head import law_features
 from specdecode.acceptance.labels import acceptance_labels
-from specdecode.backends.torch_eager import CachedModel
+from specdecode.backends.base import ModelBackend
 from specdecode.config import DecodeConfig, SamplingConfig
 from specdecode.drafters import ModelDrafter
 from specdecode.engine import decode
@@ -173,8 +174,8 @@ class RecordingRule:
 
 
 def collect_rounds(
-    target: CachedModel,
-    drafter: CachedModel,
+    target: ModelBackend,
+    drafter: ModelBackend,
     prompts: list[list[int]],
     round_tokens: int,
     temperature: float,
@@ -197,7 +198,7 @@ def collect_rounds(
         row_seeds=row_seeds,
     )
     recorder = RoundRecorder(sampling)
-    vocab = target.model.get_output_embeddings().weight.shape[0]
+    vocab = target.vocab_size
     policy = RecordingPolicy(ConstantLength(round_tokens), recorder)
     model_drafter = ModelDrafter(drafter, sampling, vocab, policy)
     rule = RecordingRule(make_rule(None, sampling), recorder)

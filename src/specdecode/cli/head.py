@@ -241,24 +241,39 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
+        "--backend",
+        choices=("torch", "llama.cpp"),
+        default=None,
+        help="llama.cpp records the GGUF drafter's states as llama.cpp computes them (the "
+        "default for known models, as for generate and bench); torch those of transformers "
+        "models (the default for model directories)",
+    )
+    parser.add_argument(
         "--fp32-drafter",
         action="store_true",
-        help="collect with the fp32 drafter (default: its int8 copy, the one that runs fastest)",
+        help="torch: collect with the fp32 drafter (default: its int8 copy, the one that runs "
+        "fastest)",
     )
-    parser.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-prepack", action="store_true", help="torch: default kernels")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="default: torch all cores, llama.cpp the physical"
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.acceptance.collect import CollectConfig, collect
-    from specdecode.api import SpeculativeDecoder
-    from specdecode.backends.kernels import prepack_linears, quantize_int8
+    from specdecode.api import default_backend
     from specdecode.cli.common import set_threads
     from specdecode.distributed import process_state, threads_per_process
-    from specdecode.models.store import load_causal_lm
     from specdecode.prompts import require_prompts
 
+    backend = args.backend or default_backend(args.target, "cpu")
+    if backend != "torch" and (args.fp32_drafter or args.no_prepack):
+        raise ValueError(
+            "--fp32-drafter and --no-prepack are options of the torch backend; llama.cpp runs "
+            "the GGUF's own weights (--backend torch for them)"
+        )
     set_threads(args.threads or threads_per_process())  # the cores shared by launched processes
     cfg = CollectConfig(
         max_new_tokens=args.max_new_tokens,
@@ -273,19 +288,11 @@ def cmd_collect(args: argparse.Namespace) -> int:
         rounds=args.rounds,
     )
     prompts = require_prompts(args.prompts, limit=args.limit, skip=args.skip)
-    target, tokenizer = load_causal_lm(args.target)
-    drafter, draft_tokenizer = load_causal_lm(args.draft)
-    if not args.fp32_drafter:
-        drafter = quantize_int8(drafter)
-    if not args.no_prepack:  # an int8 drafter has no fp32 Linear left: packing skips it
-        prepack_linears(target)
-        prepack_linears(drafter)
-    # the decoder runs the same compatibility checks as decoding does, and encodes the prompts
-    decoder = SpeculativeDecoder(target, tokenizer, drafter, draft_tokenizer)
+    decoder = _collect_decoder(args, backend)
     ids = decoder.encode([p.text for p in prompts], chat=args.chat)
     meta = collect(
-        target,
-        drafter,
+        decoder.target,  # the torch modules, or the llama.cpp models themselves
+        decoder.drafter,
         ids,
         args.out,
         cfg,
@@ -298,12 +305,38 @@ def cmd_collect(args: argparse.Namespace) -> int:
         return 0
     span = f"{args.prompts}[{args.skip}:{args.skip + len(prompts)}]"
     print(
-        f"{meta['num_examples']} examples from {len(ids)} prompts ({span}) in "
+        f"{meta['num_examples']} examples from {len(ids)} prompts ({span}, {backend}) in "
         f"{meta['seconds']:.0f} s; mean greedy acceptance {meta['mean_label_greedy']:.3f}, "
         f"mean sampling acceptance {meta['mean_label_sampling']:.3f} (of the drawn tokens "
         f"{meta['mean_label_drawn']:.3f}); written to {args.out}"
     )
     return 0
+
+
+def _collect_decoder(args: argparse.Namespace, backend: str):
+    """The pair to collect with, behind a decoder: it runs the compatibility checks decoding
+    runs and encodes the prompts. torch: the int8 drafter (unless --fp32-drafter) and packed
+    kernels (unless --no-prepack); llama.cpp: the GGUF files as shipped."""
+    from specdecode.api import SpeculativeDecoder
+    from specdecode.distributed import process_state, threads_per_process
+
+    if backend != "torch":
+        shared = process_state().num_processes > 1  # launched processes share the cores
+        threads = args.threads or (threads_per_process() if shared else None)
+        return SpeculativeDecoder.from_pretrained(
+            args.target, args.draft, backend=backend, threads=threads
+        )
+    from specdecode.backends.kernels import prepack_linears, quantize_int8
+    from specdecode.models.store import load_causal_lm
+
+    target, tokenizer = load_causal_lm(args.target)
+    drafter, draft_tokenizer = load_causal_lm(args.draft)
+    if not args.fp32_drafter:
+        drafter = quantize_int8(drafter)
+    if not args.no_prepack:  # an int8 drafter has no fp32 Linear left: packing skips it
+        prepack_linears(target)
+        prepack_linears(drafter)
+    return SpeculativeDecoder(target, tokenizer, drafter, draft_tokenizer)
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:

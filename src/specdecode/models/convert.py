@@ -85,6 +85,34 @@ def _gguf_has_output_head(gguf_path: Path) -> bool:
     return any(t.name == "output.weight" for t in reader.tensors)
 
 
+def gguf_identity_parts(
+    gguf_path: Path, rows: int
+) -> tuple[tuple[str, int, int, int], torch.Tensor]:
+    """What the fingerprint of ``gguf_path``'s conversion reads, with no conversion: (model type,
+    vocabulary, hidden size, layers) and the token embedding's first ``rows`` rows [rows, hidden],
+    dequantized by the ``gguf`` function transformers' loader uses, so to the same fp32 values.
+
+    A quantized row is a run of whole blocks, so the first rows dequantize on their own (a
+    memory map: milliseconds). The model type is the GGUF's architecture, which is transformers'
+    ``model_type`` for the catalogue's families (llama, qwen2); a family that names them apart
+    gets another fingerprint, so a head is refused there, never admitted wrongly.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(gguf_path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ConversionError(f"{gguf_path} has no token_embd.weight")
+    hidden, vocab = (int(n) for n in embedding.shape)  # GGUF lists the fastest dimension first
+    values = dequantize(embedding.data[:rows], embedding.tensor_type)  # [rows, hidden]
+    first = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(rows, hidden)
+    return (arch, vocab, hidden, layers), first
+
+
 def _check_head_tying(model: torch.nn.Module, untied_in_file: bool) -> None:
     """The converted head must be tied exactly when the file has no head of its own."""
     head = model.get_output_embeddings()
