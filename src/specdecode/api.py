@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.base import ModelBackend
-from specdecode.backends.torch_eager import CachedModel
+from specdecode.backends.torch_eager import CachedModel, TorchDecoderInfo
 from specdecode.checks import (
     check_prompts,
     check_same_device,
@@ -40,6 +40,7 @@ from specdecode.config import (
     SamplingConfig,
 )
 from specdecode.drafters import (
+    Drafter,
     LookupFirstDrafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -54,7 +55,9 @@ from specdecode.verification import make_rule
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 LLAMA_CPP = "llama.cpp"
-BACKENDS = ("torch", LLAMA_CPP)
+TORCH_STATIC = "torch-static"
+BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)
+TORCH_BACKENDS = ("torch", TORCH_STATIC)  # transformers modules, the heads and peers read them
 
 
 def as_backend(model, role: str) -> ModelBackend:
@@ -88,7 +91,8 @@ def encode_prompts(tokenizer, prompts: Prompts, chat: bool = False) -> list[list
 
 
 def module_of(backend: ModelBackend):
-    return backend.model if isinstance(backend, CachedModel) else backend
+    """The transformers module under a PyTorch backend; any other backend as it is."""
+    return backend.model if isinstance(backend, TorchDecoderInfo) else backend
 
 
 def default_backend(name_or_path: str, device: str) -> str:
@@ -147,9 +151,10 @@ class SpeculativeDecoder:
         if self.lookup is not None:
             drafter = None
         if drafter is not None:
-            if isinstance(target, torch.nn.Module) and isinstance(drafter, torch.nn.Module):
-                check_same_device(target, drafter)
             self._draft_lm = as_backend(drafter, "drafter")
+            modules = module_of(self._target_lm), module_of(self._draft_lm)
+            if all(isinstance(m, torch.nn.Module) for m in modules):
+                check_same_device(*modules)
             if tokenizer is not None and drafter_tokenizer is not None:
                 check_same_vocabulary(tokenizer, drafter_tokenizer)
         # the torch modules where the backend is PyTorch (heads, peers and kernels read them);
@@ -164,9 +169,22 @@ class SpeculativeDecoder:
         self.context = self._target_lm.context_length
 
     @property
+    def target_backend(self) -> ModelBackend:
+        """The target's `ModelBackend` (what prices and benches time passes through)."""
+        return self._target_lm
+
+    @property
+    def drafter_backend(self) -> ModelBackend | None:
+        return self._draft_lm
+
+    @property
     def backend(self) -> str:
-        """Which backend runs the target: "torch" or "llama.cpp"."""
-        return "torch" if isinstance(self._target_lm, CachedModel) else "llama.cpp"
+        """Which backend runs the target: "torch", "torch-static" or "llama.cpp"."""
+        if isinstance(self._target_lm, CachedModel):
+            return "torch"
+        from specdecode.backends.torch_static import StaticCachedModel
+
+        return TORCH_STATIC if isinstance(self._target_lm, StaticCachedModel) else LLAMA_CPP
 
     @classmethod
     def from_pretrained(
@@ -179,14 +197,17 @@ class SpeculativeDecoder:
         drafter_int8: bool = False,
         backend: str | None = None,
         threads: int | None = None,
+        compile: bool | None = None,
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
 
         `backend`: "llama.cpp" runs GGUF files as shipped (4-bit, an eighth of fp32's memory
         and bytes per step); "torch" runs `transformers` models (a known model is converted to
-        fp32 safetensors once). None: llama.cpp for known models and `.gguf` files on the CPU,
-        torch otherwise. `threads`: llama.cpp's threads (default: the physical cores).
+        fp32 safetensors once); "torch-static" runs them over a static per-row cache in fixed
+        shapes (`backends.torch_static`), `compile`d (CUDA graphs on a GPU; default: on CUDA
+        only). None: llama.cpp for known models and `.gguf` files on the CPU, torch otherwise.
+        `threads`: llama.cpp's threads (default: the physical cores).
 
         torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
         products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
@@ -199,6 +220,10 @@ class SpeculativeDecoder:
         backend = backend or default_backend(target, device)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if compile is not None and backend != TORCH_STATIC:
+            raise ValueError(
+                "compile is an option of the torch-static backend (--backend torch-static)"
+            )
         if backend == LLAMA_CPP:
             if device != "cpu" or dtype != torch.float32 or prepack or drafter_int8:
                 raise ValueError(
@@ -228,16 +253,26 @@ class SpeculativeDecoder:
         pack = prepack or (prepack is None and fits and prepack_available())
         if pack:
             prepack_linears(target_model)
+        wrap = as_backend
+        if backend == TORCH_STATIC:
+            from specdecode.backends.torch_static import StaticCachedModel
+
+            captured = compile if compile is not None else torch.device(device).type == "cuda"
+
+            def wrap(model, role):
+                return StaticCachedModel(model.eval(), role, compile=captured)
+
+        target_lm = wrap(target_model, "target")
         if drafter is None:
-            return cls(target_model, tokenizer)
+            return cls(target_lm, tokenizer)
         if drafter == PROMPT_LOOKUP:
-            return cls(target_model, tokenizer, PromptLookup())
+            return cls(target_lm, tokenizer, PromptLookup())
         draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
         if drafter_int8:
             draft_model = quantize_int8(draft_model)
         if pack:  # an int8 copy has no fp32 Linear left, so packing leaves it as it is
             prepack_linears(draft_model)
-        return cls(target_model, tokenizer, draft_model, draft_tokenizer)
+        return cls(target_lm, tokenizer, wrap(draft_model, "drafter"), draft_tokenizer)
 
     @classmethod
     def _from_gguf(
@@ -340,12 +375,15 @@ class SpeculativeDecoder:
         stats: DecodeStats | None = None,
         rule: str | None = None,
         lookup_first: PromptLookup | None = None,
+        wrap_drafter: Callable[[Drafter], Drafter] | None = None,
         **kwargs,
     ) -> Iterator[StepEvent]:
         """Yield the tokens each step commits, per row (original prompt indices).
 
         `lookup_first` (with a drafter model): a row whose text repeats itself drafts by that
         lookup, the others with the model (`LookupFirstDrafter`; `config.LOOKUP_FIRST`).
+        `wrap_drafter`: applied to the drafter built for the call (the controlled-acceptance
+        bench wraps the drafter model's so it pays its passes but proposes a script).
         """
         cfg = self.config(**kwargs)
         ids = self.encode(prompts, chat)
@@ -372,6 +410,8 @@ class SpeculativeDecoder:
             drafter = PromptLookupDrafter(
                 self.lookup, policy, self.vocab_size, self._target_lm.device
             )
+        if wrap_drafter is not None and drafter is not None:
+            drafter = wrap_drafter(drafter)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
 
     def _priced_drafter(self, cfg: DecodeConfig) -> PricedDrafter:
@@ -396,7 +436,7 @@ class SpeculativeDecoder:
         """
         if cfg.length_policy not in HEAD_POLICIES:
             return self.acceptance_head
-        if self.backend != "torch":
+        if self.backend not in TORCH_BACKENDS:
             raise ValueError(
                 f"length policy {cfg.length_policy!r} reads an acceptance head over the "
                 "drafter's PyTorch states; on llama.cpp use the priced policy (the default), "

@@ -34,6 +34,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdecode.backends.base import pending_block
+
 HOLE = -1
 
 
@@ -115,18 +117,10 @@ def context_length(model: torch.nn.Module) -> int | None:
     return None
 
 
-class CachedModel:
-    """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
+class TorchDecoderInfo:
+    """What the engine asks of a transformers decoder's backend besides passes (`self.model`)."""
 
-    def __init__(
-        self, model: torch.nn.Module, role: str = "model", compact_min_holes: int = 8
-    ) -> None:
-        check_rollback_support(model, role)
-        self.model = model
-        self.device = model_device(model)
-        self.cache_argument = cache_argument(model)
-        self.compact_min_holes = compact_min_holes
-        self.reset(0)
+    model: torch.nn.Module
 
     @property
     def vocab_size(self) -> int:
@@ -141,6 +135,20 @@ class CachedModel:
         """The end-of-sequence ids the model's generation config names."""
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         return tuple(sorted([eos] if isinstance(eos, int) else (eos or [])))
+
+
+class CachedModel(TorchDecoderInfo):
+    """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
+
+    def __init__(
+        self, model: torch.nn.Module, role: str = "model", compact_min_holes: int = 8
+    ) -> None:
+        check_rollback_support(model, role)
+        self.model = model
+        self.device = model_device(model)
+        self.cache_argument = cache_argument(model)
+        self.compact_min_holes = compact_min_holes
+        self.reset(0)
 
     def reset(self, batch_size: int) -> None:
         self.cache = DynamicCache(config=self.model.config)
@@ -211,11 +219,7 @@ class CachedModel:
 
         sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]
         """
-        n = int((seq_lens - self.lengths).max())
-        index = seq_lens[:, None] - n + torch.arange(n, device=self.device)  # [batch, n]
-        valid = index >= self.lengths[:, None]
-        tokens = sequences.gather(1, index.clamp(min=0)).masked_fill(~valid, pad_id)
-        return tokens, valid
+        return pending_block(sequences, seq_lens, self.lengths, pad_id)
 
     def _crop_and_compact(self) -> None:
         occupied = (self.slot_pos >= 0).any(0).nonzero()

@@ -167,6 +167,13 @@ COLUMNS = (
     Column("speedup vs ar (geomean)", (), _ratio("speedup")),
     Column("median [p10, p90]", (), _spread),
     Column("vs hf (geomean)", ("speedup_vs_hf",), _ratio("speedup_vs_hf")),
+    Column("vs hf-static (geomean)", ("speedup_vs_hf-static",), _ratio("speedup_vs_hf-static")),
+    Column("vs eager-ar (geomean)", ("speedup_vs_eager-ar",), _ratio("speedup_vs_eager-ar")),
+    Column(
+        "acceptance set / measured",
+        ("acceptance_set",),
+        _pair_of("acceptance_set", "acceptance_measured", 2),
+    ),
     Column("after the first round (geomean)", ("decode_speedup",), _ratio("decode_speedup")),
     Column("tokens/call", ("tokens_per_target_call", "tokens_per_verifier_call"), _tokens_per_call),
     Column("drafted/round", ("drafted_per_round",), _figure("drafted_per_round")),
@@ -174,6 +181,7 @@ COLUMNS = (
     Column("alpha", ("alpha",), _figure("alpha")),
     Column("c (calibrated / in run)", ("c", "c_in_run"), _pair_of("c", "c_in_run", 3)),
     Column("bound", ("leviathan_bound",), _figure("leviathan_bound")),
+    Column("of bound", ("of_bound",), _figure("of_bound")),
     Column(
         "efficiency (calibrated / in run)",
         ("efficiency", "efficiency_in_run"),
@@ -225,6 +233,8 @@ def _heading(record: dict) -> list[str]:
             f"({which}), at most "
             f"{cfg['max_new_tokens']} new tokens, greedy{fastest}, {where}",
         ]
+    if "acceptance_control" in record:  # the captured path's bench (`bench --shapes`)
+        return _captured_heading(record, where)
     lines = [
         f"# specdecode bench: {cfg['target']} with {cfg['draft']} drafting",
         "",
@@ -240,6 +250,27 @@ def _heading(record: dict) -> list[str]:
             + "; drafter cost ratio c: "
             + ", ".join(f"{k}: {v:.3f}" for k, v in costs["c"].items())
             + "."
+        )
+    return lines
+
+
+def _captured_heading(record: dict, where: str) -> list[str]:
+    cfg = record["config"]
+    lines = [
+        f"# specdecode bench: {cfg['target']}-shaped target with a {cfg['draft']}-shaped drafter",
+        "",
+        f"{cfg['prompt_tokens']}-token random prompts ({record['machine'].get('cuda') or 'CPU'}, "
+        f"{cfg['dtype']}, static path {'compiled' if record['compiled'] else 'not compiled'}), "
+        f"{cfg['max_new_tokens']} new tokens, greedy, {where}",
+        "",
+        f"Acceptance {record['acceptance_control']}.",
+    ]
+    prices = record.get("prices")
+    if prices:
+        verify = ", ".join(f"k={k}: {v:.2f}" for k, v in prices["verify_steps"].items())
+        lines.append(
+            f"Static path at batch 1: target step {prices['target_step_ms']:.2f} ms; verify pass "
+            f"of k+1 tokens in steps: {verify}; drafter step {prices['drafter_step']:.3f} steps."
         )
     return lines
 

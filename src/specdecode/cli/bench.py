@@ -103,6 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_seq2seq(args)
     if args.rederive is not None:
         return cmd_rederive(Path(args.rederive), plots=not args.no_plots)
+    if args.shapes is not None:
+        return cmd_bench_captured(args)
     if args.max_draft_batch is not None:
         raise ValueError(
             "--max-draft-batch is a --pair (seq2seq) bench option; for a causal pair, "
@@ -181,6 +183,31 @@ def cmd_bench_llama(args: argparse.Namespace) -> int:
         return 0
     record["prompt_ids"] = [p.id for p in prompts]
     return _report(record, args)
+
+
+def cmd_bench_captured(args: argparse.Namespace) -> int:
+    """The captured path's bench (`bench.captured`): published shapes, random weights,
+    acceptance set by a scripted drafter."""
+    from specdecode.bench.captured import DEFAULT_METHODS, CapturedBenchConfig, run_captured_bench
+
+    cfg = CapturedBenchConfig(
+        target=args.shapes[0],
+        draft=args.shapes[1],
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        acceptance=tuple(args.acceptance),
+        num_draft_tokens=tuple(args.num_draft_tokens),
+        batch_sizes=tuple(args.batch_sizes),
+        prompts=args.limit,
+        prompt_tokens=args.prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        methods=tuple(args.methods or DEFAULT_METHODS),
+        repeats=args.repeats,
+        seed=args.seed if args.seed is not None else 0,
+    )
+    set_threads(args.threads)
+    return _report(run_captured_bench(cfg, progress=not args.quiet), args)
 
 
 def _default_bench_backend(args: argparse.Namespace, default_backend) -> str:
@@ -299,6 +326,23 @@ def add_subcommands(subparsers) -> None:
         default=["5,3.0"],
         help="with --pair: BETA,TAU pairs of the relaxed rule (SpecDec's 5,3.0)",
     )
+    p.add_argument(
+        "--shapes",
+        nargs=2,
+        metavar=("TARGET", "DRAFT"),
+        default=None,
+        help="the captured path's bench: a pair of published shapes with random weights "
+        "(qwen2.5-coder-1.5b qwen2.5-coder-0.5b, qwen2.5-7b, qwen3-4b qwen3-0.6b), acceptance "
+        "set by --acceptance; --limit random prompts of --prompt-tokens tokens",
+    )
+    p.add_argument(
+        "--acceptance",
+        type=float,
+        nargs="+",
+        default=[0.8],
+        help="with --shapes: per-token acceptance the scripted drafter is held to",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=128, help="with --shapes: prompt length")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument(
         "--repeats",

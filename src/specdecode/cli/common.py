@@ -76,10 +76,18 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=("torch", "llama.cpp"),
+        choices=("torch", "torch-static", "llama.cpp"),
         default=None,
         help="llama.cpp runs known models' GGUF files as shipped (the default on the CPU); "
-        "torch runs transformers models (known models converted to fp32 once)",
+        "torch runs transformers models (known models converted to fp32 once); torch-static "
+        "runs them over a static per-row cache in fixed shapes, compiled with --compile",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch-static: torch.compile the decoding passes (CUDA graphs on a GPU; default: "
+        "on for CUDA, off on the CPU, where the first pass of each shape compiles for a minute)",
     )
 
 

@@ -25,7 +25,7 @@ from specdecode.config import (
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.api import SpeculativeDecoder, default_backend
+    from specdecode.api import TORCH_BACKENDS, SpeculativeDecoder, default_backend
 
     set_threads(args.threads)
     if args.batch_size < 1:
@@ -34,7 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = None if args.no_draft else args.draft
     dtype = DTYPES[args.dtype]
     backend = args.backend or default_backend(args.target, args.device)
-    torch_only = backend == "torch"
+    torch_only = backend in TORCH_BACKENDS
     decoder = SpeculativeDecoder.from_pretrained(
         args.target,
         draft,
@@ -46,6 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         and int8_draft_wanted(args.draft_precision, args.device, dtype),
         backend=backend,
         threads=args.threads,
+        compile=args.compile,
     )
     if args.length_policy == "priced" and draft is not None and not args.json:
         print(f"[{decoder.backend} prices] {decoder.pass_prices().describe()}", file=sys.stderr)

@@ -1,0 +1,466 @@
+"""The captured path's bench: models of published shapes with random weights, acceptance set.
+
+Real weights cannot reach every machine (a GPU host may be offline), and speed on a GPU depends
+on shapes, not on what the weights say. So this bench builds the pair from config files of the
+published sizes (`models/shapes/*.json`), with random weights, and controls acceptance: plain
+decoding on the static path runs first and its text becomes each prompt's script; the
+speculative methods then draft with the drafter model, which pays every one of its passes, but
+propose the script's tokens instead of its own, each replaced by another token with probability
+1 - acceptance (`ScriptedDrafter`). Greedy verification accepts exactly the script's tokens, so
+the per-token acceptance is the one set, and every cost (drafter passes, verify passes,
+rollback) is real. The record says so (`acceptance_control`) and gives the acceptance measured.
+
+Methods, all on the same weights, interleaved by the one runner (`runner.measure`):
+  ar             plain decoding on the static path (compiled with `compile`): the reference
+  sd             speculative decoding on the static path, scripted drafter, per acceptance and k
+  eager-ar/-sd   the same two on the eager DynamicCache path (`torch_eager`)
+  hf-static      transformers `generate` with its static cache (compiled by transformers on GPUs)
+  hf-assisted    transformers assisted generation with the drafter (acceptance not controlled:
+                 random weights agree by chance only)
+  graph-ar       plain decoding by a hand-captured CUDA graph of one step over transformers'
+                 StaticCache (CUDA only): the floor a captured step can reach
+The Leviathan bound at batch 1 comes from prices measured on the static path (a drafter step and a
+verify pass of k + 1 tokens, in target steps) at the acceptance measured (the per-token acceptance
+that explains the tokens per target call), so `of_bound` says how much of what the prices allow
+the loop turns into speed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from specdecode.api import SpeculativeDecoder
+from specdecode.backends.prices import pass_seconds
+from specdecode.backends.torch_eager import CachedModel, cache_kwargs
+from specdecode.backends.torch_static import StaticCachedModel
+from specdecode.bench.methods import Registry, Result, Settings, SharedModels
+from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
+from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
+from specdecode.drafters import Draft, Drafter
+
+CAPTURED = Registry("captured")
+DEFAULT_METHODS = ("ar", "sd", "eager-ar", "eager-sd", "hf-static", "hf-assisted", "graph-ar")
+CONTROL = (
+    "controlled: the drafter model runs every pass but proposes the text plain decoding on the "
+    "static path wrote for the prompt, each token replaced by another with probability "
+    "1 - acceptance; weights are random, shapes are the published ones"
+)
+
+
+def shape_names() -> list[str]:
+    folder = resources.files("specdecode.models") / "shapes"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def shape_fields(name: str) -> dict:
+    """A published shape's config fields (`models/shapes/NAME.json`), or a config .json file's."""
+    path = Path(name)
+    if not (name.endswith(".json") and path.is_file()):
+        path = resources.files("specdecode.models") / "shapes" / f"{name}.json"
+        if not path.is_file():
+            raise ValueError(
+                f"unknown shape {name!r}; known: {', '.join(shape_names())}, or a config .json file"
+            )
+    return json.loads(path.read_text())
+
+
+def shape_config(name: str):
+    """The transformers config of a shape (a name or a config file)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**shape_fields(name))
+
+
+def random_model(name: str, dtype: torch.dtype, device: str, seed: int) -> torch.nn.Module:
+    """A model of a published shape with random weights, built on its device (a 7B model in
+    fp32 on the host would need 30 GB)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype)
+    return model.eval()
+
+
+class ScriptedDrafter:
+    """Pays the wrapped drafter's passes, proposes the script's tokens (some replaced).
+
+    scripts: [rows, capacity] each row's prompt and the plain text after it (by original row);
+    a drafted position p of row b proposes scripts[b, p], replaced with probability
+    1 - acceptance by a different token drawn uniformly.
+    """
+
+    def __init__(
+        self, inner: Drafter, scripts: torch.Tensor, acceptance: float, vocab: int, seed: int
+    ) -> None:
+        self.inner = inner
+        self.scripts = scripts
+        self.acceptance = acceptance
+        self.vocab = vocab
+        self.gen = torch.Generator(device=scripts.device).manual_seed(seed)
+
+    def start(self, batch_size: int) -> None:
+        self.inner.start(batch_size)
+        self.rows = torch.arange(batch_size, device=self.scripts.device)
+
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        draft = self.inner.propose(sequences, seq_lens, max_tokens, rng)
+        if draft.probs is not None:
+            raise ValueError("scripted drafting controls greedy acceptance only")
+        batch, k = draft.tokens.shape
+        slots = torch.arange(k, device=seq_lens.device)
+        index = (seq_lens[:, None] + slots).clamp(max=self.scripts.shape[1] - 1)  # [batch, k]
+        truth = self.scripts.index_select(0, self.rows).gather(1, index)  # [batch, k]
+        dev = self.scripts.device
+        replaced = torch.rand(batch, k, generator=self.gen, device=dev) >= self.acceptance
+        other = torch.randint(1, self.vocab, (batch, k), generator=self.gen, device=dev)
+        tokens = torch.where(replaced, (truth + other) % self.vocab, truth)
+        return replace(draft, tokens=tokens)
+
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
+        self.inner.rollback(lengths, num_drafted, num_accepted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.inner.select_rows(rows)
+        self.rows = self.rows.index_select(0, rows.to(self.rows.device))
+
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        return self.inner.next_law(sequences, seq_lens, rows)
+
+
+@dataclass(frozen=True)
+class CapturedBenchConfig:
+    target: str  # a shape name (models/shapes)
+    draft: str
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    compile: bool | None = None  # None: on CUDA only
+    acceptance: tuple[float, ...] = (0.8,)
+    num_draft_tokens: tuple[int, ...] = (4,)
+    batch_sizes: tuple[int, ...] = (1,)
+    prompts: int | None = None  # None: the largest batch size
+    prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    repeats: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_run(self.methods, self.batch_sizes, self.repeats)
+        for name in self.methods:
+            CAPTURED.lookup(name)
+        for name in (self.target, self.draft):
+            shape_fields(name)  # a known shape or a readable config file, before any model
+        if any(not 0.0 <= a <= 1.0 for a in self.acceptance):
+            raise ValueError(f"acceptance must lie in [0, 1], got {self.acceptance}")
+        if any(k < 1 for k in self.num_draft_tokens):
+            raise ValueError(f"draft lengths must be >= 1, got {self.num_draft_tokens}")
+        if self.prompt_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError("--prompt-tokens and --max-new-tokens must be >= 1")
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile if self.compile is not None else self.device.startswith("cuda")
+
+    @property
+    def prompt_count(self) -> int:
+        return self.prompts or max(self.batch_sizes)
+
+
+class Pair(SharedModels):
+    """The random-weight pair, its backends and decoders, and each prompt's script."""
+
+    def __init__(self, cfg: CapturedBenchConfig) -> None:
+        super().__init__()
+        dtype = getattr(torch, cfg.dtype)
+        self.cfg = cfg
+        self.target = random_model(cfg.target, dtype, cfg.device, cfg.seed)
+        self.drafter = random_model(cfg.draft, dtype, cfg.device, cfg.seed + 1)
+        self.vocab = self.target.get_output_embeddings().weight.shape[0]
+        self.scripts: dict[tuple[int, ...], list[int]] = {}
+
+    def decoder(self, static: bool) -> SpeculativeDecoder:
+        def build() -> SpeculativeDecoder:
+            if static:
+                compiled = self.cfg.compiled
+                return SpeculativeDecoder(
+                    StaticCachedModel(self.target, "target", compiled),
+                    drafter=StaticCachedModel(self.drafter, "drafter", compiled),
+                )
+            return SpeculativeDecoder(CachedModel(self.target), drafter=CachedModel(self.drafter))
+
+        return self.shared(f"decoder static={static}", build)
+
+    def script_rows(self, prompts: list[list[int]]) -> torch.Tensor:
+        """[rows, capacity]: each prompt followed by the static path's plain text for it (as
+        long as the run's longest), decoded alone the first time the prompt is seen (untimed)."""
+        decoder = self.decoder(static=True)
+        longest = Settings(self.cfg.max_new_tokens)
+        for prompt in prompts:
+            if tuple(prompt) not in self.scripts:
+                out = decoder.generate([prompt], use_drafter=False, **engine_options(longest))
+                self.scripts[tuple(prompt)] = out.sequences[0]
+        texts = [self.scripts[tuple(p)] for p in prompts]
+        rows = torch.zeros(len(texts), max(map(len, texts)) + 1, dtype=torch.long)
+        for i, text in enumerate(texts):
+            rows[i, : len(text)] = torch.tensor(text)
+        return rows.to(self.cfg.device)
+
+
+def engine_options(s: Settings) -> dict[str, Any]:
+    return dict(max_new_tokens=s.max_new_tokens, stop_token_ids=[])  # random text: no stop
+
+
+def synced_seconds(device: torch.device, started: float) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+class CapturedMethod:
+    """A method of this bench: the runner's `BenchMethod`."""
+
+    name: ClassVar[str]
+    batch1_only: ClassVar[bool] = False
+    cuda_only: ClassVar[bool] = False
+    exact: ClassVar[bool] = False  # greedy and on the reference's own path: must equal `ar`
+    pairing = None
+
+    def __init__(self, pair: Pair, settings: Settings, acceptance=None, k=None) -> None:
+        self.pair = pair
+        self.settings = settings
+        self.acceptance = acceptance
+        self.k = k
+
+    @property
+    def label(self) -> str:
+        if self.k is None:
+            return self.name
+        return f"{self.name}[k={self.k},a={self.acceptance:g}]"
+
+    def unavailable(self) -> str | None:
+        """Why this method cannot run in this bench at all (None: it can)."""
+        if self.cuda_only and not self.pair.cfg.device.startswith("cuda"):
+            return "CUDA only"
+        return None
+
+    def skips(self, batch_size: int) -> str | None:
+        if self.batch1_only and batch_size > 1:
+            return "runs one prompt at a time"
+        return self.unavailable()
+
+    def prepare(self, sample: Sequence[list[int]]) -> None:
+        """Warm-up over the widths this method will use (compiles and captures)."""
+        if self.unavailable() is None:
+            self.decode(list(sample), replace(self.settings, max_new_tokens=16))
+
+    def run(self, batch: Sequence[list[int]]) -> Result:
+        return self.decode(list(batch), self.settings)
+
+    def decode(self, prompts: list[list[int]], s: Settings) -> Result:
+        raise NotImplementedError
+
+
+class EngineRun(CapturedMethod):
+    static: ClassVar[bool] = True
+    drafts: ClassVar[bool] = False
+
+    def decode(self, prompts: list[list[int]], s: Settings) -> Result:
+        decoder = self.pair.decoder(self.static)
+        options = engine_options(s)
+        if self.drafts:
+            scripts = self.pair.script_rows(prompts)
+            seed = self.pair.cfg.seed
+
+            def wrap(drafter: Drafter) -> Drafter:
+                return ScriptedDrafter(drafter, scripts, self.acceptance, self.pair.vocab, seed)
+
+            options.update(num_draft_tokens=self.k, wrap_drafter=wrap)
+        out = decoder.generate(prompts, use_drafter=self.drafts, **options)
+        return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
+
+
+@CAPTURED.add
+class StaticPlain(EngineRun):
+    name = "ar"
+
+
+@CAPTURED.add
+class StaticSpeculative(EngineRun):
+    name = "sd"
+    drafts = True
+    exact = True
+
+
+@CAPTURED.add
+class EagerPlain(EngineRun):
+    name = "eager-ar"
+    static = False
+
+
+@CAPTURED.add
+class EagerSpeculative(EngineRun):
+    name = "eager-sd"
+    static = False
+    drafts = True
+
+
+class TransformersRun(CapturedMethod):
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def decode(self, prompts: list[list[int]], s: Settings) -> Result:
+        model = self.pair.target
+        ids = torch.tensor(prompts, device=model.device)  # [batch, prompt] (equal lengths)
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=s.max_new_tokens,
+                min_new_tokens=s.max_new_tokens,  # random text: no early stop
+                do_sample=False,
+                temperature=None,
+                top_k=None,
+                top_p=None,
+                pad_token_id=0,
+                **self.options(),
+            )
+        seconds = synced_seconds(model.device, started)
+        return Result(out[:, ids.shape[1] :].tolist(), seconds)
+
+
+@CAPTURED.add
+class TransformersStatic(TransformersRun):
+    name = "hf-static"
+
+    def options(self) -> dict[str, Any]:
+        return {"cache_implementation": "static"}
+
+
+@CAPTURED.add
+class TransformersAssisted(TransformersRun):
+    name = "hf-assisted"
+    batch1_only = True
+
+    def unavailable(self) -> str | None:
+        if self.pair.drafter.config.vocab_size != self.pair.target.config.vocab_size:
+            return "transformers assisted generation needs the pair's vocabularies equal"
+        return super().unavailable()
+
+    def options(self) -> dict[str, Any]:
+        return {"assistant_model": self.pair.drafter}
+
+
+@CAPTURED.add
+class GraphPlain(CapturedMethod):
+    """Greedy decoding by replaying one hand-captured CUDA graph of a one-token step over
+    transformers' StaticCache: no Python engine, no compiler guards, one replay a token."""
+
+    name = "graph-ar"
+    cuda_only = True
+
+    def decode(self, prompts: list[list[int]], s: Settings) -> Result:
+        from transformers import StaticCache
+
+        model = self.pair.target
+        ids = torch.tensor(prompts, device=model.device)  # [batch, prompt]
+        batch, width = ids.shape
+        started = time.perf_counter()
+        cache = StaticCache(config=model.config, max_cache_len=width + s.max_new_tokens + 1)
+        kwargs = cache_kwargs(model, cache)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=True, **kwargs).logits[:, -1]
+            token = logits.argmax(-1, keepdim=True)  # [batch, 1]
+            position = torch.full((batch, 1), width, dtype=torch.long, device=model.device)
+
+            def step() -> torch.Tensor:
+                out = model(input_ids=token, position_ids=position, use_cache=True, **kwargs)
+                return out.logits
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()  # warm-up on a side stream, as capture requires; it wrote one slot ...
+            torch.cuda.current_stream().wait_stream(side)
+            for layer in cache.layers:  # ... which the first replay writes again
+                layer.cumulative_length.fill_(width)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()  # [batch, 1, vocab]; the cache's write offset advances in-graph
+            tokens = [token.clone()]
+            for _ in range(s.max_new_tokens - 1):
+                graph.replay()
+                token.copy_(out[:, -1].argmax(-1, keepdim=True))
+                position.add_(1)
+                tokens.append(token.clone())
+        new = torch.cat(tokens, 1)  # [batch, new]
+        return Result(new.tolist(), synced_seconds(model.device, started))
+
+
+def captured_methods(cfg: CapturedBenchConfig, pair: Pair, settings: Settings) -> list:
+    methods = []
+    for name in cfg.methods:
+        cls = CAPTURED.lookup(name)
+        if issubclass(cls, EngineRun) and cls.drafts:
+            methods += [cls(pair, settings, a, k) for a in cfg.acceptance
+                        for k in cfg.num_draft_tokens]  # fmt: skip
+        else:
+            methods.append(cls(pair, settings))
+    return methods
+
+
+def static_prices(pair: Pair, cfg: CapturedBenchConfig) -> dict:
+    """Prices on the static path at batch 1: a target step (ms), verify passes of k + 1 tokens
+    and a drafter step (in target steps), what the Leviathan bound is computed from."""
+    decoder = pair.decoder(static=True)
+    widths = sorted({1} | {k + 1 for k in cfg.num_draft_tokens})
+    context = [(1000 + i) % pair.vocab for i in range(cfg.prompt_tokens)]
+    target = pass_seconds(decoder.target_backend, context, widths, reps=5)
+    draft = pass_seconds(decoder.drafter_backend, context, [1], reps=5)[1]
+    return {
+        "target_step_ms": target[1] * 1e3,
+        "verify_steps": {str(w - 1): target[w] / target[1] for w in widths if w > 1},
+        "drafter_step": draft / target[1],
+    }
+
+
+def leviathan_bound(prices: dict, alpha: float, k: int) -> float:
+    """(1 - alpha^(k+1)) / ((1 - alpha)(k c + v)): the speedup these prices allow a loop with
+    no overhead, at per-token acceptance alpha."""
+    cost = k * prices["drafter_step"] + prices["verify_steps"][str(k)]
+    return expected_tokens_per_call(alpha, k) / cost
+
+
+def run_captured_bench(cfg: CapturedBenchConfig, progress: bool = True) -> dict:
+    pair = Pair(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompts = torch.randint(1, pair.vocab, (cfg.prompt_count, cfg.prompt_tokens), generator=gen)
+    prompts = prompts.tolist()
+    settings = Settings(cfg.max_new_tokens, seed=cfg.seed)
+    methods = captured_methods(cfg, pair, settings)
+    records, skipped = measure(methods, prompts, cfg.batch_sizes, cfg.repeats, progress)
+    prices = static_prices(pair, cfg) if "sd" in cfg.methods else None
+
+    def extras(row: dict, method: CapturedMethod, rec, base) -> None:
+        if rec.stats is None or method.k is None:
+            return
+        tau = rec.stats.total.tokens_per_target_call
+        alpha = alpha_from_tokens_per_call(min(max(tau, 1.0), method.k + 1), method.k)
+        row.update(acceptance_set=method.acceptance, k=method.k, acceptance_measured=alpha,
+                   tokens_per_target_call=tau)  # fmt: skip
+        if prices is not None and row["batch_size"] == 1 and method.name == "sd":
+            bound = leviathan_bound(prices, alpha, method.k)
+            row.update(leviathan_bound=bound, of_bound=row["speedup"]["geomean"] / bound)
+
+    rows = speed_rows(methods, records, "tokens", extras, also_against=("hf-static", "eager-ar"))
+    return bench_record(cfg, rows, skipped, acceptance_control=CONTROL, prices=prices,
+                        compiled=cfg.compiled, reference=REFERENCE)  # fmt: skip
