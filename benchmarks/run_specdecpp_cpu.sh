@@ -16,7 +16,7 @@ res=benchmarks/results
 studies=benchmarks/studies
 
 # --- the shipped heads (2026-11-22) -------------------------------------------------------------
-specdecode head collect --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
+specdecode head collect --backend torch --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
   --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --out "$D/data-humaneval-40-104"
 for rule in greedy sampling; do
   specdecode head train "$D/data-humaneval-40-104" --rule "$rule" --half --no-progress \
@@ -31,21 +31,21 @@ specdecode bench --backend torch --prompts humaneval --limit 16 --max-new-tokens
 # --- a narrow sampling head on the collection extended to prompts 40..163 (not shipped) --------
 wide="$D/data-humaneval-40-164"
 [ -d "$wide" ] || cp -r "$D/data-humaneval-40-104" "$wide"
-specdecode head collect --prompts humaneval --skip 40 --limit 124 --max-new-tokens 96 \
+specdecode head collect --backend torch --prompts humaneval --skip 40 --limit 124 --max-new-tokens 96 \
   --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --out "$wide"
 specdecode head train "$wide" --rule sampling --width 128 --layers 2 --half --no-progress \
   --out runs/head-sampling-w128 | tee "$res/specdecpp-heads/train-sampling-w128.txt"
 
 # --- inside real rounds (2026-11-23): on-policy head data, the evaluation sets, replays --------
 # prices of the 2-core AMD EPYC then: a drafted token 0.1375 steps, each verified position 0.056
-specdecode head collect --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
+specdecode head collect --backend torch --prompts humaneval --skip 40 --limit 64 --max-new-tokens 96 \
   --temperature 0.7 --rounds 12 --batch-size 8 --no-progress --out "$D/data-rounds12-humaneval-40-104"
 specdecode head train "$D/data-rounds12-humaneval-40-104" --rule sampling --half --no-progress \
   --preview-costs 0.1375 0.056 --out runs/head-sampling-rounds \
   | tee "$res/specdecpp-heads/train-sampling-rounds.txt"
-specdecode head collect --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 \
+specdecode head collect --backend torch --prompts humaneval --limit 16 --max-new-tokens 64 --temperature 0.7 \
   --rounds 12 --batch-size 8 --no-progress --out "$D/eval-rounds12-humaneval-0-16"
-specdecode head collect --prompts mtbench --chat --limit 10 --max-new-tokens 64 --temperature 0.7 \
+specdecode head collect --backend torch --prompts mtbench --chat --limit 10 --max-new-tokens 64 --temperature 0.7 \
   --rounds 12 --batch-size 8 --no-progress --out "$D/eval-rounds12-mtbench-10-t07"
 for set in "humaneval-0-16 humaneval-t07-16" "mtbench-10-t07 mtbench-t07-10"; do
   read -r eval name <<< "$set"
@@ -57,7 +57,7 @@ for set in "humaneval 6 0-6" "mtbench 4 4"; do
   read -r prompts limit tag <<< "$set"
   chat=""; [ "$prompts" = mtbench ] && chat="--chat"
   out="$D/eval-rounds12-$prompts-$tag-greedy"
-  specdecode head collect --prompts "$prompts" $chat --limit "$limit" --max-new-tokens 64 \
+  specdecode head collect --backend torch --prompts "$prompts" $chat --limit "$limit" --max-new-tokens 64 \
     --temperature 0 --rounds 12 --batch-size 1 --no-progress --out "$out"
   specdecode head replay "$out" --head "$heads/qwen2.5-coder-0.5b-for-1.5b-greedy" \
     --costs 0.1375 0.056 --json "$res/specdecpp-replays/replay-$prompts-greedy-$limit.json" \
@@ -73,7 +73,7 @@ specdecode bench --backend torch --prompts mtbench --limit 4 --max-new-tokens 64
   --stop-threshold 0.7 0.8 0.9 --bound 1 12 --out "$res/specdecpp-mtbench-greedy" --quiet
 
 # --- a head for chat as well: MT-Bench 91-160 inside rounds, trained with the code data --------
-specdecode head collect --prompts mtbench --chat --skip 10 --limit 70 --max-new-tokens 96 \
+specdecode head collect --backend torch --prompts mtbench --chat --skip 10 --limit 70 --max-new-tokens 96 \
   --temperature 0.7 --rounds 12 --batch-size 8 --no-progress --out "$D/data-rounds12-mtbench-10-80"
 specdecode head train "$D/data-rounds12-humaneval-40-104" "$D/data-rounds12-mtbench-10-80" \
   --rule sampling --out runs/head-sampling-mixed --preview-costs 0.1375 0.056 --no-progress \
@@ -107,7 +107,7 @@ specdecode bench --backend torch --prompts humaneval --limit 16 --max-new-tokens
 
 # --- the acceptance number (head-u, 2026-11-24): a calibration of the shipped sampling head on a
 # code collection inside rounds, replayed offline on the evaluation sets -------------------------
-specdecode head collect --prompts humaneval --skip 40 --limit 32 --max-new-tokens 64 \
+specdecode head collect --backend torch --prompts humaneval --skip 40 --limit 32 --max-new-tokens 64 \
   --temperature 0.7 --rounds 12 --batch-size 8 --no-progress --out "$D/data-rounds12-humaneval-40-72"
 specdecode head calibrate "$heads/qwen2.5-coder-0.5b-for-1.5b-sampling" \
   "$D/data-rounds12-humaneval-40-72" | tee "$res/specdecpp-heads/calibrate-sampling.txt"
@@ -158,3 +158,20 @@ done; done > $studies/pooled-runs/specdecpp-mtbench-t07-81-112.txt
 # into the cache, 12 minutes) -----------------------------------------------------------------------
 python $studies/specdecpp-predictability/specdecpp_predictability.py \
   > $studies/specdecpp-predictability/specdecpp-predictability.txt
+
+# --- the head on llama.cpp's drafter states (2026-11-25, 2-core Intel Xeon shared with other
+# runs: --threads 1, since two llama.cpp threads on two busy cores ran a target step 17 times
+# slower than one, 2.4 s against 0.14 s; the evaluation collection and the first batch of the
+# training collection ran with the default two, before that was seen) -------------------------
+specdecode head collect --backend llama.cpp --threads 1 --prompts humaneval --limit 6 \
+  --max-new-tokens 128 --temperature 0 --rounds 12 --batch-size 1 --no-progress \
+  --out "$D/llamacpp-eval-humaneval-0-6-rounds12-greedy"
+specdecode head collect --backend llama.cpp --threads 1 --prompts humaneval --skip 40 --limit 64 \
+  --max-new-tokens 96 --temperature 0.7 --mixing-ratio 0.15 --batch-size 8 --no-progress \
+  --out "$D/llamacpp-data-humaneval-40-104"
+specdecode head train "$D/llamacpp-data-humaneval-40-104" --rule greedy --half --no-progress \
+  --preview-costs 0.64 0.16 \
+  --preview-verify-curve 1.44 1.77 1.92 2.07 2.36 2.66 2.95 3.11 3.28 3.44 3.60 3.76 \
+  --out "$D/qwen2.5-coder-0.5b-for-1.5b-greedy-llamacpp"
+python $studies/llamacpp-head-replay/run.py "$D/llamacpp-eval-humaneval-0-6-rounds12-greedy" \
+  "$D/qwen2.5-coder-0.5b-for-1.5b-greedy-llamacpp" "$heads/qwen2.5-coder-0.5b-for-1.5b-greedy"
