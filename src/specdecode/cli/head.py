@@ -8,11 +8,13 @@ pair.
     specdecode head calibrate HEAD DATA                                  # for policy head-u
     specdecode generate --length-policy head --head HEAD --prompt ...    # use it
 
-`head collect` needs both models; `head train` only needs the collected tensors, so it runs
-anywhere `accelerate` finds a device. The defaults come from `CollectConfig` and `TrainConfig`,
-so the command line and the Python API cannot drift apart. Heavy imports (accelerate,
-matplotlib) wait until the command runs, keeping `specdecode --help` fast. Bad input raises
-ValueError / FileNotFoundError naming the culprit; the main CLI turns those into one line.
+`head collect` needs both models, on llama.cpp for known models (their GGUF files, as `generate`
+and `bench` run them) and on torch for model directories (`--backend` chooses); `head train`
+only needs the collected tensors, so it runs anywhere `accelerate` finds a device. The defaults
+come from `CollectConfig` and `TrainConfig`, so the command line and the Python API cannot drift
+apart. Heavy imports (accelerate, matplotlib) wait until the command runs, keeping `specdecode
+--help` fast. Bad input raises ValueError / FileNotFoundError naming the culprit; the main CLI
+turns those into one line.
 """
 
 from __future__ import annotations
@@ -265,10 +267,13 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.acceptance.collect import CollectConfig, collect
     from specdecode.api import default_backend
     from specdecode.cli.common import set_threads
+    from specdecode.config import PROMPT_LOOKUP
     from specdecode.distributed import process_state, threads_per_process
     from specdecode.prompts import require_prompts
 
     backend = args.backend or default_backend(args.target, "cpu")
+    if args.draft == PROMPT_LOOKUP:
+        raise ValueError("a head reads a drafter model's states: prompt lookup has none (--draft)")
     if backend != "torch" and (args.fp32_drafter or args.no_prepack):
         raise ValueError(
             "--fp32-drafter and --no-prepack are options of the torch backend; llama.cpp runs "
