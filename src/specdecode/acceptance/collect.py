@@ -259,8 +259,8 @@ def backfill(
         if not sampling.greedy and "label_drawn" not in part:
             p_logits = teacher_forced(target, prompts[index], tokens, vocab)  # [m, vocab]
             p_law = logits_to_probs(p_logits, sampling)
-            drawn = part["proposal"][rows].to(q_law.device)
-            got = drawn_acceptance(p_law, q_law.to(p_law.device), drawn.to(p_law.device))
+            drawn = part["proposal"][rows].to(p_law.device)  # [m]
+            got = drawn_acceptance(p_law, q_law.to(p_law.device), drawn)
             label[rows], log_prob[rows] = got[0].cpu(), got[1].cpu()
     out = law | part  # features already stored win
     if "label_drawn" not in part:
