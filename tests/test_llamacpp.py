@@ -249,7 +249,7 @@ def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):
     decoder = SpeculativeDecoder(target, gguf_tokenizer(smol_gguf))
     with pytest.raises(ValueError, match="exceeds the target's context of 64"):
         decoder.generate("hello " * 40, max_new_tokens=40)
-    with pytest.raises(ValueError, match=r"llama\.cpp use the priced policy"):
+    with pytest.raises(ValueError, match=r"acceptance head on the PyTorch backends only"):
         SpeculativeDecoder(target, decoder.tokenizer, target).generate(
             "hi", max_new_tokens=4, length_policy="head"
         )

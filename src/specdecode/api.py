@@ -438,9 +438,10 @@ class SpeculativeDecoder:
             return self.acceptance_head
         if self.backend not in TORCH_BACKENDS:
             raise ValueError(
-                f"length policy {cfg.length_policy!r} reads an acceptance head over the "
-                "drafter's PyTorch states; on llama.cpp use the priced policy (the default), "
-                "or --backend torch"
+                f"length policy {cfg.length_policy!r} decodes with an acceptance head on the "
+                "PyTorch backends only (on llama.cpp a head does not pay at measured prices; "
+                "`specdecode head replay` shows it); use the priced policy (the default), or "
+                "--backend torch"
             )
         head = self.acceptance_head
         if head is None:

@@ -129,13 +129,21 @@ def speculative_step(
     stats.policy_seconds += draft.policy_seconds
     stats.target_forwards += 1
     stats.drafter_forwards += draft.forwards
-    if bool(invalid):  # the step's one host sync also checks every logit of the step
+    passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
+    # [batch, 5]: what the loop reads on the host; `invalid` ([] bool) goes with it, checked
+    # in the round's one copy to the host rather than by a sync of its own
+    figures = torch.stack([counts, verdict.num_accepted, draft.lengths, passes, done.long()], 1)
+    invalid = torch.as_tensor(invalid, device=figures.device).long().expand(len(figures), 1)
+    return block, torch.cat([figures, invalid], 1)
+
+
+def check_finite(invalid: bool) -> None:
+    """Raise where a model's logits of the round were unusable (read in the round's host copy)."""
+    if invalid:
         raise InvalidLogitsError(
             "a model produced NaN or +inf logits (or a position where every logit is -inf); "
             "check its weights and dtype (fp16 overflow is a common cause)"
         )
-    passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
-    return block, counts, done, verdict.num_accepted, draft.lengths, passes
 
 
 def coupled_next_tokens(
@@ -214,14 +222,15 @@ def decode(
     before = stats.cost_figures()
     try:
         while batch.rows:
-            block, counts, done, accepted, drafted, passes = speculative_step(
-                target, drafter, rule, batch, cfg, rng, stats
+            block, figures = speculative_step(target, drafter, rule, batch, cfg, rng, stats)
+            width = block.shape[1]
+            host = torch.cat([block, figures], 1).tolist()  # the round's one copy to the host
+            check_finite(bool(host[0][-1]))
+            block_l = [row[:width] for row in host]
+            counts_l, accepted_l, drafted_l, passes_l, done_l, _ = (
+                list(column) for column in zip(*(row[width:] for row in host), strict=True)
             )
-            block_l = block.tolist()
-            counts_l, accepted_l, drafted_l, passes_l = torch.stack(
-                [counts, accepted, drafted, passes]
-            ).tolist()
-            done_l = done.tolist()
+            done_l = [bool(d) for d in done_l]
             if first_round:  # it holds the prefills
                 stats.end_first_round(before, time.perf_counter() - start, sum(counts_l))
                 first_round = False

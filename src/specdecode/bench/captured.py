@@ -446,6 +446,13 @@ def run_captured_bench(cfg: CapturedBenchConfig, progress: bool = True) -> dict:
         # computes with 10-100x slowdowns (a 0.5B drafter step measured at 5.6 steps of the
         # 1.5B target); trained weights stay normal, so flushing them keeps the costs real
         torch.set_flush_denormal(True)
+    try:
+        return _run(cfg, progress)
+    finally:
+        torch.set_flush_denormal(False)  # torch's default, for the rest of the process
+
+
+def _run(cfg: CapturedBenchConfig, progress: bool) -> dict:
     pair = Pair(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(1, pair.vocab, (cfg.prompt_count, cfg.prompt_tokens), generator=gen)
