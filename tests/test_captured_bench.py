@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specdecode.bench.captured import CapturedBenchConfig, run_captured_bench, shape_config
+from specdecode.bench.metrics import expected_tokens_per_call
 from specdecode.cli import main
 
 
@@ -56,7 +57,11 @@ def test_acceptance_is_what_was_set_and_outputs_equal_plain(shapes):
         assert never["tokens_per_target_call"] == 1.0  # every replaced token rejected
         assert always["mismatches"] == never["mismatches"] == []  # lossless: ar's text
         assert rows[("hf-static", batch)]["tokens"] == 2 * 13  # no early stop on random text
-    assert rows[("sd[k=3,a=1]", 1)]["leviathan_bound"] > 1.0
+    prices, row = record["prices"], rows[("sd[k=3,a=1]", 1)]  # the bound from what was measured
+    cost = 3 * prices["drafter_step"] + prices["verify_steps"]["3"]
+    tokens = expected_tokens_per_call(row["acceptance_measured"], 3)
+    assert row["leviathan_bound"] == pytest.approx(tokens / cost)
+    assert row["of_bound"] == pytest.approx(row["speedup"]["geomean"] / row["leviathan_bound"])
     assert record["ok"] and "controlled" in record["acceptance_control"]
     assert any("graph-ar" in s and "CUDA only" in s for s in record["skipped"])
 
