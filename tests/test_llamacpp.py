@@ -53,6 +53,17 @@ def smol(smol_gguf):
     return target, drafter, gguf_tokenizer(smol_gguf)
 
 
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one left-padded block: tokens, valid [rows, longest]."""
+    width = max(map(len, rows))
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, ids in enumerate(rows):
+        tokens[b, width - len(ids) :] = torch.tensor(ids)
+        valid[b, width - len(ids) :] = True
+    return tokens, valid
+
+
 def ones(n: int) -> torch.Tensor:
     return torch.ones(1, n, dtype=torch.bool)
 
@@ -87,12 +98,7 @@ def test_ragged_rows_score_as_alone(smol):
         target.reset(1)
         logits, _ = target.forward(torch.tensor([ids]), ones(len(ids)))
         alone.append(logits[0, -1])
-    width = max(map(len, rows))
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, ids in enumerate(rows):
-        tokens[b, width - len(ids) :] = torch.tensor(ids)
-        valid[b, width - len(ids) :] = True
+    tokens, valid = left_padded(rows)
     target.reset(len(rows))
     logits, _ = target.forward(tokens, valid)
     for b in range(len(rows)):
@@ -281,12 +287,7 @@ def test_a_block_longer_than_a_llama_batch_goes_in_pieces(smol):
     target, _, tok = smol
     text = tok("\n".join(PROMPTS * 12)).input_ids
     rows = [text[:400], text[:300], text[:350]]
-    width = max(map(len, rows))
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, ids in enumerate(rows):
-        tokens[b, width - len(ids) :] = torch.tensor(ids)
-        valid[b, width - len(ids) :] = True
+    tokens, valid = left_padded(rows)
     target.reset(len(rows))
     logits, _ = target.forward(tokens, valid, logits_to_keep=2)
     assert target.lengths.tolist() == [400, 300, 350]

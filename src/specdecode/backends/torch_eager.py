@@ -43,8 +43,11 @@ class UnsupportedModelError(ValueError):
     """The model cannot be used by the engine (its cache cannot be rolled back per row)."""
 
 
-def check_rollback_support(model: torch.nn.Module, role: str) -> None:
-    """Refuse, loudly and before any decoding, a model whose cache cannot be truncated per row."""
+def check_rollback_support(model: torch.nn.Module, role: str) -> DynamicCache:
+    """Refuse, loudly and before any decoding, a model whose cache cannot be truncated per row.
+
+    Returns the cache of the one-token probe it ran, whose layers show each layer's key and
+    value shapes (what a static cache preallocates)."""
     config = model.config
     name = f"{role} ({type(model).__name__})"
     if getattr(config, "is_encoder_decoder", False):
@@ -75,6 +78,7 @@ def check_rollback_support(model: torch.nn.Module, role: str) -> None:
             f"{name} returned a {type(returned).__name__} cache instead of the "
             "DynamicCache it was given; its state cannot be rolled back per row"
         )
+    return cache
 
 
 def cache_argument(model: torch.nn.Module) -> str:

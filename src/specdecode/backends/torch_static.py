@@ -27,14 +27,12 @@ only when a host-side upper bound says it might not fit (rarely).
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdecode.backends.base import pending_block
 from specdecode.backends.torch_eager import (
     TorchDecoderInfo,
     cache_argument,
-    cache_kwargs,
     check_rollback_support,
     model_device,
 )
@@ -124,12 +122,13 @@ class StaticCachedModel(TorchDecoderInfo):
     """A transformers decoder over a `RowOffsetCache`: the `ModelBackend` of fixed shapes."""
 
     def __init__(self, model: torch.nn.Module, role: str = "model", compile: bool = False) -> None:
-        check_rollback_support(model, role)
+        probe = check_rollback_support(model, role)  # a one-token DynamicCache
+        # (kv_heads, head_dim, dtype) of each layer, as the probe's cache holds them
+        self.shapes = [(la.keys.shape[1], la.keys.shape[3], la.keys.dtype) for la in probe.layers]
         self.model = model
         self.role = role
         self.device = model_device(model)
         self.cache_argument = cache_argument(model)
-        self.shapes = self._layer_shapes(model)
         self.cache = RowOffsetCache(len(self.shapes))
         self.compiled = compile
         self._run = self._pass
@@ -142,15 +141,6 @@ class StaticCachedModel(TorchDecoderInfo):
         self.phys_rows = 0
         self.capacity = 0
         self.reset(0)
-
-    @staticmethod
-    def _layer_shapes(model: torch.nn.Module) -> list[tuple[int, int, torch.dtype]]:
-        """(kv_heads, head_dim, dtype) of each layer, read off one probe token's cache."""
-        probe_cache = DynamicCache(config=model.config)
-        probe = torch.zeros(1, 1, dtype=torch.long, device=model_device(model))
-        with torch.no_grad():
-            model(input_ids=probe, use_cache=True, **cache_kwargs(model, probe_cache))
-        return [(la.keys.shape[1], la.keys.shape[3], la.keys.dtype) for la in probe_cache.layers]
 
     def reset(self, batch_size: int) -> None:
         """Empty rows; buffers of the same shape are kept (their addresses are what a captured

@@ -41,7 +41,7 @@ from specdecode.api import SpeculativeDecoder
 from specdecode.backends.prices import pass_seconds
 from specdecode.backends.torch_eager import CachedModel, cache_kwargs
 from specdecode.backends.torch_static import StaticCachedModel
-from specdecode.bench.methods import Registry, Result, Settings, SharedModels
+from specdecode.bench.methods import Registry, Result, Settings, SharedModels, timed_generate
 from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
 from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
 from specdecode.drafters import Draft, Drafter
@@ -320,22 +320,19 @@ class TransformersRun(CapturedMethod):
     def decode(self, prompts: list[list[int]], s: Settings) -> Result:
         model = self.pair.target
         ids = torch.tensor(prompts, device=model.device)  # [batch, prompt] (equal lengths)
-        started = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=s.max_new_tokens,
-                min_new_tokens=s.max_new_tokens,  # random text: no early stop
-                do_sample=False,
-                temperature=None,
-                top_k=None,
-                top_p=None,
-                pad_token_id=0,
-                **self.options(),
-            )
-        seconds = synced_seconds(model.device, started)
-        return Result(out[:, ids.shape[1] :].tolist(), seconds)
+        options = dict(
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.max_new_tokens,  # random text: no early stop
+            do_sample=False,
+            temperature=None,
+            top_k=None,
+            top_p=None,
+            pad_token_id=0,
+        )
+        return timed_generate(
+            model, lambda: {"input_ids": ids, **options, **self.options()}, ids.shape[1], list
+        )
 
 
 @CAPTURED.add
