@@ -295,3 +295,22 @@ def test_a_block_longer_than_a_llama_batch_goes_in_pieces(smol):
     target.reset(1)
     alone, _ = target.forward(torch.tensor([rows[0]]), ones(400), logits_to_keep=2)
     assert (logits[0] - alone[0]).abs().max() <= NOISE
+
+
+def test_weights_in_huge_pages_score_the_same(smol_gguf, smol):
+    """The backend moves its weights to 2 MiB pages (`backends.hugepages`): the same bytes, so
+    the same logits to the bit as the file mapping llama.cpp uses by default."""
+    from specdecode.backends import hugepages
+
+    _, _, tok = smol
+    ids = torch.tensor([tok("def add(a, b):\n    return a + b\n").input_ids])
+    n = ids.shape[1]
+    logits = {}
+    for huge in (False, True):
+        model = LlamaCppModel(smol_gguf, role="target", context=256, huge_pages=huge)
+        model.reset(1)
+        logits[huge], _ = model.forward(ids, ones(n), logits_to_keep=n)
+        if hugepages.available():
+            assert (model.huge_page_bytes > 0) == huge
+        model.close()
+    assert torch.equal(logits[False], logits[True])

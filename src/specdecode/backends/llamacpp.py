@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.base import pending_block
+from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
 
 DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
 
@@ -101,6 +102,7 @@ class LlamaCppModel:
         context: int = DEFAULT_CONTEXT,
         threads: int | None = None,
         max_rows: int = 1,
+        huge_pages: bool = True,
     ) -> None:
         lib = _llama()
         _init_once(lib)
@@ -112,6 +114,10 @@ class LlamaCppModel:
             raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        before = anonymous_regions()
+        if huge_pages:  # weights read into memory that can be moved to 2 MiB pages (a file
+            # mapping cannot, here), then moved below: a step ~15% faster (`hugepages`)
+            params.load_mode = lib.LLAMA_LOAD_MODE_NONE
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.model:
             raise LlamaCppLoadError(
@@ -131,6 +137,7 @@ class LlamaCppModel:
         self.batch = None
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
+        self.huge_page_bytes = collapse_new_regions(before) if huge_pages else 0
         self.reset(0)
 
     def stop_token_ids(self) -> tuple[int, ...]:

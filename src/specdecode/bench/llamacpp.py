@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from specdecode.api import SpeculativeDecoder, gguf_path
+from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
 from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels
 from specdecode.bench.runner import (
@@ -42,7 +43,14 @@ from specdecode.bench.runner import (
 from specdecode.config import LOOKUP_FIRST, PromptLookup
 
 LLAMA = Registry("llama.cpp")
-DEFAULT_METHODS = ("ar", "priced", "sd-lookup", "llama-cpp-python", "llama-cpp-python-lookup")
+DEFAULT_METHODS = (
+    "ar",
+    "priced",
+    "sd-lookup",
+    "llama-cpp-python",
+    "llama-cpp-python-huge",
+    "llama-cpp-python-lookup",
+)
 
 
 @dataclass(frozen=True)
@@ -273,6 +281,24 @@ class LlamaCppPython(LlamaMethod):
                     break
             out.append(tokens)
         return Result(out, time.perf_counter() - t0)
+
+
+@LLAMA.add
+class LlamaCppPythonHugePages(LlamaCppPython):
+    """llama-cpp-python plain with its weights read into memory (`use_mmap=False`) and moved
+    to 2 MiB pages, as this engine's llama.cpp backend does (`backends.hugepages`): what the
+    same page size gives llama-cpp-python, so a table separates that gain from speculation's."""
+
+    name = "llama-cpp-python-huge"
+
+    def make(self):
+        before = anonymous_regions()
+        llm = super().make()
+        collapse_new_regions(before)
+        return llm
+
+    def extra(self) -> dict:
+        return {"use_mmap": False}
 
 
 @LLAMA.add

@@ -286,8 +286,9 @@ def add_subcommands(subparsers) -> None:
         nargs="+",
         default=None,
         help="On llama.cpp (known models on the CPU): ar priced priced-lookup sd sd-lookup "
-        "llama-cpp-python llama-cpp-python-lookup torch-ar torch-sd-int8-lookup (default: ar "
-        "priced sd-lookup and the two llama-cpp-python peers). With --backend torch: ar hf "
+        "llama-cpp-python llama-cpp-python-huge (its weights in 2 MiB pages, as ours) "
+        "llama-cpp-python-lookup torch-ar torch-sd-int8-lookup (default: ar priced sd-lookup "
+        "and the llama-cpp-python peers). With --backend torch: ar hf "
         "hf-assisted hf-assisted-k sd sd-int8 sd-lookup sd-int8-lookup hf-lookup (default: ar hf "
         "hf-assisted sd sd-int8); suffix +dense for default kernels. With --pair: ar hf hf-beam5 "
         "hf-assisted specdec "
