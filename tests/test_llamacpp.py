@@ -314,3 +314,22 @@ def test_weights_in_huge_pages_score_the_same(smol_gguf, smol):
             assert (model.huge_page_bytes > 0) == huge
         model.close()
     assert torch.equal(logits[False], logits[True])
+
+
+def test_bench_runs_the_peers_beside_the_engine(smol_gguf, tmp_path):
+    """`specdecode bench` on llama.cpp: llama-cpp-python plain, with huge pages and with prompt
+    lookup run interleaved with the engine, and their outputs are checked against `ar`."""
+    import json
+
+    run = subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", "bench", "--target", "smollm2-135m",
+         "--draft", "smollm2-135m", "--limit", "2", "--max-new-tokens", "12", "--no-plots",
+         "--methods", "ar", "priced", "llama-cpp-python", "llama-cpp-python-huge",
+         "llama-cpp-python-lookup", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((tmp_path / "record.json").read_text())
+    methods = {row["method"]: row for row in record["methods"]}
+    assert set(methods) >= {"ar", "priced", "llama-cpp-python", "llama-cpp-python-huge"}
+    assert record["ok"]

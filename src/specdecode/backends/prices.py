@@ -10,6 +10,7 @@ a tile. Timing goes through `ModelBackend` only, so every backend is priced the 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -22,12 +23,16 @@ PRICED_PASS_TOKENS = 12  # passes timed: 1..12 tokens; longer ones extrapolate t
 
 
 def pass_seconds(
-    backend: ModelBackend, context: list[int], counts: list[int], reps: int
-) -> dict[int, float]:
-    """Median seconds of one pass of n tokens (one row) after `context`, for each n in counts,
-    timed interleaved (a drift of the machine lands on all of them alike); each pass is rolled
+    jobs: Sequence[tuple[ModelBackend, list[int]]], context: list[int], reps: int
+) -> list[dict[int, float]]:
+    """Median seconds of one pass of n tokens (one row) after `context`, for each backend and
+    each n of its counts. Every round times every pass of every backend, interleaved, so a
+    stall of the machine (a neighbour's burst; on two cores llama.cpp's spinning threads lose
+    whole time slices to any other process) lands on one sample of each rather than on every
+    sample of the one timed while it lasted: timed apart (three steps, 0.1 s), a drafter step
+    read 17.9 target steps in one bench run (0.64 on a quiet machine). Each pass is rolled
     back after it, so every one sees the same cache."""
-    device = backend.device
+    device = jobs[0][0].device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def clock() -> float:
@@ -35,24 +40,30 @@ def pass_seconds(
         return time.perf_counter()
 
     prefix = torch.tensor([context], device=device)  # [1, context]
-    backend.reset(1)
-    backend.forward(prefix, torch.ones_like(prefix, dtype=torch.bool))
-    held = backend.lengths.clone()
 
-    def timed(n: int):
+    def timed(backend: ModelBackend, held: torch.Tensor, n: int):
         tokens = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
         valid = torch.ones_like(tokens, dtype=torch.bool)
 
         def run() -> None:
-            backend.forward(tokens, valid, logits_to_keep=n)
+            backend.forward(tokens.to(backend.device), valid.to(backend.device), logits_to_keep=n)
             backend.truncate(held)
 
         return run
 
+    candidates = {}
+    for j, (backend, counts) in enumerate(jobs):
+        backend.reset(1)
+        start = prefix.to(backend.device)
+        backend.forward(start, torch.ones_like(start, dtype=torch.bool))
+        held = backend.lengths.clone()
+        candidates.update({(j, n): timed(backend, held, n) for n in counts})
     try:
-        return median_times({n: timed(n) for n in counts}, reps, clock)
+        seconds = median_times(candidates, reps, clock)
     finally:
-        backend.reset(0)
+        for backend, _ in jobs:
+            backend.reset(0)
+    return [{n: seconds[j, n] for n in counts} for j, (_, counts) in enumerate(jobs)]
 
 
 def measure_pass_prices(
@@ -69,9 +80,10 @@ def measure_pass_prices(
     if room < 1:
         raise ValueError(f"passes of {max_tokens} tokens do not fit the context")
     context = [(1000 + i) % vocab_size for i in range(min(PRICE_CONTEXT_TOKENS, room))]
-    seconds = pass_seconds(target, context, list(range(1, max_tokens + 1)), reps)
-    step = seconds[1]
-    draft = None
+    jobs = [(target, list(range(1, max_tokens + 1)))]
     if drafter is not None:
-        draft = pass_seconds(drafter, context, [1], reps)[1] / step
-    return PassPrices(tuple(seconds[n] / step for n in range(1, max_tokens + 1)), draft)
+        jobs.append((drafter, [1]))
+    seconds = pass_seconds(jobs, context, reps)
+    step = seconds[0][1]
+    draft = seconds[1][1] / step if drafter is not None else None
+    return PassPrices(tuple(seconds[0][n] / step for n in range(1, max_tokens + 1)), draft)

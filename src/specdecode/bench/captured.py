@@ -421,8 +421,10 @@ def static_prices(pair: Pair, cfg: CapturedBenchConfig) -> dict:
     decoder = pair.decoder(static=True)
     widths = sorted({1} | {k + 1 for k in cfg.num_draft_tokens})
     context = [(1000 + i) % pair.vocab for i in range(cfg.prompt_tokens)]
-    target = pass_seconds(decoder.target_backend, context, widths, reps=5)
-    draft = pass_seconds(decoder.drafter_backend, context, [1], reps=5)[1]
+    target, drafted = pass_seconds(
+        [(decoder.target_backend, widths), (decoder.drafter_backend, [1])], context, reps=5
+    )
+    draft = drafted[1]
     return {
         "target_step_ms": target[1] * 1e3,
         "verify_steps": {str(w - 1): target[w] / target[1] for w in widths if w > 1},

@@ -432,6 +432,7 @@ def run_llama_bench(
 
     rows = speed_rows(methods, records, "tokens", extras, also_against=("llama-cpp-python",))
     if cfg.rss:
+        shared.release()  # held alongside a torch method's child, an fp32 target ran out of 24 GB
         for row in rows:
             row["peak_rss_gib"] = peak_rss(cfg, row["method"], prompt_ids[0])
     return bench_record(

@@ -37,6 +37,7 @@ cut after its first token).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -133,6 +134,12 @@ class SharedModels:
         if key not in self.built:
             self.built[key] = build()
         return self.built[key]
+
+    def release(self) -> None:
+        """Drop every model now: a phase that starts processes of its own (peak memory per
+        method) must not add their memory to all of this one's."""
+        self.built.clear()
+        gc.collect()
 
 
 @contextmanager
