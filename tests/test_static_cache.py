@@ -105,3 +105,29 @@ def test_compiled_passes_give_the_eager_tokens(tiny_llama):
     plain = eager.generate(prompts, max_new_tokens=12, use_drafter=False, stop_token_ids=[])
     assert spec.new_tokens == plain.new_tokens
     assert spec.stats.total.drafted > 0
+
+
+def test_the_targets_pending_width_comes_from_the_host_after_the_first_round(tiny_llama):
+    """The engine tells the target how many tokens its cache lacks (from the round's one host
+    copy), so a GPU round does not wait on reading it off the device; the width it tells must
+    be the one the device holds, on ragged rows that finish at different rounds."""
+    target_model = tiny_llama(seed=0)
+    seen: list[tuple[int | None, int]] = []
+
+    class Watched(StaticCachedModel):
+        def pending(self, sequences, seq_lens, pad_id=0, width=None):
+            seen.append((width, int((seq_lens - self.lengths).max())))
+            return super().pending(sequences, seq_lens, pad_id, width)
+
+    decoder = SpeculativeDecoder(
+        Watched(target_model, "target"), drafter=StaticCachedModel(tiny_llama(seed=3), "drafter")
+    )
+    reference = SpeculativeDecoder(target_model).generate(
+        PROMPTS, max_new_tokens=12, use_drafter=False, stop_token_ids=[]
+    )
+    stop = reference.new_tokens[0][4]
+    out = decoder.generate(PROMPTS, max_new_tokens=12, num_draft_tokens=3, stop_token_ids=[stop])
+    for tokens, plain in zip(out.new_tokens, reference.new_tokens, strict=True):
+        assert tokens == (plain[: plain.index(stop) + 1] if stop in plain else plain)
+    assert seen[0] == (None, max(map(len, PROMPTS)))  # the prompts: read off the device
+    assert len(seen) > 3 and all(told == held for told, held in seen[1:])

@@ -87,8 +87,13 @@ def speculative_step(
     cfg: DecodeConfig,
     rng: RowRandom | None,
     stats: DecodeStats,
+    pending_width: int | None = None,
 ):
-    """One round for every running row: draft, verify in one target pass, roll back, commit."""
+    """One round for every running row: draft, verify in one target pass, roll back, commit.
+
+    `pending_width`: how many committed tokens the target's cache lacks at most, where the
+    caller knows it on the host (after the first round: what the last round's figures say).
+    """
     t0 = time.perf_counter()
     if rng is not None:
         rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
@@ -102,7 +107,9 @@ def speculative_step(
         else Draft.empty(len(batch.rows), batch.sequences.device)
     )
     t1 = time.perf_counter()
-    pending, pending_valid = target.pending(batch.sequences, batch.seq_lens)  # [batch, n]
+    pending, pending_valid = target.pending(
+        batch.sequences, batch.seq_lens, width=pending_width
+    )  # [batch, n]
     k = draft.tokens.shape[1]
     draft_valid = torch.arange(k, device=draft.lengths.device) < draft.lengths[:, None]
     logits, _ = target.forward(
@@ -219,10 +226,13 @@ def decode(
         drafter.start(len(prompts))
     start = time.perf_counter()
     first_round = True
+    pending_width = None  # the prompts: read off the device once
     before = stats.cost_figures()
     try:
         while batch.rows:
-            block, figures = speculative_step(target, drafter, rule, batch, cfg, rng, stats)
+            block, figures = speculative_step(
+                target, drafter, rule, batch, cfg, rng, stats, pending_width
+            )
             width = block.shape[1]
             host = torch.cat([block, figures], 1).tolist()  # the round's one copy to the host
             check_finite(bool(host[0][-1]))
@@ -240,6 +250,8 @@ def decode(
                 list(batch.rows), [b[:c] for b, c in zip(block_l, counts_l, strict=True)], done_l
             )
             keep = [i for i, d in enumerate(done_l) if not d]
+            # the target keeps a row's accepted drafts; its next token is what it lacks
+            pending_width = max((counts_l[i] - accepted_l[i] for i in keep), default=0)
             if len(keep) < len(batch.rows):
                 index = batch.select(keep)
                 target.select_rows(index)

@@ -48,7 +48,11 @@ class ModelBackend(Protocol):
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
     def pending(
-        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+        self,
+        sequences: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pad_id: int = 0,
+        width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -57,13 +61,18 @@ def pending_block(
     seq_lens: torch.Tensor,  # [batch]
     held: torch.Tensor,  # [batch] tokens already in each row's cache
     pad_id: int = 0,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The committed tokens not yet in a cache, as a left-padded ragged block.
 
     Shared by every backend, so that a ragged prefill and a drafter catching up on the tokens
-    it missed look the same to each: tokens, valid: [batch, n_pending].
+    it missed look the same to each: tokens, valid: [batch, n_pending]. `width`, where the
+    caller knows it on the host (at least every row's pending count), saves reading it off the
+    device: a sync a GPU round would otherwise wait on (the engine knows it for the target).
     """
-    n = int((seq_lens - held).max()) if held.numel() else 0
+    if width is None:
+        width = int((seq_lens - held).max()) if held.numel() else 0
+    n = width
     index = seq_lens[:, None] - n + torch.arange(n, device=sequences.device)  # [batch, n]
     valid = index >= held[:, None]
     tokens = sequences.gather(1, index.clamp(min=0)).masked_fill(~valid, pad_id)

@@ -211,9 +211,13 @@ class LlamaCppModel:
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
 
     def pending(
-        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+        self,
+        sequences: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pad_id: int = 0,
+        width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return pending_block(sequences, seq_lens, self.lengths, pad_id)
+        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
 
     def forward(
         self,

@@ -217,13 +217,17 @@ class CachedModel(TorchDecoderInfo):
         self._crop_and_compact()
 
     def pending(
-        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+        self,
+        sequences: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pad_id: int = 0,
+        width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens not yet in the cache, as a left-padded ragged block.
 
         sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]
         """
-        return pending_block(sequences, seq_lens, self.lengths, pad_id)
+        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
 
     def _crop_and_compact(self) -> None:
         occupied = (self.slot_pos >= 0).any(0).nonzero()

@@ -242,6 +242,10 @@ class StaticCachedModel(TorchDecoderInfo):
         return free.nonzero().flatten()[:count]
 
     def pending(
-        self, sequences: torch.Tensor, seq_lens: torch.Tensor, pad_id: int = 0
+        self,
+        sequences: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pad_id: int = 0,
+        width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return pending_block(sequences, seq_lens, self.lengths, pad_id)
+        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
