@@ -70,9 +70,7 @@ def pending_block(
     caller knows it on the host (at least every row's pending count), saves reading it off the
     device: a sync a GPU round would otherwise wait on (the engine knows it for the target).
     """
-    if width is None:
-        width = int((seq_lens - held).max()) if held.numel() else 0
-    n = width
+    n = width if width is not None else int((seq_lens - held).max()) if held.numel() else 0
     index = seq_lens[:, None] - n + torch.arange(n, device=sequences.device)  # [batch, n]
     valid = index >= held[:, None]
     tokens = sequences.gather(1, index.clamp(min=0)).masked_fill(~valid, pad_id)

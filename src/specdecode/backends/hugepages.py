@@ -68,7 +68,7 @@ def _madvise():
 def collapse_new_regions(before: set[Region]) -> int:
     """Ask for huge pages on every anonymous region of at least `MIN_REGION` bytes that is not
     in `before`; returns the bytes the kernel collapsed (0 where it could not)."""
-    if os.name != "posix" or not before:
+    if os.name != "posix":
         return 0
     try:
         madvise = _madvise()

@@ -114,7 +114,7 @@ class LlamaCppModel:
             raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        before = anonymous_regions()
+        before = anonymous_regions() if huge_pages else set()
         if huge_pages:  # weights read into memory that can be moved to 2 MiB pages (a file
             # mapping cannot, here), then moved below: a step ~15% faster (`hugepages`)
             params.load_mode = lib.LLAMA_LOAD_MODE_NONE

@@ -41,23 +41,23 @@ def pass_seconds(
 
     prefix = torch.tensor([context], device=device)  # [1, context]
 
-    def timed(backend: ModelBackend, held: torch.Tensor, n: int):
-        tokens = prefix[:, -n:] if len(context) >= n else prefix[:, -1:].repeat(1, n)
+    def timed(backend: ModelBackend, start: torch.Tensor, held: torch.Tensor, n: int):
+        tokens = start[:, -n:] if len(context) >= n else start[:, -1:].repeat(1, n)
         valid = torch.ones_like(tokens, dtype=torch.bool)
 
         def run() -> None:
-            backend.forward(tokens.to(backend.device), valid.to(backend.device), logits_to_keep=n)
+            backend.forward(tokens, valid, logits_to_keep=n)
             backend.truncate(held)
 
         return run
 
     candidates = {}
     for j, (backend, counts) in enumerate(jobs):
+        start = prefix.to(backend.device)  # [1, context], on the backend's device
         backend.reset(1)
-        start = prefix.to(backend.device)
         backend.forward(start, torch.ones_like(start, dtype=torch.bool))
         held = backend.lengths.clone()
-        candidates.update({(j, n): timed(backend, held, n) for n in counts})
+        candidates.update({(j, n): timed(backend, start, held, n) for n in counts})
     try:
         seconds = median_times(candidates, reps, clock)
     finally:
