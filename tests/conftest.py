@@ -32,8 +32,8 @@ from transformers import (
 
 from specdecode import SpeculativeDecoder
 from specdecode.acceptance.head import AcceptanceHead, HeadConfig
-from specdecode.config import SamplingConfig
-from specdecode.sampling import logits_to_probs
+from specdecode.core.config import SamplingConfig
+from specdecode.core.sampling import logits_to_probs
 from specdecode.seq2seq.corpus import Verse
 
 VOCAB = 96

@@ -118,7 +118,7 @@ def main() -> int:
     watch_safetensors(audit)  # before specdecode imports transformers, which binds the name
     import torch
 
-    from specdecode.distributed import process_state
+    from specdecode.training.distributed import process_state
 
     torch.set_num_threads(1)  # as the single-process runs the test compares with
     jobs = json.loads(Path(sys.argv[1]).read_text())

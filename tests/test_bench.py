@@ -20,8 +20,8 @@ from specdecode.bench.metrics import (
 )
 from specdecode.bench.runner import measure, round_prices, speed_rows
 from specdecode.cli.main import main
-from specdecode.config import RoundPrices
-from specdecode.prompts import load_prompts
+from specdecode.core.config import RoundPrices
+from specdecode.bench.prompts import load_prompts
 
 
 def test_modelled_speedup_from_counts_and_a_fitted_verify_line() -> None:
@@ -256,7 +256,7 @@ def test_decode_ratios_leave_out_the_first_round():
 
 
 def test_in_run_costs_per_call_leave_out_the_first_rounds():
-    from specdecode.stats import CostFigures, DecodeStats
+    from specdecode.core.stats import CostFigures, DecodeStats
 
     # 10 s in 6 calls, of which the first round's 1 call took 4 s (the prefill): 1.2 s a call
     stats = DecodeStats([], verify_seconds=4.0, target_forwards=1, draft_seconds=0.5)

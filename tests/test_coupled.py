@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder, engine
-from specdecode.config import DecodeConfig, SamplingConfig
-from specdecode.sampling import DRAFT, RESIDUAL, PositionRandom
+from specdecode.core.config import DecodeConfig, SamplingConfig
+from specdecode.core.sampling import DRAFT, RESIDUAL, PositionRandom
 
 # the policies, prompts, seeds and law check are conftest's `coupled_runs` (test_cuda runs them
 # on a GPU)
@@ -120,8 +120,8 @@ def test_unusable_drafter_law_at_a_bonus_position_is_refused(
     decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch, coupled_runs
 ) -> None:
     """A NaN law read for a bonus token stops decoding with the step's logit error."""
-    from specdecode.drafters import ModelDrafter
-    from specdecode.sampling import InvalidLogitsError
+    from specdecode.core.drafters import ModelDrafter
+    from specdecode.core.sampling import InvalidLogitsError
 
     real = ModelDrafter.next_law
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.backends.timing import step_seconds
-from specdecode.config import RoundPrices
+from specdecode.core.timing import step_seconds
+from specdecode.core.config import RoundPrices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"

@@ -3,7 +3,7 @@
 Why `--multi_gpu` on a machine without a GPU: `accelerate launch --cpu --num_processes 2` runs
 *one* process (its CPU launcher starts several only through MPI, `--mpirun_hostfile`), while
 `--multi_gpu` starts the processes with torchrun, and accelerate joins them over gloo when the
-program asks for the CPU (`specdecode.distributed.new_accelerator`). CUDA is hidden so that a
+program asks for the CPU (`specdecode.training.distributed.new_accelerator`). CUDA is hidden so that a
 machine with GPUs runs the same CPU test.
 
 Each launch runs several jobs (`distributed_worker.py`), since starting two Python processes
@@ -37,7 +37,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdecode.distributed import StepRecord, global_means, share, step_seed
+from specdecode.training.distributed import StepRecord, global_means, share, step_seed
 
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 LOSS_RTOL = 1e-5  # per-step loss, two processes against one (measured: about 1e-7)

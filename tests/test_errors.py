@@ -12,8 +12,8 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from specdecode import DecodeConfig, SamplingConfig, SpeculativeDecoder
 from specdecode.backends.torch_eager import UnsupportedModelError
-from specdecode.checks import IncompatibleModelsError
-from specdecode.sampling import InvalidLogitsError, bad_logits
+from specdecode.core.checks import IncompatibleModelsError
+from specdecode.core.sampling import InvalidLogitsError, bad_logits
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect
 from specdecode.acceptance.head import law_features
 from specdecode.cli.main import main
-from specdecode.config import SamplingConfig
-from specdecode.sampling import RowRandom, logits_to_probs
-from specdecode.verification import GreedyRule, LosslessSamplingRule
+from specdecode.core.config import SamplingConfig
+from specdecode.core.sampling import RowRandom, logits_to_probs
+from specdecode.core.verification import GreedyRule, LosslessSamplingRule
 
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
 

@@ -18,12 +18,12 @@ from specdecode.acceptance.replay import PreviewCosts, preview_rounds, replay_he
 from specdecode.acceptance.train import TrainConfig, train_head
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.cli.main import main
-from specdecode.config import DecodeConfig, SamplingConfig
-from specdecode.drafters import ModelDrafter
-from specdecode.engine import decode
-from specdecode.length_policies import ConstantLength
-from specdecode.sampling import logits_to_probs
-from specdecode.verification import make_rule
+from specdecode.core.config import DecodeConfig, SamplingConfig
+from specdecode.core.drafters import ModelDrafter
+from specdecode.core.engine import decode
+from specdecode.core.length_policies import ConstantLength
+from specdecode.core.sampling import logits_to_probs
+from specdecode.core.verification import make_rule
 
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21]]
 K = 3

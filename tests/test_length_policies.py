@@ -35,9 +35,9 @@ from specdecode.acceptance.head import (
     top_two,
 )
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.config import DecodeConfig, RoundPrices, SamplingConfig
-from specdecode.drafters import Draft, ModelDrafter
-from specdecode.length_policies import (
+from specdecode.core.config import DecodeConfig, RoundPrices, SamplingConfig
+from specdecode.core.drafters import Draft, ModelDrafter
+from specdecode.core.length_policies import (
     ConfidenceLength,
     ConstantLength,
     DraftedPosition,
@@ -46,8 +46,8 @@ from specdecode.length_policies import (
     LengthPolicy,
     make_policy,
 )
-from specdecode.sampling import PositionRandom, RowRandom
-from specdecode.verification import LosslessSamplingRule
+from specdecode.core.sampling import PositionRandom, RowRandom
+from specdecode.core.verification import LosslessSamplingRule
 
 # --------------------------------------------------------------------------------------------
 # helpers

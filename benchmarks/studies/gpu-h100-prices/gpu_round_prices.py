@@ -31,7 +31,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdecode import SpeculativeDecoder
-from specdecode.backends.timing import step_seconds
+from specdecode.core.timing import step_seconds
 from specdecode.bench.runner import machine_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "round-cost-parts"))

@@ -22,7 +22,7 @@ from collections import defaultdict
 
 from specdecode import SpeculativeDecoder, engine, verification
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.prompts import load_prompts
+from specdecode.bench.prompts import load_prompts
 
 KS = (4, 5, 6, 8)
 ROTATIONS = 2

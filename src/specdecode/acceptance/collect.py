@@ -66,10 +66,10 @@ from specdecode.acceptance.labels import acceptance_labels, drawn_acceptance
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.config import SamplingConfig
-from specdecode.distributed import gather_objects, main_object, process_state
-from specdecode.drafters import align_vocab
-from specdecode.sampling import logits_to_probs
+from specdecode.core.config import SamplingConfig
+from specdecode.training.distributed import gather_objects, main_object, process_state
+from specdecode.core.drafters import align_vocab
+from specdecode.core.sampling import logits_to_probs
 
 
 @dataclass(frozen=True)

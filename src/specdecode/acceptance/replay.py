@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from specdecode.acceptance.examples import HeadData, load_examples
-from specdecode.config import RoundPrices
-from specdecode.length_policies import going_on_prices, worth_drafting_on
+from specdecode.core.config import RoundPrices
+from specdecode.core.length_policies import going_on_prices, worth_drafting_on
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,12 @@ import torch
 from specdecode.acceptance.head import law_features
 from specdecode.acceptance.labels import acceptance_labels
 from specdecode.backends.base import ModelBackend
-from specdecode.config import DecodeConfig, SamplingConfig
-from specdecode.drafters import ModelDrafter
-from specdecode.engine import decode
-from specdecode.length_policies import ConstantLength, DraftedPosition, LengthPolicy
-from specdecode.sampling import logits_to_probs
-from specdecode.verification import Verdict, VerificationRule, drafted_mask, make_rule
+from specdecode.core.config import DecodeConfig, SamplingConfig
+from specdecode.core.drafters import ModelDrafter
+from specdecode.core.engine import decode
+from specdecode.core.length_policies import ConstantLength, DraftedPosition, LengthPolicy
+from specdecode.core.sampling import logits_to_probs
+from specdecode.core.verification import Verdict, VerificationRule, drafted_mask, make_rule
 
 
 @dataclass

@@ -40,7 +40,7 @@ from specdecode.bench.runner import (
     measure_shared,
     speed_rows,
 )
-from specdecode.config import LOOKUP_FIRST, PromptLookup
+from specdecode.core.config import LOOKUP_FIRST, PromptLookup
 
 LLAMA = Registry("llama.cpp")
 DEFAULT_METHODS = (

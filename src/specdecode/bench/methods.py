@@ -49,8 +49,8 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8, use_prepacked
 from specdecode.backends.torch_eager import model_device
-from specdecode.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
-from specdecode.stats import DecodeStats
+from specdecode.core.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
+from specdecode.core.stats import DecodeStats
 
 
 @dataclass

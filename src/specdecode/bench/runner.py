@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdecode.backends.kernels import cpu_fp32, model_bytes
-from specdecode.backends.timing import step_seconds
+from specdecode.core.timing import step_seconds
 from specdecode.bench.methods import (
     CAUSAL,
     BenchMethod,
@@ -50,8 +50,8 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
-from specdecode.config import RoundPrices
-from specdecode.stats import CostFigures, DecodeStats, RowStats
+from specdecode.core.config import RoundPrices
+from specdecode.core.stats import CostFigures, DecodeStats, RowStats
 
 REFERENCE = "ar"  # the baseline of every ratio and the text exact methods must reproduce
 
@@ -239,7 +239,7 @@ def measure_shared(
     the merged records on the main process, each process's own on the others."""
     if launched_processes() == 1:
         return (*measure(methods, inputs, batch_sizes, repeats, progress), True)
-    from specdecode.distributed import gather_objects, process_state
+    from specdecode.training.distributed import gather_objects, process_state
 
     state = process_state()
     mine = chunks_of(len(inputs), batch_sizes, state.process_index, state.num_processes)
@@ -383,7 +383,7 @@ class BenchConfig:
         check_run(self.methods, self.batch_sizes, self.repeats)
         if any(k < 1 for k in self.num_draft_tokens):
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        from specdecode.length_policies import POLICIES
+        from specdecode.core.length_policies import POLICIES
 
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:

@@ -44,7 +44,7 @@ from specdecode.bench.runner import (
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.seq2seq.corpus import Verse
-from specdecode.verification import TopBetaTau
+from specdecode.core.verification import TopBetaTau
 
 SEQ2SEQ = Registry("seq2seq")
 RELAXED_ONLY = "specdec-relaxed"  # asks for specdec's relaxed runs without its exact ones

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET, set_threads
-from specdecode.config import HEAD_POLICIES
+from specdecode.core.config import HEAD_POLICIES
 
 
 def model_identity(name_or_path: str) -> dict:
@@ -119,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import BenchConfig, run_bench
     from specdecode.cli.common import DTYPES
     from specdecode.models.store import load_causal_lm
-    from specdecode.prompts import require_prompts
+    from specdecode.bench.prompts import require_prompts
 
     set_threads(args.threads)
     fits = cpu_fp32(args.device, DTYPES[args.dtype])  # where the CPU kernels apply
@@ -161,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_llama(args: argparse.Namespace) -> int:
     """The bench on llama.cpp (`bench.llamacpp`): GGUF files as shipped, the peers beside."""
     from specdecode.bench.llamacpp import DEFAULT_METHODS, LlamaBenchConfig, run_llama_bench
-    from specdecode.prompts import require_prompts
+    from specdecode.bench.prompts import require_prompts
 
     if args.device != "cpu" or args.dtype != "float32" or args.length_policy != ["constant"]:
         raise ValueError(
@@ -263,8 +263,8 @@ def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:
 def _measured_head(cfg, target, drafter) -> dict | None:
     """The head the `head` policy ran with: --head, or the one shipped for this pair and rule."""
     from specdecode.acceptance.head import find_shipped_head, head_provenance
-    from specdecode.config import SamplingConfig
-    from specdecode.verification import make_rule
+    from specdecode.core.config import SamplingConfig
+    from specdecode.core.verification import make_rule
 
     # the rule the bench's decoders verify with (make_rule's default for these settings)
     rule = make_rule(None, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)).name

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from specdecode.config import (
+from specdecode.core.config import (
     POLICIES,
 )
 
@@ -100,6 +100,6 @@ def set_threads(threads: int | None) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return list(args.prompt)
-    from specdecode.prompts import require_prompts
+    from specdecode.bench.prompts import require_prompts
 
     return [p.text for p in require_prompts(args.prompts, limit=args.limit)]

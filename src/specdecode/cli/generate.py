@@ -15,7 +15,7 @@ from specdecode.cli.common import (
     read_prompts,
     set_threads,
 )
-from specdecode.config import (
+from specdecode.core.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
     LOOKUP_FIRST,

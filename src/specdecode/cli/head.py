@@ -158,7 +158,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train_head(
         args.data_dir, args.out, config, progress=not args.no_progress, max_steps=args.max_steps
     )
-    from specdecode.distributed import process_state
+    from specdecode.training.distributed import process_state
 
     if not process_state().is_main_process:  # under `accelerate launch`: one report
         return 0
@@ -267,9 +267,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.acceptance.collect import CollectConfig, collect
     from specdecode.api import default_backend
     from specdecode.cli.common import set_threads
-    from specdecode.config import PROMPT_LOOKUP
-    from specdecode.distributed import process_state, threads_per_process
-    from specdecode.prompts import require_prompts
+    from specdecode.core.config import PROMPT_LOOKUP
+    from specdecode.training.distributed import process_state, threads_per_process
+    from specdecode.bench.prompts import require_prompts
 
     backend = args.backend or default_backend(args.target, "cpu")
     if args.draft == PROMPT_LOOKUP:
@@ -323,7 +323,7 @@ def _collect_decoder(args: argparse.Namespace, backend: str):
     runs and encodes the prompts. torch: the int8 drafter (unless --fp32-drafter) and packed
     kernels (unless --no-prepack); llama.cpp: the GGUF files as shipped."""
     from specdecode.api import SpeculativeDecoder
-    from specdecode.distributed import process_state, threads_per_process
+    from specdecode.training.distributed import process_state, threads_per_process
 
     if backend != "torch":
         shared = process_state().num_processes > 1  # launched processes share the cores

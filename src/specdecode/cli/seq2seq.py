@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.kernels import DRAFT_PRECISIONS, int8_draft_wanted, prepack_available
-from specdecode.config import max_draft_batch_option
+from specdecode.core.config import max_draft_batch_option
 from specdecode.models.packages import cache_root
 from specdecode.seq2seq.api import AUTO_DRAFT_BATCH
 from specdecode.seq2seq.training import LoopConfig

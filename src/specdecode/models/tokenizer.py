@@ -40,3 +40,16 @@ def gguf_tokenizer(gguf: Path, cache: Path | None = None) -> Any:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return tokenizer
+
+
+def render_chat(tokenizer: Any, text: str, what: str = "a prompt") -> str:
+    """One user turn in the tokenizer's chat template, ready for generation."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"chat rendering was asked for {what}, but the tokenizer "
+            f"({type(tokenizer).__name__}) has no chat template; use chat=False or a "
+            f"tokenizer of an instruction-tuned model"
+        )
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.distributed import gather_objects, main_object, process_state
+from specdecode.training.distributed import gather_objects, main_object, process_state
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.verifier_train import translate_batches, translation_batches
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.distributed import (
+from specdecode.training.distributed import (
     StepCallback,
     StepRecord,
     agreed_on_resume,
@@ -243,7 +243,7 @@ def train_drafter(
     Under `accelerate launch` each process trains on its share of every global batch; the
     step's random draws that choose what is trained (k, block starts, glancing) are made for
     the whole batch from (seed, step), so they are those of a single process
-    (`specdecode.distributed`). The main process alone evaluates and writes.
+    (`specdecode.training.distributed`). The main process alone evaluates and writes.
     """
     from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 

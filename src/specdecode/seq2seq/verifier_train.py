@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.distributed import (
+from specdecode.training.distributed import (
     StepCallback,
     StepRecord,
     agreed_on_resume,
@@ -199,7 +199,7 @@ def train_verifier(
     """Train (or resume) the verifier; returns the summary written to summary.json.
 
     Under `accelerate launch` each process trains on its share of every global batch
-    (`specdecode.distributed`), and the main process alone writes the tokenizer, checkpoints,
+    (`specdecode.training.distributed`), and the main process alone writes the tokenizer, checkpoints,
     best model and summary. `on_step` sees each step's rows of this process and global loss.
     """
     from transformers import MarianMTModel

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.backends.base import ModelBackend
-from specdecode.config import DecodeConfig
-from specdecode.drafters import Draft, Drafter
-from specdecode.sampling import (
+from specdecode.core.config import DecodeConfig
+from specdecode.core.drafters import Draft, Drafter
+from specdecode.core.sampling import (
     InvalidLogitsError,
     PositionRandom,
     RowRandom,
@@ -26,8 +26,8 @@ from specdecode.sampling import (
     row_seed_list,
     sample_from,
 )
-from specdecode.stats import DecodeStats, RowStats
-from specdecode.verification import Verdict, VerificationRule
+from specdecode.core.stats import DecodeStats, RowStats
+from specdecode.core.verification import Verdict, VerificationRule
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from typing import Protocol
 
 import torch
 
-from specdecode.config import SamplingConfig
-from specdecode.sampling import RowRandom, logits_to_probs, sample_from
+from specdecode.core.config import SamplingConfig
+from specdecode.core.sampling import RowRandom, logits_to_probs, sample_from
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from typing import Protocol
 import torch
 
 from specdecode.backends.base import ModelBackend
-from specdecode.config import PromptLookup, SamplingConfig
-from specdecode.length_policies import DraftedPosition, LengthPolicy
-from specdecode.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
+from specdecode.core.config import PromptLookup, SamplingConfig
+from specdecode.core.length_policies import DraftedPosition, LengthPolicy
+from specdecode.core.sampling import RowRandom, bad_logits, logits_to_probs, sample_from
 
 
 @dataclass(frozen=True)

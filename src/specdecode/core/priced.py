@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.config import PassPrices, PromptLookup
-from specdecode.drafters import Draft, ModelDrafter, lookup_continuation, merge_lookup
+from specdecode.core.config import PassPrices, PromptLookup
+from specdecode.core.drafters import Draft, ModelDrafter, lookup_continuation, merge_lookup
 
 PRIOR = (3.0, 1.0)  # pseudo-counts (kept, rejected): a source starts at 0.75 and is tried
 MEMORY = 0.8  # weight of the past in each update: about the last five rounds count

@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 
 from specdecode.acceptance.head import law_features
-from specdecode.config import POLICIES, DecodeConfig, RoundPrices
+from specdecode.core.config import POLICIES, DecodeConfig, RoundPrices
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.config import SamplingConfig
+from specdecode.core.config import SamplingConfig
 
 
 class InvalidLogitsError(FloatingPointError):

@@ -9,7 +9,7 @@ import torch
 
 from specdecode.backends.kernels import median_times
 from specdecode.backends.torch_eager import cache_kwargs, context_length, model_device
-from specdecode.config import RoundPrices
+from specdecode.core.config import RoundPrices
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
 

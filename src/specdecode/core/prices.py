@@ -16,7 +16,7 @@ import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.kernels import median_times
-from specdecode.config import PassPrices
+from specdecode.core.config import PassPrices
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
 PRICED_PASS_TOKENS = 12  # passes timed: 1..12 tokens; longer ones extrapolate the last slope

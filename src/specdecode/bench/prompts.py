@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.models.packages import PinnedPackage, fetch_package_file
+from specdecode.models.tokenizer import render_chat
 
 TEXT_KEYS = ("prompt", "text", "turns")
 ID_KEYS = ("id", "task_id", "question_id")
@@ -43,19 +44,6 @@ class Prompt:
     def render(self, tokenizer: Any, chat: bool) -> str:
         """The text to feed the model: raw, or wrapped in the tokenizer's chat template."""
         return render_chat(tokenizer, self.text, f"prompt {self.id!r}") if chat else self.text
-
-
-def render_chat(tokenizer: Any, text: str, what: str = "a prompt") -> str:
-    """One user turn in the tokenizer's chat template, ready for generation."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"chat rendering was asked for {what}, but the tokenizer "
-            f"({type(tokenizer).__name__}) has no chat template; use chat=False or a "
-            f"tokenizer of an instruction-tuned model"
-        )
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
 
 
 @dataclass(frozen=True)
