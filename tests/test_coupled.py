@@ -120,7 +120,7 @@ def test_unusable_drafter_law_at_a_bonus_position_is_refused(
     decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch, coupled_runs
 ) -> None:
     """A NaN law read for a bonus token stops decoding with the step's logit error."""
-    from specdecode.core.drafters import ModelDrafter
+    from specdecode.core.drafting.model import ModelDrafter
     from specdecode.core.sampling import InvalidLogitsError
 
     real = ModelDrafter.next_law

@@ -36,7 +36,8 @@ from specdecode.acceptance.head import (
 )
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import DecodeConfig, RoundPrices, SamplingConfig
-from specdecode.core.drafters import Draft, ModelDrafter
+from specdecode.core.drafting.base import Draft
+from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.length_policies import (
     ConfidenceLength,
     ConstantLength,

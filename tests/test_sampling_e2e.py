@@ -13,7 +13,7 @@ import torch
 
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import DecodeConfig
-from specdecode.core.drafters import ModelDrafter
+from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
 from specdecode.core.stats import DecodeStats, RowStats

@@ -151,7 +151,7 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
             pass
 
         def propose(self, sequences, seq_lens, max_tokens, rng):
-            from specdecode.core.drafters import Draft
+            from specdecode.core.drafting.base import Draft
 
             done = int(seq_lens[0]) - 1  # tokens after the start token
             block = (expected[done : done + self.k] + [EOS] * self.k)[: self.k]

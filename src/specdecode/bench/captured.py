@@ -44,7 +44,7 @@ from specdecode.backends.torch_static import StaticCachedModel
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels, timed_generate
 from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
 from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
-from specdecode.core.drafters import Draft, Drafter
+from specdecode.core.drafting.base import Draft, Drafter
 
 CAPTURED = Registry("captured")
 DEFAULT_METHODS = ("ar", "sd", "eager-ar", "eager-sd", "hf-static", "hf-assisted", "graph-ar")
