@@ -204,7 +204,13 @@ def test_lookup_first_keeps_the_sampled_law(tiny_llama, sampled_law) -> None:
     prompt = repeating_prompt(target, sampled_law.sampling)
     decoder = SpeculativeDecoder(target, drafter=drafter)
     total = sampled_law.assert_decoder_follows_target(
-        decoder, target, prompt, 3000, 3, num_draft_tokens=2, drafting="lookup-first",
+        decoder,
+        target,
+        prompt,
+        3000,
+        3,
+        num_draft_tokens=2,
+        drafting="lookup-first",
         lookup=LOOKUP_2,
     )
     assert total.accepted > 0 and total.recovered > 0

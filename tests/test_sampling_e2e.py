@@ -24,7 +24,11 @@ N = 3000  # rows, each with its own seed
 
 def sample_positions(law, target, drafter, rule) -> torch.Tensor:
     cfg = DecodeConfig(
-        max_new_tokens=3, num_draft_tokens=2, sampling=law.sampling, row_seeds=tuple(range(N))
+        max_new_tokens=3,
+        drafting="model",
+        num_draft_tokens=2,
+        sampling=law.sampling,
+        row_seeds=tuple(range(N)),
     )
     draft = None
     if drafter is not None:

@@ -193,6 +193,7 @@ def collect_rounds(
     cfg = DecodeConfig(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=round_tokens,
+        drafting="model",  # the recording drafter, k tokens a round
         sampling=sampling,
         stop_token_ids=stop_ids,
         row_seeds=row_seeds,

@@ -283,7 +283,7 @@ class EngineRun(CapturedMethod):
             def wrap(drafter: Drafter) -> Drafter:
                 return ScriptedDrafter(drafter, scripts, self.acceptance, self.pair.vocab, seed)
 
-            options.update(num_draft_tokens=self.k, wrap_drafter=wrap)
+            options.update(drafting="model", num_draft_tokens=self.k, wrap_drafter=wrap)
         out = decoder.generate(prompts, use_drafter=self.drafts, **options)
         return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
 

@@ -184,6 +184,7 @@ class TranslationPair:
         cfg = DecodeConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=block_size,
+            drafting="model",  # its own block drafter, k tokens a round
             sampling=sampling,
             stop_token_ids=(self.tokenizer.eos_token_id,),
             seed=seed,
