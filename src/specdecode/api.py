@@ -49,10 +49,10 @@ from specdecode.core.drafters import (
 from specdecode.core.engine import DecodeLoop, StepEvent, decode
 from specdecode.core.length_policies import make_policy
 from specdecode.core.priced import PricedDrafter
-from specdecode.models.tokenizer import render_chat
 from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
+from specdecode.models.tokenizer import render_chat
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 LLAMA_CPP = "llama.cpp"

@@ -116,10 +116,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_llama(args)
     from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
+    from specdecode.bench.prompts import require_prompts
     from specdecode.bench.runner import BenchConfig, run_bench
     from specdecode.cli.common import DTYPES
     from specdecode.models.store import load_causal_lm
-    from specdecode.bench.prompts import require_prompts
 
     set_threads(args.threads)
     fits = cpu_fp32(args.device, DTYPES[args.dtype])  # where the CPU kernels apply
