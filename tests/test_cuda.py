@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.core.timing import step_seconds
 from specdecode.core.config import RoundPrices
+from specdecode.core.timing import step_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"

@@ -18,7 +18,7 @@ autoregressive decoding on the same engine, the baseline of every speedup.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,8 @@ from specdecode.core.config import (
 from specdecode.core.drafting.base import Drafter
 from specdecode.core.drafting.factory import Sources, make_drafter
 from specdecode.core.drafting.planners import OneRowPassPrices
-from specdecode.core.engine import StepEvent, decode
+from specdecode.core.engine import DecodeLoop, StepEvent, decode
+from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
 from specdecode.models.tokenizer import render_chat
@@ -397,20 +398,56 @@ class SpeculativeDecoder:
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         verification = make_rule(rule, cfg.sampling)
-        drafter = None
-        if use_drafter:
-            sources = Sources(
-                model=self._draft_lm,
-                lookup=lookup or self.lookup,
-                vocab_size=self.vocab_size,
-                device=self._target_lm.device,
-                head=lambda: self._checked_head(cfg, verification.name),
-                prices=lambda: OneRowPassPrices(cfg.pass_prices or self.pass_prices()),
-            )
-            drafter = make_drafter(cfg.drafting, cfg, sources)
+        drafter = self._drafter(cfg, use_drafter, verification.name, lookup)
         if wrap_drafter is not None and drafter is not None:
             drafter = wrap_drafter(drafter)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
+
+    def loop(
+        self,
+        *,
+        max_rows: int = 8,
+        prefill_chunk: int | None = 256,
+        use_drafter: bool = True,
+        **kwargs,
+    ) -> DecodeLoop:
+        """The engine's loop for rows that come and go (a server): each row brings its own
+        prompt ids, budget, law and seed (`RowRequest`); up to `max_rows` decode together and
+        a long prompt is fed `prefill_chunk` tokens a round. The drafting settings are the
+        keyword arguments `generate` takes; sampling ones are per row here."""
+        sampling = RowSampling()
+        cfg = replace(self.config(**kwargs), sampling=sampling)
+        if cfg.length_policy in HEAD_POLICIES:
+            raise ValueError(
+                "a head policy reads a head trained for one verification rule; a loop's rows "
+                "mix greedy and sampled laws: use another length policy"
+            )
+        drafter = self._drafter(cfg, use_drafter, None, None)
+        capacity = (self.context or 1 << 16) + cfg.max_draft_tokens + 2
+        return DecodeLoop(
+            self._target_lm, drafter, cfg, sampling=sampling, max_rows=max_rows,
+            capacity=capacity, joins=True, prefill_chunk=prefill_chunk,
+        )  # fmt: skip
+
+    def _drafter(
+        self,
+        cfg: DecodeConfig,
+        use_drafter: bool,
+        rule: str | None,
+        lookup: PromptLookup | None,
+    ) -> Drafter | None:
+        """The drafter `cfg.drafting` asks for (`drafting.factory`); None: plain decoding."""
+        if not use_drafter:
+            return None
+        sources = Sources(
+            model=self._draft_lm,
+            lookup=lookup or self.lookup,
+            vocab_size=self.vocab_size,
+            device=self._target_lm.device,
+            head=lambda: self._checked_head(cfg, rule),
+            prices=lambda: OneRowPassPrices(cfg.pass_prices or self.pass_prices()),
+        )
+        return make_drafter(cfg.drafting, cfg, sources)
 
     def _checked_head(self, cfg: DecodeConfig, rule: str) -> torch.nn.Module | None:
         """The head, if the policy needs one and it learnt the acceptance of this rule.

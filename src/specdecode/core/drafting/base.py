@@ -52,6 +52,10 @@ class Drafter(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows that join a running batch between rounds (their committed tokens so far)."""
+        ...
+
     def next_law(
         self,
         sequences: torch.Tensor,  # [batch, capacity] committed tokens (and drafts past them)

@@ -110,3 +110,6 @@ class PromptLookupDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.policy.select_rows(rows)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.policy.add_rows(len(prompts))

@@ -85,6 +85,12 @@ class MixedDrafter:
         if self.model is not None:
             self.model.select_rows(rows)
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.planner.add_rows(len(prompts))
+        self.round = None
+        if self.model is not None:
+            self.model.add_rows(prompts)
+
 
 def merge_lookup(draft: Draft, looked: list[torch.Tensor], use: torch.Tensor) -> Draft:
     """The model's draft with the rows in `use` ([batch] bool) replaced by their looked-up

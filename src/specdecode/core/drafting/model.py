@@ -116,3 +116,7 @@ class ModelDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.lm.select_rows(rows)
         self.policy.select_rows(rows)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.lm.add_rows(prompts)  # the drafter's cache catches up when the row first drafts
+        self.policy.add_rows(len(prompts))

@@ -90,6 +90,8 @@ class Planner(Protocol):
 
     def select_rows(self, keep: list[int]) -> None: ...
 
+    def add_rows(self, count: int) -> None: ...
+
 
 class FixedPlanner:
     """Lookup where it found something, else the model; each as far as the policy allows."""
@@ -110,6 +112,9 @@ class FixedPlanner:
         pass
 
     def select_rows(self, keep: list[int]) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
         pass
 
 
@@ -137,6 +142,10 @@ class Acceptance:
     def select(self, rows: list[int]) -> None:
         self.kept = [self.kept[b] for b in rows]
         self.rejected = [self.rejected[b] for b in rows]
+
+    def add(self, count: int) -> None:
+        self.kept += [PRIOR[0]] * count
+        self.rejected += [PRIOR[1]] * count
 
 
 def plan_lengths(
@@ -220,3 +229,6 @@ class PricedPlanner:
 
     def select_rows(self, keep: list[int]) -> None:
         self.by_row.select(keep)
+
+    def add_rows(self, count: int) -> None:
+        self.by_row.add(count)
