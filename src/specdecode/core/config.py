@@ -252,8 +252,8 @@ class DecodeConfig:
         if self.bound is not None:
             if not self.plans_lengths and self.length_policy == "constant":
                 raise ValueError(
-                    "bound (MIN, MAX) applies to the adaptive length policies; the constant "
-                    "policy drafts num_draft_tokens every round"
+                    "bound (MIN, MAX) applies to the adaptive length policies and drafting "
+                    "auto; the constant policy drafts num_draft_tokens every round"
                 )
             low, high = self.bound
             if not (1 <= low <= high):
