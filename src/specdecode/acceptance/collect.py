@@ -67,9 +67,9 @@ from specdecode.backends.base import ModelBackend
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import SamplingConfig
-from specdecode.training.distributed import gather_objects, main_object, process_state
 from specdecode.core.drafters import align_vocab
 from specdecode.core.sampling import logits_to_probs
+from specdecode.training.distributed import gather_objects, main_object, process_state
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,8 @@ def model_identity(model: torch.nn.Module | ModelBackend) -> ModelIdentity:
     if isinstance(model, torch.nn.Module):
         return ModelIdentity.of(model)
     if isinstance(model, LlamaCppModel):
+        from specdecode.models.cache import GGUF_FILE
         from specdecode.models.convert import gguf_identity_parts
-        from specdecode.models.store import GGUF_FILE
 
         path = model.path  # a store's model.gguf is named by its folder, as its conversion is
         name = path.parent.name if path.name == GGUF_FILE else path.stem

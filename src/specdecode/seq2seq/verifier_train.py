@@ -18,16 +18,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.training.distributed import (
-    StepCallback,
-    StepRecord,
-    agreed_on_resume,
-    global_means,
-    main_object,
-    new_accelerator,
-    share,
-    step_seed,
-)
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.tokenizer import load_tokenizer, train_tokenizer
 from specdecode.seq2seq.training import (
@@ -43,6 +33,16 @@ from specdecode.seq2seq.training import (
     pad,
     snapshot_dirs,
     start_run,
+)
+from specdecode.training.distributed import (
+    StepCallback,
+    StepRecord,
+    agreed_on_resume,
+    global_means,
+    main_object,
+    new_accelerator,
+    share,
+    step_seed,
 )
 
 
