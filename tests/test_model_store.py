@@ -819,11 +819,13 @@ def test_check_file_fast_path_and_its_limits(tmp_path, monkeypatch):
 
 def test_lock_refuses_an_upgrade_and_nests_shared_in_exclusive(tmp_path):
     lock = ModelLock(tmp_path / "locks" / "m.lock", "m")
-    with lock.exclusive(), lock.shared():
+    shared, exclusive = dict(exclusive=False), dict(exclusive=True)
+    with lock.hold(**exclusive), lock.hold(**shared):
         assert (tmp_path / "locks" / "m.lock").read_text().strip() == str(os.getpid())
-    with lock.shared(), pytest.raises(RuntimeError, match="inside a shared one"), lock.exclusive():
+    busy = pytest.raises(RuntimeError, match="inside a shared one")
+    with lock.hold(**shared), busy, lock.hold(**exclusive):
         pass
-    with lock.shared(), lock.shared():
+    with lock.hold(**shared), lock.hold(**shared):
         pass
 
 

@@ -90,14 +90,9 @@ class ModelLock:
     path: Path
     what: str  # the model, for messages
 
-    def shared(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
-        return self.hold(exclusive=False, wait=wait)
-
-    def exclusive(self, *, wait: bool = True) -> contextlib.AbstractContextManager[None]:
-        return self.hold(exclusive=True, wait=wait)
-
     @contextlib.contextmanager
     def hold(self, *, exclusive: bool, wait: bool = True) -> Iterator[None]:
+        """Hold the lock, shared or exclusive; ``wait=False``: a ``LockBusyError`` if busy."""
         held: dict[str, bool] = getattr(_held, "locks", None) or {}
         _held.locks = held
         key = str(self.path.absolute())
@@ -116,8 +111,14 @@ class ModelLock:
             logger.debug("reading %s without a lock (%s)", self.what, err)
             yield
             return
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         try:
-            self._acquire(fd, exclusive, wait)
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                self._wait(fd, mode, wait)
             held[key] = exclusive
             try:
                 if exclusive:
@@ -130,14 +131,9 @@ class ModelLock:
         finally:
             os.close(fd)
 
-    def _acquire(self, fd: int, exclusive: bool, wait: bool) -> None:
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return
-        except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+    def _wait(self, fd: int, mode: int, wait: bool) -> None:
+        """Wait for the lock another process holds, saying who holds it; or refuse."""
+        exclusive = mode == fcntl.LOCK_EX
         # a shared request waits only for a writer, whose pid the lock file holds
         holder = "" if exclusive else self.holder()
         if not wait:
@@ -243,28 +239,19 @@ def write_atomic(path: Path, text: str) -> None:
 
 @dataclass(frozen=True)
 class Checked:
-    """The files of one artefact in a model folder, checked against their records."""
+    """The files of one artefact in a model folder, checked against their records: ``checks``
+    of the recorded ones, ``problems`` among them and the files found without a record."""
 
     checks: tuple[FileCheck, ...]
-    unrecorded: tuple[Path, ...] = ()
-
-    @property
-    def problems(self) -> list[FileProblem]:
-        found = [c.problem for c in self.checks if c.problem is not None]
-        why = "no hash recorded for it (an interrupted conversion wrote it, or another program)"
-        return found + [FileProblem(p, "unrecorded", why) for p in self.unrecorded]
+    problems: tuple[FileProblem, ...]
 
     @property
     def absent(self) -> bool:
-        return not self.checks and not self.unrecorded
+        return not self.checks and not self.problems
 
     @property
     def ok(self) -> bool:
-        return (
-            bool(self.checks)
-            and not self.unrecorded
-            and all(c.problem is None for c in self.checks)
-        )
+        return bool(self.checks) and not self.problems
 
     @property
     def damaged(self) -> list[FileProblem]:
@@ -292,18 +279,16 @@ class ModelCache:
 
     spec: ModelSpec
     root: Path
-    directory: Path
+    directory: Path  # the model folder
+    gguf: Path  # the joined GGUF in it
     lock: ModelLock
 
     @classmethod
     def of(cls, name: str, cache_dir: str | os.PathLike[str] | None = None) -> ModelCache:
         spec, root = get_spec(name), cache_root(cache_dir)
+        directory = root / "models" / spec.dir_name
         lock = ModelLock(root / "locks" / f"{spec.dir_name}.lock", spec.name)
-        return cls(spec, root, root / "models" / spec.dir_name, lock)
-
-    @property
-    def gguf(self) -> Path:
-        return self.directory / GGUF_FILE
+        return cls(spec, root, directory, directory / GGUF_FILE, lock)
 
     @property
     def packages(self) -> Path:
@@ -344,14 +329,18 @@ class ModelCache:
         disk or recorded, else absent), a derived artefact's recorded files against their
         records, and any file of it on disk without a record as unrecorded."""
         if artefact == "gguf":
-            if not self.gguf.exists() and GGUF_FILE not in records.files:
-                return Checked(())
-            expected = {GGUF_FILE: (self.spec.gguf_bytes, self.spec.sha256)}
+            known = GGUF_FILE in records.files or self.gguf.exists()
+            expected = {GGUF_FILE: (self.spec.gguf_bytes, self.spec.sha256)} if known else {}
         else:
-            expected = {n: (records.files[n]["bytes"], records.files[n]["sha256"])
-                        for n in records.names(artefact)}  # fmt: skip
-        checks = tuple(
-            check_file(
+            expected = {
+                name: (record["bytes"], record["sha256"])
+                for name, record in records.files.items()
+                if record.get("artefact") == artefact
+            }
+        checks = []
+        problems = []
+        for name, (size, sha) in sorted(expected.items()):
+            check = check_file(
                 self.directory,
                 name,
                 size,
@@ -360,12 +349,15 @@ class ModelCache:
                 full=full,
                 progress=progress,
             )
-            for name, (size, sha) in expected.items()
-        )
-        if artefact == "gguf":
-            return Checked(checks)
-        unrecorded = [self.directory / n for n in self.files(artefact) if n not in records.files]
-        return Checked(checks, tuple(unrecorded))
+            checks.append(check)
+            if check.problem is not None:
+                problems.append(check.problem)
+        if artefact != "gguf":
+            why = "no hash recorded for it (an interrupted conversion wrote it, or another program)"
+            for name in self.files(artefact):
+                if name not in records.files:
+                    problems.append(FileProblem(self.directory / name, "unrecorded", why))
+        return Checked(tuple(checks), tuple(problems))
 
     def wipe(self) -> int:
         """Delete everything cached for the model (exclusive lock held); the bytes freed."""
@@ -407,7 +399,7 @@ class ModelCache:
         deletes everything cached for the model first.
         """
         if not force:
-            with self.lock.shared():
+            with self.lock.hold(exclusive=False):
                 records = FileRecords.load(self.directory)
                 found = self.check(artefact, records, progress=progress)
                 if found.ok:
@@ -415,7 +407,7 @@ class ModelCache:
                         records.save_quietly()
                     yield
                     return
-        with self.lock.exclusive():
+        with self.lock.hold(exclusive=True):
             if force:
                 self.wipe()
             else:
@@ -537,7 +529,7 @@ def inspect_model(
     if not c.exists():
         return ModelState(name, "not cached", (), (), (), 0, c.directory)
     try:
-        with c.lock.shared(wait=wait):
+        with c.lock.hold(exclusive=False, wait=wait):
             return _inspect_locked(c, full=full, progress=progress)
     except LockBusyError as err:
         size = _disk_bytes([c.directory])
@@ -584,5 +576,5 @@ def remove_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> 
     c = ModelCache.of(name, cache_dir)
     if not c.exists():
         return 0
-    with c.lock.exclusive():
+    with c.lock.hold(exclusive=True):
         return c.wipe()
