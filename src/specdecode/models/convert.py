@@ -161,7 +161,7 @@ def _load_gguf(directory: Path, filename: str) -> tuple[Any, Any]:
 def _load_gguf_alone(gguf_path: Path, scratch: Path) -> tuple[Any, Any]:
     """``_load_gguf`` on ``gguf_path`` seen through a folder that holds nothing else.
 
-    transformers resolves a GGUF inside a model folder, and the store's model folder also holds
+    transformers resolves a GGUF inside a model folder, and the cache's model folder also holds
     the previous conversion (config.json, tokenizer files: possibly the damaged ones being
     replaced). A symlink in an empty scratch folder keeps those out of the load. A symlink, not
     a hard link: linking would change the GGUF's ctime and so cost a re-hash at its next check.
