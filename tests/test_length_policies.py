@@ -23,7 +23,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from specdecode import SpeculativeDecoder, api
+from specdecode import SpeculativeDecoder
 from specdecode.acceptance.head import (
     CONFIG_FILE,
     AcceptanceHead,
@@ -36,6 +36,7 @@ from specdecode.acceptance.head import (
 )
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import DecodeConfig, RoundPrices, SamplingConfig
+from specdecode.core.drafting import factory
 from specdecode.core.drafting.base import Draft
 from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.length_policies import (
@@ -180,7 +181,7 @@ class RecordingDrafter(ModelDrafter):
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int]]]:
     """The decoder builds RecordingDrafters; the fixture returns their shared round log."""
-    monkeypatch.setattr(api, "ModelDrafter", RecordingDrafter)
+    monkeypatch.setattr(factory, "ModelDrafter", RecordingDrafter)
     monkeypatch.setattr(RecordingDrafter, "rounds", [])
     return RecordingDrafter.rounds
 
