@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode import SpeculativeDecoder, engine
+from specdecode import SpeculativeDecoder
+from specdecode.core import engine
 from specdecode.core.config import DecodeConfig, SamplingConfig
 from specdecode.core.sampling import DRAFT, RESIDUAL, PositionRandom
 

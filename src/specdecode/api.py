@@ -14,7 +14,7 @@ autoregressive decoding on the same engine, the baseline of every speedup.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,10 +46,11 @@ from specdecode.core.drafters import (
     PromptLookupDrafter,
     check_lookup_policy,
 )
-from specdecode.core.engine import StepEvent, decode
+from specdecode.core.engine import DecodeLoop, StepEvent, decode
 from specdecode.core.length_policies import make_policy
 from specdecode.core.priced import PricedDrafter
 from specdecode.models.tokenizer import render_chat
+from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
 
@@ -388,8 +389,46 @@ class SpeculativeDecoder:
         cfg = self.config(**kwargs)
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
-        drafter = None
         verification = make_rule(rule, cfg.sampling)
+        drafter = self._drafter(cfg, use_drafter, verification.name, lookup_first)
+        if wrap_drafter is not None and drafter is not None:
+            drafter = wrap_drafter(drafter)
+        return decode(self._target_lm, drafter, verification, ids, cfg, stats)
+
+    def loop(
+        self,
+        *,
+        max_rows: int = 8,
+        prefill_chunk: int | None = 256,
+        use_drafter: bool = True,
+        **kwargs,
+    ) -> DecodeLoop:
+        """The engine's loop for rows that come and go (a server): each row brings its own
+        prompt ids, budget, law and seed (`RowRequest`); up to `max_rows` decode together and
+        a long prompt is fed `prefill_chunk` tokens a round. The drafting settings are the
+        keyword arguments `generate` takes; sampling ones are per row here."""
+        sampling = RowSampling()
+        cfg = replace(self.config(**kwargs), sampling=sampling)
+        if cfg.length_policy in HEAD_POLICIES:
+            raise ValueError(
+                "a head policy reads a head trained for one verification rule; a loop's rows "
+                "mix greedy and sampled laws: use another length policy"
+            )
+        drafter = self._drafter(cfg, use_drafter, None, None)
+        capacity = (self.context or 1 << 16) + cfg.max_draft_tokens + 2
+        return DecodeLoop(
+            self._target_lm, drafter, cfg, sampling=sampling, max_rows=max_rows,
+            capacity=capacity, joins=True, prefill_chunk=prefill_chunk,
+        )  # fmt: skip
+
+    def _drafter(
+        self,
+        cfg: DecodeConfig,
+        use_drafter: bool,
+        rule: str | None,
+        lookup_first: PromptLookup | None,
+    ) -> Drafter | None:
+        drafter = None
         if lookup_first is not None and not (use_drafter and self._draft_lm is not None):
             raise ValueError(
                 "lookup_first looks up before a drafter model: it needs a decoder with a "
@@ -400,7 +439,7 @@ class SpeculativeDecoder:
                 raise ValueError("the priced policy looks up first by itself; drop lookup_first")
             drafter = self._priced_drafter(cfg)
         elif use_drafter and self._draft_lm is not None:
-            policy = make_policy(cfg, self._checked_head(cfg, verification.name))
+            policy = make_policy(cfg, self._checked_head(cfg, rule))
             drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
             if lookup_first is not None:
                 drafter = LookupFirstDrafter(lookup_first, drafter)
@@ -410,9 +449,7 @@ class SpeculativeDecoder:
             drafter = PromptLookupDrafter(
                 self.lookup, policy, self.vocab_size, self._target_lm.device
             )
-        if wrap_drafter is not None and drafter is not None:
-            drafter = wrap_drafter(drafter)
-        return decode(self._target_lm, drafter, verification, ids, cfg, stats)
+        return drafter
 
     def _priced_drafter(self, cfg: DecodeConfig) -> PricedDrafter:
         """Lookup and the drafter model (if any), each as far as it pays at this backend's

@@ -20,7 +20,8 @@ import sys
 import time
 from collections import defaultdict
 
-from specdecode import SpeculativeDecoder, engine, verification
+from specdecode import SpeculativeDecoder
+from specdecode.core import engine, verification
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.bench.prompts import load_prompts
 

@@ -9,6 +9,8 @@ The engine never sees a `torch.nn.Module`, a llama.cpp context or a static cache
 * `truncate(lengths)`: keep only the first `lengths[b]` tokens of each row (rollback of
   rejected drafts is bookkeeping: a moved length, removed positions, never a re-run);
 * `select_rows(index)`: keep only these rows (finished rows stop costing compute);
+* `add_rows(prompts)`: append rows that join between rounds, reusing cached prefixes where the
+  backend keeps them;
 * `pending(sequences, seq_lens)`: the committed tokens a row has not yet been fed.
 
 `torch_eager.CachedModel` implements it over a `transformers` decoder with a ragged
@@ -46,6 +48,11 @@ class ModelBackend(Protocol):
     def truncate(self, lengths: torch.Tensor) -> None: ...
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
+
+    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+        """Append an empty row per prompt (rows join a running batch between rounds); returns
+        how many leading tokens of each prompt its cache already holds (a reused prefix)."""
+        ...
 
     def pending(
         self,

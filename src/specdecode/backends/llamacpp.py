@@ -209,6 +209,46 @@ class LlamaCppModel:
             self.lib.llama_memory_clear(self.memory, True)
         self.seq_ids = list(range(batch_size))  # row b is llama.cpp sequence seq_ids[b]
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.row_tokens: list[list[int]] = [[] for _ in range(batch_size)]  # what each holds
+        # sequences no row uses, with the tokens their cells still hold (oldest first): a row
+        # that joins takes the one sharing the longest prefix with its prompt (prefix reuse)
+        self.kept: dict[int, list[int]] = {}
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` sequences at once, emptied (a context is made anew only to grow)."""
+        self.reset(rows)
+        self.kept = {seq: [] for seq in self.seq_ids}
+        self.seq_ids, self.row_tokens = [], []
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+        """Append a row per prompt on a free sequence: the one whose cells share the longest
+        prefix with the prompt, cut to that prefix, so the engine feeds only the rest. At
+        least the prompt's last token is left to feed: its logits start the row."""
+        reused = []
+        for prompt in prompts:
+            if not self.kept:
+                raise ValueError(
+                    f"{self.role}: all {self.rows_capacity} sequences are in use; reserve more rows"
+                )
+
+            def shared(seq: int, prompt: list[int] = prompt) -> int:
+                held, n = self.kept[seq], 0
+                for a, b in zip(held, prompt[: max(len(prompt) - 1, 0)], strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                return n
+
+            seq = max(self.kept, key=shared)  # ties: the oldest kept (dict order)
+            n = shared(seq)
+            self.kept.pop(seq)
+            self.lib.llama_memory_seq_rm(self.memory, seq, n, -1)
+            self.seq_ids.append(seq)
+            self.row_tokens.append(list(prompt[:n]))
+            reused.append(n)
+        self.lengths = torch.cat([self.lengths, torch.tensor(reused, dtype=torch.long)])
+        return reused
 
     def pending(
         self,
@@ -265,6 +305,9 @@ class LlamaCppModel:
         for start in range(0, count, self.max_batch_tokens):
             self._decode_piece(entries[start : start + self.max_batch_tokens], logits, hidden)
         self.lengths = self.lengths + torch.tensor(counts, dtype=torch.long)
+        for b in range(batch):
+            if counts[b]:
+                self.row_tokens[b].extend(t for t, v in zip(tokens_l[b], valid_l[b]) if v)
         return logits, hidden
 
     def _decode_piece(
@@ -322,12 +365,15 @@ class LlamaCppModel:
         for b, (old, new) in enumerate(zip(self.lengths.tolist(), lengths.tolist(), strict=True)):
             if new < old:
                 self.lib.llama_memory_seq_rm(self.memory, self.seq_ids[b], new, -1)
+                del self.row_tokens[b][new:]
         self.lengths = lengths
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows; the sequences of the others are removed from the cache."""
+        """Keep only these rows. The sequences of the others keep their cells for a row that
+        joins later with the same prefix (`add_rows`); a new batch (`reset`) clears them."""
         keep = rows.tolist()
-        for b in set(range(len(self.seq_ids))) - set(keep):
-            self.lib.llama_memory_seq_rm(self.memory, self.seq_ids[b], -1, -1)
+        for b in sorted(set(range(len(self.seq_ids))) - set(keep)):
+            self.kept[self.seq_ids[b]] = self.row_tokens[b]
         self.seq_ids = [self.seq_ids[b] for b in keep]
+        self.row_tokens = [self.row_tokens[b] for b in keep]
         self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))

@@ -205,6 +205,20 @@ class CachedModel(TorchDecoderInfo):
         self.lengths = lengths
         self._crop_and_compact()
 
+    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+        """Append an empty row per prompt: every physical slot of it a hole (no prefix reuse
+        here: rows share one cache tensor, and a finished row's slots leave with it)."""
+        count = len(prompts)
+        for layer in self._rollback_layers():
+            if layer.keys is not None and layer.keys.numel():
+                b, h, n, d = layer.keys.shape
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, h, n, d)])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(count, h, n, d)])
+        holes = torch.full((count, self.physical_len), HOLE, dtype=torch.long, device=self.device)
+        self.slot_pos = torch.cat([self.slot_pos, holes])
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+        return [0] * count
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows stop costing compute)."""
         rows = rows.to(self.device)

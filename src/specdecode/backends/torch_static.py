@@ -224,6 +224,13 @@ class StaticCachedModel(TorchDecoderInfo):
         lengths = torch.minimum(self.lengths, lengths.to(self.device))  # [batch]
         self.phys_lengths = self.phys_lengths.index_put((self.rows,), lengths)
 
+    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+        """Rows of a captured batch are fixed for its life: refused, with what to use."""
+        raise ValueError(
+            "the torch-static backend decodes fixed batches: rows cannot join a running batch; "
+            "serve with the llama.cpp or torch backend"
+        )
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows; the buffers shrink (one copy) when the row bucket does."""
         self.rows = self.rows.index_select(0, rows.to(self.device))

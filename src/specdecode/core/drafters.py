@@ -64,6 +64,10 @@ class Drafter(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        """Rows that join a running batch between rounds (their committed tokens so far)."""
+        ...
+
     def next_law(
         self,
         sequences: torch.Tensor,  # [batch, capacity] committed tokens (and drafts past them)
@@ -174,6 +178,10 @@ class ModelDrafter:
         self.lm.select_rows(rows)
         self.policy.select_rows(rows)
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.lm.add_rows(prompts)  # the drafter's cache catches up when the row first drafts
+        self.policy.add_rows(len(prompts))
+
 
 def lookup_continuation(
     text: torch.Tensor, limit: int, lookup: PromptLookup, with_ngram: bool = False
@@ -271,6 +279,9 @@ class PromptLookupDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.policy.select_rows(rows)
 
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.policy.add_rows(len(prompts))
+
 
 class LookupFirstDrafter:
     """Prompt lookup where the text repeats itself, the drafter model everywhere else.
@@ -314,6 +325,10 @@ class LookupFirstDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.model.select_rows(rows)
+        self.looked_up = None
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.model.add_rows(prompts)
         self.looked_up = None
 
 

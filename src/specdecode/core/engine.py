@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdecode.backends.base import ModelBackend
-from specdecode.core.config import DecodeConfig
+from specdecode.core.config import DecodeConfig, SamplingConfig
 from specdecode.core.drafters import Draft, Drafter
 from specdecode.core.sampling import (
     InvalidLogitsError,
     PositionRandom,
     RowRandom,
+    RowSampling,
     bad_logits,
     row_seed_list,
     sample_from,
 )
 from specdecode.core.stats import DecodeStats, RowStats
-from specdecode.core.verification import Verdict, VerificationRule
+from specdecode.core.verification import Verdict, VerificationRule, make_rule
 
 
 @dataclass(frozen=True)
@@ -39,27 +40,89 @@ class StepEvent:
     finished: list[bool]
 
 
+@dataclass(frozen=True)
+class RowRequest:
+    """One row to decode: its prompt ids, budget, law, seed and the ids that end it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a row needs at least one prompt token")
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """What one round did for one row (`DecodeLoop.step`)."""
+
+    key: int  # the row's key, from `DecodeLoop.add`
+    tokens: list[int]  # committed this round (none while its prompt is still being fed)
+    finished: bool  # ended (a stop id or its budget): it has left the batch
+    drafted: int  # tokens drafted for it this round (0: a plain step)
+    accepted: int  # of them, accepted
+    reused: int = 0  # prompt tokens its cache already held (on the row's first update)
+
+
+class RowFailed(RuntimeError):
+    """A row could not be decoded; it has left the batch and the others go on."""
+
+    def __init__(self, key: int, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class Batch:
-    """Committed tokens of the rows still running, in one padded buffer."""
+    """Committed tokens of the rows running, in one padded buffer, with their budgets and ends.
 
-    def __init__(self, prompts: list[list[int]], cfg: DecodeConfig, device: torch.device) -> None:
-        capacity = max(map(len, prompts)) + cfg.max_new_tokens + cfg.max_draft_tokens + 2
-        self.sequences = torch.zeros(len(prompts), capacity, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            self.sequences[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        self.seq_lens = torch.tensor([len(p) for p in prompts], device=device)  # [batch]
-        self.budget = torch.full_like(self.seq_lens, cfg.max_new_tokens)  # tokens still allowed
-        self.rows = list(range(len(prompts)))  # original index of each running row
-        self.stop_ids = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+    `capacity` is the longest row (prompt, new tokens and a round's drafts); rows join
+    (`add`) and leave (`select`) between rounds."""
 
-    def commit(self, draft: Draft, num_accepted: torch.Tensor, next_tokens: torch.Tensor):
-        """Append accepted draft tokens and the next token; cut at a stop token or the budget."""
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.device = device
+        self.sequences = torch.zeros(0, capacity, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(0, dtype=torch.long, device=device)  # [batch]
+        self.budget = torch.zeros(0, dtype=torch.long, device=device)  # tokens still allowed
+        self.stop_ids = torch.full((0, 1), -1, dtype=torch.long, device=device)  # [batch, s]
+        self.rows: list[int] = []  # the key of each running row
+
+    def add(self, keys: list[int], requests: list[RowRequest]) -> None:
+        capacity = self.sequences.shape[1]
+        rows = torch.zeros(len(requests), capacity, dtype=torch.long)
+        for i, r in enumerate(requests):
+            rows[i, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
+        width = max([self.stop_ids.shape[1], *(len(r.stop_token_ids) for r in requests)])
+        stops = torch.full((len(requests), width), -1, dtype=torch.long)
+        for i, r in enumerate(requests):
+            stops[i, : len(r.stop_token_ids)] = torch.tensor(r.stop_token_ids, dtype=torch.long)
+        grown = torch.nn.functional.pad(
+            self.stop_ids, (0, width - self.stop_ids.shape[1]), value=-1
+        )
+        self.sequences = torch.cat([self.sequences, rows.to(self.device)])
+        lens = torch.tensor([len(r.prompt) for r in requests], device=self.device)
+        self.seq_lens = torch.cat([self.seq_lens, lens])
+        budget = torch.tensor([r.max_new_tokens for r in requests], device=self.device)
+        self.budget = torch.cat([self.budget, budget])
+        self.stop_ids = torch.cat([grown, stops.to(self.device)])
+        self.rows += keys
+
+    def commit(
+        self, draft: Draft, num_accepted: torch.Tensor, next_tokens: torch.Tensor, ready
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append accepted draft tokens and the next token of every ready row ([batch] bool);
+        cut at a stop id or the budget. -> block [batch, k + 1], counts, done [batch]."""
         k = draft.tokens.shape[1]
         block = torch.cat([draft.tokens, torch.zeros_like(next_tokens)[:, None]], 1)  # [b, k+1]
         block = block.scatter(1, num_accepted[:, None], next_tokens[:, None])
-        counts = num_accepted + 1  # [batch]
+        counts = (num_accepted + 1) * ready  # [batch]: none for a row still being fed
         slots = torch.arange(k + 1, device=block.device)  # [k + 1]
-        is_stop = torch.isin(block, self.stop_ids) & (slots < counts[:, None])
+        is_stop = (block[:, :, None] == self.stop_ids[:, None, :]).any(-1)  # [batch, k + 1]
+        is_stop = is_stop & (slots < counts[:, None])
         first_stop = torch.where(is_stop, slots, k + 1).min(1).values  # [batch]
         counts = torch.minimum(torch.minimum(counts, first_stop + 1), self.budget)
         index = (self.seq_lens[:, None] + slots).clamp(max=self.sequences.shape[1] - 1)
@@ -72,11 +135,54 @@ class Batch:
 
     def select(self, keep: list[int]) -> torch.Tensor:
         index = torch.tensor(keep, dtype=torch.long, device=self.sequences.device)
-        self.sequences, self.seq_lens, self.budget = (
-            t.index_select(0, index) for t in (self.sequences, self.seq_lens, self.budget)
+        self.sequences, self.seq_lens, self.budget, self.stop_ids = (
+            t.index_select(0, index)
+            for t in (self.sequences, self.seq_lens, self.budget, self.stop_ids)
         )
         self.rows = [self.rows[i] for i in keep]
         return index
+
+
+@dataclass(frozen=True)
+class Round:
+    """What `speculative_step` did, per row ([batch] each unless said)."""
+
+    block: torch.Tensor  # [batch, k + 1] drafted tokens with the next token at `accepted`
+    counts: torch.Tensor  # tokens committed
+    accepted: torch.Tensor  # drafted tokens accepted
+    drafted: torch.Tensor  # tokens drafted
+    passes: torch.Tensor  # drafter passes spent on the row
+    done: torch.Tensor  # the row ended
+    ready: torch.Tensor  # the row's prompt was all in the target's cache (it took part)
+    invalid: torch.Tensor  # [] a model's logits were unusable
+
+    def to_host(self) -> HostRound:
+        """Everything the loop reads, in the round's one copy to the host."""
+        width = self.block.shape[1]
+        columns = [self.counts, self.accepted, self.drafted, self.passes, self.done, self.ready]
+        figures = torch.stack([c.long() for c in columns], 1)  # [batch, 6]
+        invalid = torch.as_tensor(self.invalid, device=figures.device).long()
+        host = torch.cat([self.block, figures, invalid.expand(len(figures), 1)], 1).tolist()
+        cols = list(zip(*(row[width:] for row in host), strict=True)) or [()] * 7
+        return HostRound(
+            [row[:width] for row in host],
+            *(list(c) for c in cols[:6]),
+            invalid=bool(host[0][-1]) if host else False,
+        )
+
+
+@dataclass(frozen=True)
+class HostRound:
+    """A `Round` on the host: lists per row."""
+
+    block: list[list[int]]
+    counts: list[int]
+    accepted: list[int]
+    drafted: list[int]
+    passes: list[int]
+    done: list[int]
+    ready: list[int]
+    invalid: bool
 
 
 def speculative_step(
@@ -88,28 +194,36 @@ def speculative_step(
     rng: RowRandom | None,
     stats: DecodeStats,
     pending_width: int | None = None,
-):
+    prefill_chunk: int | None = None,
+) -> Round:
     """One round for every running row: draft, verify in one target pass, roll back, commit.
 
-    `pending_width`: how many committed tokens the target's cache lacks at most, where the
-    caller knows it on the host (after the first round: what the last round's figures say).
+    A row whose prompt is longer than `prefill_chunk` tokens still to feed gets its next chunk
+    in this pass and nothing else (not ready): a long prompt joining a running batch holds
+    the other rows up a chunk at a time. `pending_width`: how many committed tokens the
+    target's cache lacks at most, where the caller knows it on the host.
     """
     t0 = time.perf_counter()
     if rng is not None:
         rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
-    max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens)  # [batch]; +1 comes free
+    seq_lens = batch.seq_lens  # [batch]
+    ready = torch.ones_like(seq_lens, dtype=torch.bool)
+    if prefill_chunk is not None:
+        held = target.lengths.to(seq_lens.device)
+        ready = seq_lens - held <= prefill_chunk
+        seq_lens = torch.where(ready, seq_lens, held + prefill_chunk)  # what this pass feeds
+        pending_width = None
+    max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens) * ready  # +1 comes free
     drafting = drafter is not None and (
         cfg.max_draft_batch is None or len(batch.rows) <= cfg.max_draft_batch
     )  # a plain round otherwise: the drafter catches up on its tokens when it drafts again
     draft = (
-        drafter.propose(batch.sequences, batch.seq_lens, max_draft, rng)
+        drafter.propose(batch.sequences, seq_lens, max_draft, rng)
         if drafting
         else Draft.empty(len(batch.rows), batch.sequences.device)
     )
     t1 = time.perf_counter()
-    pending, pending_valid = target.pending(
-        batch.sequences, batch.seq_lens, width=pending_width
-    )  # [batch, n]
+    pending, pending_valid = target.pending(batch.sequences, seq_lens, width=pending_width)
     k = draft.tokens.shape[1]
     draft_valid = torch.arange(k, device=draft.lengths.device) < draft.lengths[:, None]
     logits, _ = target.forward(
@@ -121,7 +235,7 @@ def speculative_step(
     if draft.invalid_logits is not None:
         invalid = invalid | draft.invalid_logits
     verdict = rule.verify(draft.tokens, draft.probs, logits, draft.lengths, rng)
-    committed = batch.seq_lens + verdict.num_accepted  # [batch] cache keeps these tokens
+    committed = torch.where(ready, seq_lens + verdict.num_accepted, seq_lens)  # [batch]
     target.truncate(committed)
     if drafter is not None:
         drafter.rollback(committed, draft.lengths, verdict.num_accepted)
@@ -130,18 +244,15 @@ def speculative_step(
         next_tokens, bad = coupled_next_tokens(drafter, rule, batch, draft, verdict, logits, rng,
                                                stats)  # fmt: skip
         invalid = invalid | bad
-    block, counts, done = batch.commit(draft, verdict.num_accepted, next_tokens)
+    block, counts, done = batch.commit(draft, verdict.num_accepted, next_tokens, ready)
     stats.verify_seconds += time.perf_counter() - t1
     stats.draft_seconds += t1 - t0
     stats.policy_seconds += draft.policy_seconds
     stats.target_forwards += 1
     stats.drafter_forwards += draft.forwards
     passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
-    # [batch, 5]: what the loop reads on the host; `invalid` ([] bool) goes with it, checked
-    # in the round's one copy to the host rather than by a sync of its own
-    figures = torch.stack([counts, verdict.num_accepted, draft.lengths, passes, done.long()], 1)
-    invalid = torch.as_tensor(invalid, device=figures.device).long().expand(len(figures), 1)
-    return block, torch.cat([figures, invalid], 1)
+    accepted = torch.minimum(verdict.num_accepted, draft.lengths)
+    return Round(block, counts, accepted, draft.lengths, passes, done & ready, ready, invalid)
 
 
 def check_finite(invalid: bool) -> None:
@@ -195,7 +306,202 @@ def coupled_next_tokens(
     return torch.where(full, drawn, verdict.next_tokens), bad
 
 
-@torch.inference_mode()  # generator-aware: on while the loop runs, off while its consumer does
+class DecodeLoop:
+    """The engine's loop, stepped one round at a time from outside.
+
+    `add` queues a row; it joins the running batch at the next `step`, which runs one
+    `speculative_step` over every running row and returns what each got. Rows leave when they
+    end or are cancelled. `generate` runs this loop to the end over a fixed set of rows; a
+    server steps it while requests come and go.
+
+    Two ways rows join. `joins=False`: rows are admitted only into an empty batch, which
+    starts anew (`reset`): a fixed batch, as every backend supports (the captured one too).
+    `joins=True`: the batch is made once with room for `max_rows` rows, and rows join between
+    rounds (`add_rows`), on backends that keep a prefix their cells already hold.
+
+    `rule`: the verification rule; None picks one per round from the running rows' laws
+    (greedy when every row is greedy, the lossless sampling rule otherwise), since rows of a
+    server ask for different laws. `sampling` is the rows' laws, shared with the drafter.
+    """
+
+    def __init__(
+        self,
+        target: ModelBackend,
+        drafter: Drafter | None,
+        cfg: DecodeConfig,
+        *,
+        sampling: RowSampling,
+        rule: VerificationRule | None = None,
+        stats: DecodeStats | None = None,
+        max_rows: int = 1,
+        capacity: int | None = None,
+        joins: bool = False,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(
+                f"prefill_chunk must be >= 1 (None: whole prompts), not {prefill_chunk}"
+            )
+        if joins and cfg.coupled:
+            raise ValueError("coupled randomness runs fixed batches: use joins=False")
+        self.target, self.drafter, self.cfg, self.rule = target, drafter, cfg, rule
+        self.sampling, self.max_rows, self.joins = sampling, max_rows, joins
+        self.prefill_chunk = prefill_chunk
+        self.stats = stats if stats is not None else DecodeStats([])
+        self.capacity = capacity
+        self.waiting: list[tuple[int, RowRequest]] = []
+        self.cancelled: set[int] = set()
+        self.next_key = len(self.stats.rows)
+        self.rng: RowRandom | None = None
+        self.pending_width: int | None = None
+        self.first_round = True
+        self.batch = Batch(self._capacity(), target.device)
+        if joins:  # room for max_rows rows, made once, then emptied for rows to join
+            target.reset(max_rows)
+            target.select_rows(torch.zeros(0, dtype=torch.long, device=target.device))
+            if drafter is not None:
+                drafter.start(max_rows)
+                drafter.select_rows(torch.zeros(0, dtype=torch.long, device=target.device))
+            self.rng = RowRandom([])
+
+    def _capacity(self, requests: list[RowRequest] = ()) -> int:
+        if self.capacity is not None:
+            return self.capacity
+        longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=0)
+        return longest + self.cfg.max_draft_tokens + 2
+
+    def __len__(self) -> int:
+        return len(self.batch.rows) + len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.rows)
+
+    def add(self, request: RowRequest) -> int:
+        """Queue a row; it joins at the next round. Returns its key."""
+        if (
+            self.capacity is not None
+            and len(request.prompt) + request.max_new_tokens + (self.cfg.max_draft_tokens + 2)
+            > self.capacity
+        ):
+            raise ValueError(
+                f"a prompt of {len(request.prompt)} tokens and {request.max_new_tokens} new ones "
+                f"do not fit a row of {self.capacity - self.cfg.max_draft_tokens - 2} tokens"
+            )
+        key = self.next_key
+        self.next_key += 1
+        self.waiting.append((key, request))
+        self.stats.rows.append(RowStats())
+        return key
+
+    def cancel(self, key: int) -> None:
+        """The row leaves before the next round (its cache cells are freed or kept for reuse)."""
+        if any(k == key for k, _ in self.waiting):
+            self.waiting = [(k, r) for k, r in self.waiting if k != key]
+        elif key in self.batch.rows:
+            self.cancelled.add(key)
+
+    def reset(self) -> None:
+        """Drop every row (after a failure the state of the round is not to be trusted)."""
+        self.waiting, self.cancelled = [], set()
+        if self.batch.rows:
+            self._drop([])
+
+    def _admit(self) -> dict[int, int]:
+        """Move waiting rows into the batch, up to `max_rows`. -> reused prompt tokens by key."""
+        room = self.max_rows - len(self.batch.rows)
+        if not self.waiting or room <= 0 or (not self.joins and self.batch.rows):
+            return {}
+        taken, self.waiting = self.waiting[:room], self.waiting[room:]
+        keys, requests = [k for k, _ in taken], [r for _, r in taken]
+        prompts = [list(r.prompt) for r in requests]
+        seeds = [r.seed if r.seed is not None else fresh_seed() for r in requests]
+        if self.joins:
+            reused = self.target.add_rows(prompts)
+            if self.drafter is not None:
+                self.drafter.add_rows(prompts)
+            self.rng.add_rows(seeds)
+            self.sampling.add_rows([r.sampling for r in requests])
+        else:
+            self.batch = Batch(self._capacity(requests), self.target.device)
+            self.target.reset(len(requests))
+            if self.drafter is not None:
+                self.drafter.start(len(requests))
+            reused = [0] * len(requests)
+            self.sampling.configs = [r.sampling for r in requests]
+            if self.cfg.coupled:
+                self.rng = PositionRandom(seeds, self.batch.sequences.shape[1], self.target.device)
+            else:
+                self.rng = RowRandom(seeds)
+        self.batch.add(keys, requests)
+        self.pending_width = None  # the new prompts: read off the device once
+        return dict(zip(keys, reused, strict=True))
+
+    def _drop(self, keep: list[int]) -> None:
+        index = self.batch.select(keep)
+        self.target.select_rows(index)
+        if self.drafter is not None:
+            self.drafter.select_rows(index)
+        if self.rng is not None:
+            self.rng.select(keep)
+        self.sampling.select(keep)
+
+    @torch.inference_mode()
+    def step(self) -> list[RowUpdate]:
+        """One round over every running row (rows queued since the last one join first)."""
+        if self.cancelled:
+            self._drop([i for i, k in enumerate(self.batch.rows) if k not in self.cancelled])
+            self.cancelled = set()
+        reused = self._admit()
+        if not self.batch.rows:
+            return []
+        rule = self.rule
+        if rule is None:
+            rule = make_rule(None, self.sampling if not self.sampling.greedy else SamplingConfig())
+        start = time.perf_counter()
+        before = self.stats.cost_figures()
+        rng = None if self.sampling.greedy else self.rng
+        try:
+            result = speculative_step(
+                self.target, self.drafter, rule, self.batch, self.cfg, rng, self.stats,
+                self.pending_width, self.prefill_chunk,
+            )  # fmt: skip
+            host = result.to_host()
+        finally:
+            self.stats.wall_seconds += time.perf_counter() - start
+        check_finite(host.invalid)
+        if self.first_round and any(host.ready):  # it holds the prefills
+            self.stats.end_first_round(before, time.perf_counter() - start, sum(host.counts))
+            self.first_round = False
+        updates = []
+        for i, key in enumerate(self.batch.rows):
+            if host.ready[i]:
+                self.stats.rows[key].record(
+                    host.drafted[i], host.accepted[i], host.counts[i], host.passes[i]
+                )
+            updates.append(RowUpdate(
+                key, host.block[i][: host.counts[i]], bool(host.done[i]), host.drafted[i],
+                min(host.accepted[i], host.counts[i]), reused.get(key, 0),
+            ))  # fmt: skip
+        keep = [i for i, d in enumerate(host.done) if not d]
+        # the target keeps a row's accepted drafts; its next token is what it lacks
+        self.pending_width = max(
+            (host.counts[i] - host.accepted[i] for i in keep if host.ready[i]), default=0
+        )
+        if not all(host.ready[i] for i in keep):
+            self.pending_width = None
+        if len(keep) < len(self.batch.rows):
+            self._drop(keep)
+        return updates
+
+
+def fresh_seed() -> int:
+    """A seed for a row that was given none."""
+    return int(torch.randint(0, 2**62, ()))
+
+
 def decode(
     target: ModelBackend,
     drafter: Drafter | None,
@@ -203,61 +509,35 @@ def decode(
     prompts: list[list[int]],
     cfg: DecodeConfig,
     stats: DecodeStats | None = None,
+    sampling: RowSampling | None = None,
 ) -> Iterator[StepEvent]:
-    """Run the batch to completion, yielding the tokens each step commits, row by row.
+    """Run a fixed batch to completion on `DecodeLoop`, yielding what each round commits.
 
     Finished rows leave the batch (and both caches) at once. The caches belong to this call, so
     a consumer that stops early leaves nothing half-updated behind.
-
-    Inference mode rather than `no_grad`: no tensor of the loop ever needs autograd, and
-    dropping the version counters and autograd metadata of every small operation saves 6-12% of
-    a pass of the small seq2seq pair on this CPU, where a pass is mostly per-operation overhead.
     """
-    device = target.device
-    batch = Batch(prompts, cfg, device)
     stats = stats if stats is not None else DecodeStats([RowStats() for _ in prompts])
-    rng = None
-    if not cfg.sampling.greedy:
-        seeds = row_seed_list(len(prompts), cfg.seed, cfg.row_seeds)
-        capacity = batch.sequences.shape[1]
-        rng = PositionRandom(seeds, capacity, device) if cfg.coupled else RowRandom(seeds)
-    target.reset(len(prompts))
-    if drafter is not None:
-        drafter.start(len(prompts))
-    start = time.perf_counter()
-    first_round = True
-    pending_width = None  # the prompts: read off the device once
-    before = stats.cost_figures()
-    try:
-        while batch.rows:
-            block, figures = speculative_step(
-                target, drafter, rule, batch, cfg, rng, stats, pending_width
-            )
-            width = block.shape[1]
-            host = torch.cat([block, figures], 1).tolist()  # the round's one copy to the host
-            check_finite(bool(host[0][-1]))
-            block_l = [row[:width] for row in host]
-            counts_l, accepted_l, drafted_l, passes_l, done_l, _ = (
-                list(column) for column in zip(*(row[width:] for row in host), strict=True)
-            )
-            done_l = [bool(d) for d in done_l]
-            if first_round:  # it holds the prefills
-                stats.end_first_round(before, time.perf_counter() - start, sum(counts_l))
-                first_round = False
-            for i, row in enumerate(batch.rows):
-                stats.rows[row].record(drafted_l[i], accepted_l[i], counts_l[i], passes_l[i])
+    seeds = (
+        row_seed_list(len(prompts), cfg.seed, cfg.row_seeds)
+        if not cfg.sampling.greedy
+        else [None] * len(prompts)
+    )
+    loop = DecodeLoop(
+        target, drafter, cfg, sampling=sampling or RowSampling(), rule=rule,
+        stats=DecodeStats([]), max_rows=max(len(prompts), 1),
+    )  # fmt: skip
+    loop.stats = stats
+    loop.next_key = 0
+    for prompt, seed in zip(prompts, seeds, strict=True):
+        key = loop.next_key
+        loop.next_key += 1
+        loop.waiting.append(
+            (key, RowRequest(prompt, cfg.max_new_tokens, cfg.sampling, seed, cfg.stop_token_ids))
+        )
+    while len(loop):
+        updates = loop.step()
+        shown = [u for u in updates if u.tokens or u.finished]
+        if shown:
             yield StepEvent(
-                list(batch.rows), [b[:c] for b, c in zip(block_l, counts_l, strict=True)], done_l
+                [u.key for u in shown], [u.tokens for u in shown], [u.finished for u in shown]
             )
-            keep = [i for i, d in enumerate(done_l) if not d]
-            # the target keeps a row's accepted drafts; its next token is what it lacks
-            pending_width = max((counts_l[i] - accepted_l[i] for i in keep), default=0)
-            if len(keep) < len(batch.rows):
-                index = batch.select(keep)
-                target.select_rows(index)
-                if drafter is not None:
-                    drafter.select_rows(index)
-                if rng is not None:
-                    rng.select(keep)
-    finally:
-        stats.wall_seconds += time.perf_counter() - start

@@ -76,6 +76,10 @@ class LengthPolicy(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
+    def add_rows(self, count: int) -> None:
+        """Rows that join a running batch start as a new batch's rows would."""
+        ...
+
 
 class _Stateless:
     """Policies without per-row state across rounds."""
@@ -87,6 +91,9 @@ class _Stateless:
         pass
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
         pass
 
 
@@ -136,6 +143,10 @@ class HeuristicLength:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.k = self.k.index_select(0, rows.to(self.k.device))
+
+    def add_rows(self, count: int) -> None:
+        first = min(max(self.first, self.min_tokens), self.max_tokens)
+        self.k = torch.cat([self.k, self.k.new_full((count,), first)])
 
 
 class _StopRule(_Stateless):

@@ -59,6 +59,10 @@ class Acceptance:
         self.kept = [self.kept[b] for b in rows]
         self.rejected = [self.rejected[b] for b in rows]
 
+    def add(self, count: int) -> None:
+        self.kept += [PRIOR[0]] * count
+        self.rejected += [PRIOR[1]] * count
+
 
 def plan_lengths(
     rates: list[float], caps: list[int], uses_model: list[bool], prices: PassPrices
@@ -189,3 +193,9 @@ class PricedDrafter:
         self.round = None
         if self.model is not None:
             self.model.select_rows(rows)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.by_row.add(len(prompts))
+        self.round = None
+        if self.model is not None:
+            self.model.add_rows(prompts)

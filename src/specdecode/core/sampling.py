@@ -54,9 +54,43 @@ def bad_maxima(maxima: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(maxima).all()
 
 
-def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+class RowSampling:
+    """A `SamplingConfig` per row, for a batch whose rows were asked for different laws (a
+    server's requests). Held by reference by the drafter and the rule of a running batch and
+    kept in step with its rows (`add_rows`, `select`), so both always read the current rows.
+
+    A greedy row's law is a point mass on its argmax; under the lossless sampling rule a
+    point-mass draft against a point-mass target is accepted exactly when the tokens agree and
+    otherwise resampled to the target's argmax: greedy decoding, so greedy and sampled rows
+    share one batch and one rule.
+    """
+
+    def __init__(self, configs: list[SamplingConfig] | None = None) -> None:
+        self.configs: list[SamplingConfig] = list(configs or [])
+
+    @property
+    def greedy(self) -> bool:
+        return all(c.greedy for c in self.configs)
+
+    def add_rows(self, configs: list[SamplingConfig]) -> None:
+        self.configs.extend(configs)
+
+    def select(self, rows: list[int]) -> None:
+        self.configs = [self.configs[i] for i in rows]
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [batch, ..., vocab] -> each row's law [batch, ..., vocab] (float32)."""
+        first = self.configs[0] if self.configs else SamplingConfig()
+        if all(c == first for c in self.configs):
+            return logits_to_probs(logits, first)
+        return torch.stack([logits_to_probs(row, c) for row, c in zip(logits, self.configs)])
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig | RowSampling) -> torch.Tensor:
     """Temperature, then top-k, then top-p, then softmax, in fp32. Greedy gives a one-hot."""
     # logits: [..., vocab] -> probs: [..., vocab] float32
+    if isinstance(cfg, RowSampling):
+        return cfg.probs(logits)
     logits = logits.float()
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -136,6 +170,14 @@ class RowRandom:
         self.generators = [self.generators[i] for i in rows]
         self.accepts = [self.accepts[i] for i in rows]
 
+    def add_rows(self, seeds: list[int]) -> None:
+        """Rows that join a running batch, each with its own stream."""
+        for seed in seeds:
+            generator = torch.Generator()
+            generator.manual_seed(int(seed))
+            self.generators.append(generator)
+            self.accepts.append([])
+
     def begin_round(self, offsets: torch.Tensor) -> None:
         """Stream draws do not depend on positions; a round starts with no numbers drawn."""
         self.accepts = [[] for _ in self.generators]
@@ -195,6 +237,9 @@ class PositionRandom(RowRandom):
         table = torch.stack([torch.rand(capacity, 3, generator=g) for g in self.generators])
         self.table = table.to(device)
         self.offsets = torch.zeros(len(seeds), dtype=torch.long, device=device)
+
+    def add_rows(self, seeds: list[int]) -> None:
+        raise ValueError("coupled randomness runs fixed batches: rows cannot join it")
 
     def select(self, rows: list[int]) -> None:
         super().select(rows)
