@@ -142,7 +142,7 @@ class FakeDecoder:
     def default_stop_ids(self) -> tuple[int, ...]:
         return (EOS,)
 
-    def loop(self, max_rows: int = 8, prefill_chunk: int = 256) -> FakeLoop:
+    def loop(self, max_rows: int = 8, prefill_chunk: int = 256, **drafting) -> FakeLoop:
         loop = FakeLoop(max_rows, self.step_delay)
         self.loops.append(loop)
         return loop

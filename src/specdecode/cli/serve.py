@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdecode.core.config import PROMPT_LOOKUP
+from specdecode.core.config import HEAD_POLICIES, POLICIES, PROMPT_LOOKUP
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -19,6 +19,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"the server needs the serve extra ({error.name} is missing): "
             "pip install 'specdecode[serve]'"
         ) from None
+    if args.length_policy in HEAD_POLICIES:
+        raise ValueError(
+            f"--length-policy {args.length_policy} reads a head trained for one verification "
+            "rule, and a server's requests mix greedy and sampled ones: use priced or constant"
+        )
+    draft = None if args.no_draft else args.draft
     config = ServeConfig(
         model_name=args.model_name or Path(args.target).name.removesuffix(".gguf"),
         host=args.host,
@@ -30,8 +36,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_seconds=args.drain_seconds,
         prefill_chunk=args.prefill_chunk,
         log_level=args.log_level,
+        loop_options=(
+            ("use_drafter", draft is not None),
+            ("length_policy", args.length_policy),
+            ("num_draft_tokens", args.num_draft_tokens),
+        ),
     )
-    draft = None if args.no_draft else args.draft
 
     def load():
         from specdecode.api import SpeculativeDecoder, default_backend
@@ -53,11 +63,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"tokens per row; serving {decoder.context}",
                 file=sys.stderr,
             )
-        print(
-            f"[serve] ready: model {config.model_name!r} at http://{args.host}:{args.port}/v1",
-            file=sys.stderr,
-            flush=True,
-        )
         return decoder
 
     return serve(load, config)
@@ -80,6 +85,14 @@ def add_subcommands(subparsers) -> None:
         default=None,
         help="llama.cpp for known models and GGUF files (the default on the CPU), else torch",
     )
+    p.add_argument(
+        "--length-policy",
+        choices=[p for p in POLICIES if p not in HEAD_POLICIES],
+        default="priced",
+        help="how many tokens to draft per round; priced (default): as far as this machine's "
+        "prices, timed at load, say drafting pays for the batch running, a plain step otherwise",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000)

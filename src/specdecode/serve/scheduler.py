@@ -23,11 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.core.config import SamplingConfig
-
-try:
-    from specdecode.core.engine import RowFailed, RowRequest
-except ImportError:  # until the engine's DecodeLoop lands
-    from specdecode.serve._engine_stub import RowFailed, RowRequest
+from specdecode.core.engine import RowFailed, RowRequest
 from specdecode.serve.metrics import RequestSpec, ServerMetrics
 from specdecode.serve.protocol import RequestError
 from specdecode.serve.text import RowText
@@ -71,8 +67,10 @@ class Scheduler:
         max_rows: int = 8,
         max_queue: int = 64,
         prefill_chunk: int = 256,
+        loop_options: dict[str, Any] | None = None,
     ) -> None:
         self._load = load
+        self.loop_options = loop_options or {}  # drafting settings for `decoder.loop`
         self.metrics = metrics
         self.max_rows = max_rows
         self.max_queue = max_queue
@@ -143,7 +141,9 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self.decoder = self._load()
-            loop = self.decoder.loop(max_rows=self.max_rows, prefill_chunk=self.prefill_chunk)
+            loop = self.decoder.loop(
+                max_rows=self.max_rows, prefill_chunk=self.prefill_chunk, **self.loop_options
+            )
         except Exception as error:  # reported by the server, which then exits
             log.debug("loading failed", exc_info=True)
             self.load_error = str(error) or type(error).__name__
@@ -183,7 +183,7 @@ class Scheduler:
             with self._lock:
                 job = self._running.pop(error.key, None)
             if job is not None:
-                job.deliver(Failure(f"the engine failed on this request: {error.message}"))
+                job.deliver(Failure(f"the engine failed on this request: {error}"))
             return
         except Exception as error:
             log.exception("a decoding round failed; every running request fails with it")
@@ -233,7 +233,11 @@ class RowStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         decoder = scheduler.decoder
         self.stop_ids = tuple(decoder.default_stop_ids())
-        self.job = Job(row_request(prompt, max_tokens, sampling, self.stop_ids), self._deliver)
+        try:
+            request = row_request(prompt, max_tokens, sampling, self.stop_ids)
+        except ValueError as error:  # what the engine's own checks refuse
+            raise RequestError(str(error)) from None
+        self.job = Job(request, self._deliver)
         self.text = RowText(decoder.tokenizer, sampling.stop, self.stop_ids)
         self.result = RowResult(prompt_tokens=len(prompt))
         self.ended = True  # nothing to cancel until submitted

@@ -35,6 +35,8 @@ class ServeConfig:
     drain_seconds: float = 30.0
     prefill_chunk: int = 256
     log_level: str = "info"
+    # drafting settings of the engine's loop (`SpeculativeDecoder.loop`), e.g. length_policy
+    loop_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         checks = {
@@ -60,6 +62,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.drain_seconds = drain_seconds
         self.deadline: float | None = None
+        self.announced = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # not recorded as a captured signal: uvicorn would re-raise it at exit, and a drained
@@ -70,9 +73,21 @@ class DrainingServer(uvicorn.Server):
             return
         self.state.draining = True
         self.deadline = time.monotonic() + self.drain_seconds
+        print(
+            f"[serve] draining: no new requests; the running ones have {self.drain_seconds:g} s",
+            file=sys.stderr,
+        )
 
     async def on_tick(self, counter: int) -> bool:
         scheduler = self.state.scheduler
+        if scheduler.state == "ready" and not self.announced:
+            self.announced = True
+            print(
+                f"[serve] ready: model {self.state.model_name!r} at "
+                f"http://{self.config.host}:{self.config.port}/v1",
+                file=sys.stderr,
+                flush=True,
+            )
         if scheduler.state == "failed":
             self.should_exit = True
         elif self.state.draining and not self.should_exit:
@@ -87,7 +102,14 @@ class DrainingServer(uvicorn.Server):
 def serve(load: Callable[[], Any], config: ServeConfig) -> int:
     """Serve until a signal; 0 after a clean drain, 2 if the models could not be loaded."""
     metrics = ServerMetrics()
-    scheduler = Scheduler(load, metrics, config.max_batch, config.max_queue, config.prefill_chunk)
+    scheduler = Scheduler(
+        load,
+        metrics,
+        config.max_batch,
+        config.max_queue,
+        config.prefill_chunk,
+        dict(config.loop_options),
+    )
     state = ServerState(scheduler, metrics, config.model_name, config.api_key, config.context)
     server = DrainingServer(
         uvicorn.Config(
