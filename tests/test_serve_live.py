@@ -1,5 +1,5 @@
 """`specdecode serve` as a user runs it: a subprocess on SmolLM2-135M (target and drafter), the
-official `openai` client against it. Short outputs keep the module to a few minutes on 2 cores.
+official `openai` client against it. Short outputs and one llama.cpp thread keep the module to a few minutes on 2 shared cores.
 
 The server is started once for the module and stopped by the last test, which checks the
 SIGTERM drain (a running request completes, new ones get 503, exit code 0).
@@ -54,7 +54,7 @@ class Server:
             sys.executable, "-m", "specdecode.cli", "serve", "--target", MODEL, "--draft", MODEL,
             "--port", str(self.port), "--max-batch", "8", "--max-queue", "4",
             "--length-policy", "constant", "--num-draft-tokens", "3", "--drain-seconds", "60",
-            "--log-level", "warning",
+            "--log-level", "warning", "--threads", "1",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300

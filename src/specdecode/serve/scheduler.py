@@ -99,10 +99,12 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            if len(self._waiting) >= self.max_queue:
+            # rows free now are taken at the next round: requests for them do not queue
+            free = self.max_rows - len(self._running)
+            if len(self._waiting) >= self.max_queue + max(0, free):
                 raise RequestError(
-                    f"the server is at capacity ({self.max_rows} running, {self.max_queue} "
-                    "waiting); retry shortly",
+                    f"the server is at capacity ({self.max_rows} requests running, "
+                    f"{self.max_queue} waiting); retry shortly",
                     status=429,
                     type="rate_limit_error",
                     code="queue_full",
