@@ -314,6 +314,17 @@ def test_disconnect_mid_stream_cancels_the_row():
         assert len(live.loop) == 0
 
 
+def test_a_client_gone_before_a_whole_answer_cancels_its_row():
+    with Live(FakeDecoder(step_delay=0.02)) as live:
+        body = {"model": MODEL, "prompt": "a long answer ", "max_tokens": 400}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(live.url + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while live.loop.cancelled == [] or live.metric("num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the row was not cancelled"
+            time.sleep(0.05)
+
+
 # ------------------------------------------------------------------ faults
 
 

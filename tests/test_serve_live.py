@@ -1,5 +1,6 @@
 """`specdecode serve` as a user runs it: a subprocess on SmolLM2-135M (target and drafter), the
-official `openai` client against it. Short outputs and one llama.cpp thread keep the module to a few minutes on 2 shared cores.
+official `openai` client against it. Short outputs and one llama.cpp thread keep the module to
+a few minutes on 2 shared cores.
 
 The server is started once for the module and stopped by the last test, which checks the
 SIGTERM drain (a running request completes, new ones get 503, exit code 0).

@@ -27,6 +27,12 @@ from specdecode.serve.protocol import (
 )
 from specdecode.serve.scheduler import RowResult, RowStream, Scheduler
 
+DISCONNECT_POLL_SECONDS = 0.5
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected before its answer."""
+
 
 @dataclass
 class ServerState:
@@ -111,20 +117,31 @@ class Rows:
     def results(self) -> list[RowResult]:
         return [s.result for s in self.streams]
 
-    async def collect(self) -> list[RowResult]:
-        """Every row to its end (a failed row fails the request and cancels the others)."""
+    async def collect(self, request: Request) -> list[RowResult]:
+        """Every row to its end (a failed row fails the request and cancels the others). A
+        client that goes away before the answer cancels the rows too, rather than leaving them
+        to decode for nobody."""
 
         async def one(stream) -> None:
             async with contextlib.aclosing(stream.pieces()) as pieces:
                 async for _ in pieces:
                     pass
 
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+            raise ClientGone
+
         try:
             async with asyncio.TaskGroup() as group:
-                for stream in self.streams:
-                    group.create_task(one(stream))
+                rows = [group.create_task(one(stream)) for stream in self.streams]
+                watcher = group.create_task(watch())
+                await asyncio.wait(rows)
+                watcher.cancel()
         except* RequestError as errors:
             raise errors.exceptions[0] from None
+        except* ClientGone:
+            raise RequestError("the client went away", status=499) from None
         finally:
             self.cancel()
         return self.results
@@ -275,7 +292,7 @@ def create_app(state: ServerState) -> FastAPI:
         }
         if req.stream:
             return _stream(rows, head, req.include_usage, chat=False)
-        results = await rows.collect()
+        results = await rows.collect(request)
         choices = [
             {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
             for i, r in enumerate(results)
@@ -310,7 +327,7 @@ def create_app(state: ServerState) -> FastAPI:
         }
         if req.stream:
             return _stream(rows, head, req.include_usage, chat=True)
-        results = await rows.collect()
+        results = await rows.collect(request)
         r = results[0]
         choice = {
             "index": 0,
