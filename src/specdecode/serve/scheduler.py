@@ -160,23 +160,43 @@ class Scheduler:
                     self._lock.wait()
                 if self._stopping:
                     return
-                for job in self._cancels:
-                    if job.key is not None and self._running.pop(job.key, None) is not None:
-                        loop.cancel(job.key)
-                self._cancels.clear()
-                while self._waiting and len(self._running) < self.max_rows:
-                    job = self._waiting.popleft()
-                    try:
-                        job.key = loop.add(job.request)
-                    except ValueError as error:  # a request the engine refuses: that row alone
-                        job.deliver(Failure(str(error), 400))
-                        continue
-                    self._running[job.key] = job
-                self.metrics.waiting.set(len(self._waiting))
-                self.metrics.running.set(len(self._running))
-            if not len(loop):
-                continue
-            self._round(loop)
+            try:
+                self._admit(loop)
+                if len(loop):
+                    self._round(loop)
+            except Exception as error:  # the loop's state is not to be trusted: start clean
+                self._fail_running(loop, error)
+
+    def _admit(self, loop: Any) -> None:
+        """Cancelled rows leave and waiting requests take the free rows, before the round."""
+        with self._lock:
+            for job in self._cancels:
+                if job.key is not None and self._running.pop(job.key, None) is not None:
+                    loop.cancel(job.key)
+            self._cancels.clear()
+            while self._waiting and len(self._running) < self.max_rows:
+                job = self._waiting.popleft()
+                try:
+                    job.key = loop.add(job.request)
+                except ValueError as error:  # a request the engine refuses: that row alone
+                    job.deliver(Failure(str(error), 400))
+                    continue
+                self._running[job.key] = job
+            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.running.set(len(self._running))
+
+    def _fail_running(self, loop: Any, error: Exception) -> None:
+        log.exception("a decoding round failed; every running request fails with it")
+        with self._lock:
+            jobs = list(self._running.values())
+            self._running.clear()
+            self.metrics.running.set(0)
+        try:
+            loop.reset()
+        except Exception:  # the next rounds will fail their requests alike, none hangs
+            log.exception("resetting the loop failed")
+        for job in jobs:
+            job.deliver(Failure(f"the engine failed during a decoding round: {error}"))
 
     def _round(self, loop: Any) -> None:
         try:
@@ -186,15 +206,6 @@ class Scheduler:
                 job = self._running.pop(error.key, None)
             if job is not None:
                 job.deliver(Failure(f"the engine failed on this request: {error}"))
-            return
-        except Exception as error:
-            log.exception("a decoding round failed; every running request fails with it")
-            with self._lock:
-                jobs = list(self._running.values())
-                self._running.clear()
-            loop.reset()
-            for job in jobs:
-                job.deliver(Failure(f"the engine failed during a decoding round: {error}"))
             return
         with self._lock:
             for update in updates:
@@ -265,7 +276,8 @@ class RowStream:
                 update = await self.queue.get()
                 if isinstance(update, Failure):
                     self.ended = True
-                    raise RequestError(update.message, status=update.status, type="server_error")
+                    kind = "invalid_request_error" if update.status < 500 else "server_error"
+                    raise RequestError(update.message, status=update.status, type=kind)
                 if update.reused:
                     metrics.prefix_reused_tokens.inc(update.reused)
                 result.spec.add(update.drafted, update.accepted)
