@@ -264,12 +264,16 @@ class CoupledRuns:
 
     policies: dict = field(
         default_factory=lambda: {
-            "k=1": dict(num_draft_tokens=1),
-            "k=3": dict(num_draft_tokens=3),
-            "k=7": dict(num_draft_tokens=7),
-            "heuristic": dict(length_policy="heuristic", num_draft_tokens=2, bound=(1, 6)),
-            "confidence": dict(length_policy="confidence", stop_threshold=0.6, bound=(1, 6)),
-            "head": dict(length_policy="head", stop_threshold=0.5, bound=(1, 6)),
+            "k=1": dict(drafting="model", num_draft_tokens=1),
+            "k=3": dict(drafting="model", num_draft_tokens=3),
+            "k=7": dict(drafting="model", num_draft_tokens=7),
+            "heuristic": dict(
+                drafting="model", length_policy="heuristic", num_draft_tokens=2, bound=(1, 6)
+            ),
+            "confidence": dict(
+                drafting="model", length_policy="confidence", stop_threshold=0.6, bound=(1, 6)
+            ),
+            "head": dict(drafting="model", length_policy="head", stop_threshold=0.5, bound=(1, 6)),
         }
     )
     prompts: tuple = ((5, 6, 7, 8, 9, 10, 11), (3, 4), (20, 21, 22, 23, 24), (40,), (7,) * 6)

@@ -15,18 +15,21 @@ def run(decoder, prompts, **kw):
 def test_batch_equals_rows_alone_greedy(tiny_llama, tiny_gpt2):
     for make in (tiny_llama, tiny_gpt2):
         decoder = SpeculativeDecoder(make(seed=0), drafter=make(seed=3, layers=1))
-        batched = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=3)
-        alone = [run(decoder, [p], max_new_tokens=20, num_draft_tokens=3)[0] for p in PROMPTS]
+        batched = run(decoder, PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=3)
+        alone = [
+            run(decoder, [p], max_new_tokens=20, drafting="model", num_draft_tokens=3)[0]
+            for p in PROMPTS
+        ]
         assert batched == alone
 
 
 def test_eos_inside_draft_and_rows_finishing_at_different_steps(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=target)  # oracle drafter: stops land mid-draft
-    free = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=4)
+    free = run(decoder, PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=4)
     stop = free[0][6]  # a token the first row emits mid-way (inside its second draft)
     stopped = decoder.generate(
-        PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[stop]
+        PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=4, stop_token_ids=[stop]
     )
     for tokens, reference in zip(stopped.new_tokens, free, strict=True):
         cut = reference.index(stop) + 1 if stop in reference else len(reference)
@@ -38,7 +41,9 @@ def test_eos_inside_draft_and_rows_finishing_at_different_steps(tiny_llama):
         assert row.new_tokens == len(tokens) and row.accepted <= len(tokens)
     assert stopped.stats.rows[0].accepted == len(stopped.new_tokens[0]) - 1  # oracle: all but one
     events = list(
-        decoder.stream(PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[stop])
+        decoder.stream(
+            PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=4, stop_token_ids=[stop]
+        )
     )
     finished_at = {}
     for step, event in enumerate(events):
@@ -54,9 +59,11 @@ def test_eos_inside_draft_and_rows_finishing_at_different_steps(tiny_llama):
 def test_max_new_tokens_inside_draft(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=target)
-    full = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=4)
+    full = run(decoder, PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=4)
     for n in (1, 2, 6, 7):
-        out = decoder.generate(PROMPTS, max_new_tokens=n, num_draft_tokens=4, stop_token_ids=[])
+        out = decoder.generate(
+            PROMPTS, max_new_tokens=n, drafting="model", num_draft_tokens=4, stop_token_ids=[]
+        )
         assert out.new_tokens == [t[:n] for t in full]
         assert out.stats.total.drafted <= len(PROMPTS) * (n - 1)  # never drafts past the budget
 
@@ -64,7 +71,14 @@ def test_max_new_tokens_inside_draft(tiny_llama):
 def test_sampling_rows_with_own_seeds_equal_rows_alone(tiny_llama):
     decoder = SpeculativeDecoder(tiny_llama(seed=0, init=0.3), drafter=tiny_llama(seed=5, init=0.3))
     seeds = [11, 22, 33, 44, 55]
-    kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=0.9, top_k=40, top_p=0.95)
+    kw = dict(
+        max_new_tokens=16,
+        drafting="model",
+        num_draft_tokens=3,
+        temperature=0.9,
+        top_k=40,
+        top_p=0.95,
+    )
     batched = run(decoder, PROMPTS, row_seeds=seeds, **kw)
     alone = [run(decoder, [p], row_seeds=[s], **kw)[0] for p, s in zip(PROMPTS, seeds, strict=True)]
     assert batched == alone
@@ -92,7 +106,7 @@ def test_finished_rows_stop_costing_compute(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = SpeculativeDecoder(target, drafter=target)
     prompts = [[5, 6], [7, 8, 9]]
-    free = run(decoder, prompts, max_new_tokens=20, num_draft_tokens=2)
+    free = run(decoder, prompts, max_new_tokens=20, drafting="model", num_draft_tokens=2)
     stop = next(t for t in free[0][:4] if t not in free[1])  # ends row 0 early, never row 1
     rows_per_forward = []
     hook = target.register_forward_pre_hook(
@@ -101,7 +115,7 @@ def test_finished_rows_stop_costing_compute(tiny_llama):
     )
     try:
         out = decoder.generate(
-            prompts, max_new_tokens=20, num_draft_tokens=2, stop_token_ids=[stop]
+            prompts, max_new_tokens=20, drafting="model", num_draft_tokens=2, stop_token_ids=[stop]
         )
     finally:
         hook.remove()
@@ -115,7 +129,7 @@ def test_drafting_only_while_the_batch_is_small(tiny_llama):
     on the seed alone whatever each round drafted)."""
     target, drafter_model = tiny_llama(seed=0), tiny_llama(seed=3, layers=1)
     decoder = SpeculativeDecoder(target, drafter=drafter_model)
-    free = run(decoder, PROMPTS, max_new_tokens=20, num_draft_tokens=3)
+    free = run(decoder, PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=3)
 
     def finish(token: int) -> list[int]:
         return sorted(row.index(token) if token in row else 20 for row in free)
@@ -127,7 +141,7 @@ def test_drafting_only_while_the_batch_is_small(tiny_llama):
         lambda module, args, kwargs: rows_drafting.append(kwargs["input_ids"].shape[0]),
         with_kwargs=True,
     )
-    kw = dict(max_new_tokens=20, num_draft_tokens=3, stop_token_ids=[stop])
+    kw = dict(max_new_tokens=20, drafting="model", num_draft_tokens=3, stop_token_ids=[stop])
     try:
         always = decoder.generate(PROMPTS, **kw)
         assert max(rows_drafting) == len(PROMPTS)

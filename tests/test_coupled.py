@@ -45,7 +45,7 @@ def test_every_policy_commits_the_same_text(decoder: SpeculativeDecoder, coupled
 def test_first_round_costs_are_filed_apart(decoder: SpeculativeDecoder, coupled_runs) -> None:
     """The first round (both prefills) is filed apart, and verify time is read without the
     coupling pass, so that `bench`'s in-run costs per call leave out both."""
-    s = coupled_runs.generate(decoder, True, num_draft_tokens=3).stats
+    s = coupled_runs.generate(decoder, True, drafting="model", num_draft_tokens=3).stats
     first = s.first_round_costs
     assert first.target_forwards == 1  # one batch: one first round
     assert 1 <= first.drafter_forwards < s.drafter_forwards
@@ -74,6 +74,7 @@ def test_rows_depend_on_their_own_seed_alone(decoder: SpeculativeDecoder, couple
             row_seeds=[seed],
             stop_token_ids=[],
             coupled=True,
+            drafting="model",
             num_draft_tokens=5,
         ).new_tokens[0]
         for prompt, seed in zip(coupled_runs.prompts, coupled_runs.seeds, strict=True)
@@ -121,7 +122,7 @@ def test_unusable_drafter_law_at_a_bonus_position_is_refused(
     decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch, coupled_runs
 ) -> None:
     """A NaN law read for a bonus token stops decoding with the step's logit error."""
-    from specdecode.core.drafters import ModelDrafter
+    from specdecode.core.drafting.model import ModelDrafter
     from specdecode.core.sampling import InvalidLogitsError
 
     real = ModelDrafter.next_law

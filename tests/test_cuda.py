@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.core.timing import step_seconds
 from specdecode.core.config import RoundPrices
+from specdecode.core.timing import step_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"
@@ -91,7 +91,7 @@ def test_priced_head_on_cuda(pair, spread_head, coupled_runs) -> None:
     assert len(prices.verify) == 6 and prices.draft > 0
     assert all(0 < cost < 20 for cost in prices.verify)
     jump = RoundPrices(0.2, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5))
-    policy = dict(length_policy="head", stop_threshold=0.5, bound=(1, 6))
+    policy = dict(drafting="model", length_policy="head", stop_threshold=0.5, bound=(1, 6))
     plain = gpu.generate(prompts, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
     for round_prices in (prices, jump):
         out = gpu.generate(
@@ -147,10 +147,14 @@ def test_static_path_greedy_ragged_rows_and_rollback(tiny_llama, compiled: bool)
     eager = SpeculativeDecoder(target)
     plain = eager.generate(prompts, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
     for k in (2, 4):
-        spec = static.generate(prompts, max_new_tokens=24, num_draft_tokens=k, stop_token_ids=[])
+        spec = static.generate(
+            prompts, max_new_tokens=24, drafting="model", num_draft_tokens=k, stop_token_ids=[]
+        )
         assert spec.new_tokens == plain.new_tokens
     stop = plain.new_tokens[0][9]
-    stopped = static.generate(prompts, max_new_tokens=24, num_draft_tokens=4, stop_token_ids=[stop])
+    stopped = static.generate(
+        prompts, max_new_tokens=24, drafting="model", num_draft_tokens=4, stop_token_ids=[stop]
+    )
     for tokens, reference in zip(stopped.new_tokens, plain.new_tokens, strict=True):
         cut = reference.index(stop) + 1 if stop in reference else len(reference)
         assert tokens == reference[:cut]
@@ -166,7 +170,7 @@ def test_static_path_sampled_law_on_cuda(tiny_llama, sampled_law) -> None:
         drafter=StaticCachedModel(drafter.to(CUDA), "drafter", compile=True),
     )
     total = sampled_law.assert_decoder_follows_target(
-        decoder, target, sampled_law.prompt, 2000, 4, num_draft_tokens=3
+        decoder, target, sampled_law.prompt, 2000, 4, drafting="model", num_draft_tokens=3
     )
     assert total.recovered > 0 and total.accepted > 0
 

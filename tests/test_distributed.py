@@ -3,7 +3,8 @@
 Why `--multi_gpu` on a machine without a GPU: `accelerate launch --cpu --num_processes 2` runs
 *one* process (its CPU launcher starts several only through MPI, `--mpirun_hostfile`), while
 `--multi_gpu` starts the processes with torchrun, and accelerate joins them over gloo when the
-program asks for the CPU (`specdecode.training.distributed.new_accelerator`). CUDA is hidden so that a
+program asks for the CPU (`specdecode.training.distributed.new_accelerator`). CUDA is hidden so
+that a
 machine with GPUs runs the same CPU test.
 
 Each launch runs several jobs (`distributed_worker.py`), since starting two Python processes

@@ -71,7 +71,7 @@ def test_bad_prompts(decoder, prompts, match):
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"row_seeds": [1, 2]}, "row_seeds has 2 seeds for 1 prompts"),
         ({"length_policy": "adaptive"}, "unknown length policy 'adaptive'"),
-        ({"bound": (1, 4)}, r"bound \(MIN, MAX\) applies to the adaptive length policies"),
+        ({"drafting": "model", "bound": (1, 4)}, r"bound \(MIN, MAX\) applies to the adaptive"),
         ({"length_policy": "heuristic", "bound": (3, 2)}, "1 <= MIN <= MAX, got 3 2"),
         ({"length_policy": "confidence", "stop_threshold": 1.0}, r"stop_threshold must be in"),
         ({"max_draft_batch": 0}, r"max_draft_batch must be an integer >= 1 \(None: always"),

@@ -29,7 +29,9 @@ def test_greedy_equals_target(tiny_architecture, drafter_kind, k):
     target = make(seed=0, layers=2)
     drafter = target if drafter_kind == "same" else make(seed=1, layers=1)
     decoder = SpeculativeDecoder(target, drafter=drafter)
-    out = decoder.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=k, stop_token_ids=[])
+    out = decoder.generate(
+        PROMPTS, max_new_tokens=24, drafting="model", num_draft_tokens=k, stop_token_ids=[]
+    )
     plain = decoder.generate(PROMPTS, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
     for prompt, spec, ar in zip(PROMPTS, out.new_tokens, plain.new_tokens, strict=True):
         assert spec == ar == hf_greedy(target, prompt, 24)
@@ -48,7 +50,9 @@ def test_disjoint_drafter_accepts_nothing_and_stays_exact(tiny_llama):
         drafter.model.norm.weight.zero_()
         target.lm_head.weight[0] = 0.0  # logit 0 is always 0, below the best of 95 others
     decoder = SpeculativeDecoder(target, drafter=drafter)
-    out = decoder.generate(PROMPTS, max_new_tokens=16, num_draft_tokens=4, stop_token_ids=[])
+    out = decoder.generate(
+        PROMPTS, max_new_tokens=16, drafting="model", num_draft_tokens=4, stop_token_ids=[]
+    )
     assert out.stats.total.accepted == 0 and out.stats.total.drafted > 0
     for prompt, spec in zip(PROMPTS, out.new_tokens, strict=True):
         assert spec == hf_greedy(target, prompt, 16)

@@ -319,6 +319,8 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
                 "t5 t6",
                 "--max-new-tokens",
                 "6",
+                "--drafting",
+                "model",
                 "--length-policy",
                 "head",
                 "--head",
@@ -330,6 +332,7 @@ def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):
     )
     capsys.readouterr()
     priced = [*common, "--prompt", "t5 t6", "--max-new-tokens", "6", "--head", str(head)]
+    priced += ["--drafting", "model"]
     assert main(["generate", *priced, "--length-policy", "head", "--priced", "--json"]) == 0
     assert "[round prices] a drafted token" in capsys.readouterr().err
     assert main(["generate", *priced, "--length-policy", "confidence", "--priced"]) != 0
@@ -352,6 +355,8 @@ def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_
             str(draft),
             "--prompt",
             "t5",
+            "--drafting",
+            "model",
             "--length-policy",
             "head",
             "--head",
@@ -475,8 +480,12 @@ def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch, tin
     low_other = tiny_llama(2, layers=1).to(torch.bfloat16)
     assert acceptance_head.find_shipped_head(low_other, low[1], "greedy") is None
     decoder = SpeculativeDecoder(target, drafter=drafter)
-    out = decoder.generate([[5, 6, 7]], max_new_tokens=8, length_policy="head", stop_token_ids=[])
+    out = decoder.generate(
+        [[5, 6, 7]], max_new_tokens=8, drafting="model", length_policy="head", stop_token_ids=[]
+    )
     plain = decoder.generate([[5, 6, 7]], max_new_tokens=8, use_drafter=False, stop_token_ids=[])
     assert out.new_tokens == plain.new_tokens and out.stats.policy_seconds > 0
     with pytest.raises(ValueError, match="none ships for this drafter"):
-        decoder.generate([[5, 6, 7]], max_new_tokens=8, length_policy="head", temperature=0.7)
+        decoder.generate(
+            [[5, 6, 7]], max_new_tokens=8, drafting="model", length_policy="head", temperature=0.7
+        )

@@ -19,7 +19,7 @@ from specdecode.acceptance.train import TrainConfig, train_head
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.cli.main import main
 from specdecode.core.config import DecodeConfig, SamplingConfig
-from specdecode.core.drafters import ModelDrafter
+from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
 from specdecode.core.sampling import logits_to_probs

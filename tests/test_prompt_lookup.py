@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from specdecode import SpeculativeDecoder
 from specdecode.cli.main import main
 from specdecode.core.config import PromptLookup
-from specdecode.core.drafters import lookup_continuation
+from specdecode.core.drafting.lookup import lookup_continuation
 from specdecode.core.sampling import logits_to_probs
 
 
@@ -77,7 +77,12 @@ PROMPTS = [[5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [4, 11, 2], [1, 2, 3, 4, 5, 6, 7
 
 @pytest.mark.parametrize(
     "policy",
-    [dict(num_draft_tokens=1), dict(num_draft_tokens=4), dict(length_policy="heuristic")],
+    [
+        dict(drafting="lookup", num_draft_tokens=1),
+        dict(drafting="lookup", num_draft_tokens=4),
+        dict(drafting="lookup", length_policy="heuristic"),
+        dict(drafting="auto"),  # priced lookup alone: drafts only where it pays (or not at all)
+    ],
 )
 def test_greedy_output_equals_plain_decoding(decoder: SpeculativeDecoder, policy) -> None:
     kwargs = dict(max_new_tokens=40, stop_token_ids=[])
@@ -86,9 +91,10 @@ def test_greedy_output_equals_plain_decoding(decoder: SpeculativeDecoder, policy
         out = decoder.generate(batch, **kwargs, **policy)
         want = plain.new_tokens if batch is PROMPTS else plain.new_tokens[2:3]
         assert out.new_tokens == want
-    total = decoder.generate(PROMPTS, **kwargs, **policy).stats.total
-    assert total.drafted > 0 and 0 < total.accepted < total.drafted  # drafts kept and refused
-    assert decoder.generate(PROMPTS, **kwargs, **policy).stats.drafter_forwards == 0
+    total = decoder.generate(PROMPTS, **kwargs, **policy).stats
+    assert total.drafter_forwards == 0
+    if policy["drafting"] == "lookup":  # the timed prices decide whether auto drafts here
+        assert total.total.drafted > 0 and 0 < total.total.accepted < total.total.drafted
 
 
 def repeating_prompt(target, sampling) -> list[int]:
@@ -108,7 +114,7 @@ def test_sampled_law_equals_target(tiny_llama, sampled_law) -> None:
     prompt = repeating_prompt(target, sampled_law.sampling)
     decoder = SpeculativeDecoder(target, drafter=PromptLookup())
     total = sampled_law.assert_decoder_follows_target(
-        decoder, target, prompt, 3000, 3, num_draft_tokens=3
+        decoder, target, prompt, 3000, 3, num_draft_tokens=3, drafting="lookup"
     )
     assert total.accepted > 0 and total.recovered > 0  # drafts kept and drafts resampled
 
@@ -128,7 +134,7 @@ def coupled_run(decoder: SpeculativeDecoder, k: int, **kwargs):
 
 
 def test_coupled_lookup_commits_one_text_for_every_k(decoder: SpeculativeDecoder) -> None:
-    one, five = coupled_run(decoder, 1), coupled_run(decoder, 5)
+    one, five = (coupled_run(decoder, k, drafting="lookup") for k in (1, 5))
     assert one.new_tokens == five.new_tokens
     assert one.stats.total.drafted != five.stats.total.drafted
 
@@ -136,18 +142,28 @@ def test_coupled_lookup_commits_one_text_for_every_k(decoder: SpeculativeDecoder
 @pytest.mark.parametrize("policy", ["confidence", "head"])
 def test_policies_that_read_a_drafter_model_are_refused(decoder, policy) -> None:
     with pytest.raises(ValueError, match="prompt lookup drafts without a model"):
-        decoder.generate(PROMPTS, max_new_tokens=4, length_policy=policy, bound=(1, 4))
+        decoder.generate(
+            PROMPTS, max_new_tokens=4, drafting="lookup", length_policy=policy, bound=(1, 4)
+        )
 
 
 def test_cli_generates_with_prompt_lookup(tiny_pair, capsys) -> None:
     target, _, _ = tiny_pair
     args = ["generate", "--target", str(target), "--prompt", "t5 t6 t7 t5 t6"]
-    assert main([*args, "--draft", "prompt-lookup", "--max-new-tokens", "12", "--json"]) == 0
+    common = [*args, "--max-new-tokens", "12", "--json"]
+    assert main([*common, "--draft", "prompt-lookup", "--drafting", "lookup"]) == 0
     lookup = json.loads(capsys.readouterr().out)[0]
-    assert main([*args, "--no-draft", "--max-new-tokens", "12", "--json"]) == 0
+    assert main([*common, "--drafting", "lookup"]) == 0  # no drafter model loaded for it
+    lookup_too = json.loads(capsys.readouterr().out)[0]
+    assert main([*common, "--draft", "prompt-lookup"]) == 0  # auto: lookup priced, no model
+    auto = json.loads(capsys.readouterr().out)[0]
+    assert main([*common, "--no-draft"]) == 0
     plain = json.loads(capsys.readouterr().out)[0]
-    assert lookup["tokens"] == plain["tokens"] and len(plain["tokens"]) > 0
+    assert len(plain["tokens"]) > 0
+    assert lookup["tokens"] == lookup_too["tokens"] == auto["tokens"] == plain["tokens"]
     assert lookup["batch_stats"]["total"]["drafted"] > 0
+    assert lookup_too["batch_stats"]["total"]["drafter_calls"] == 0
+    assert plain["batch_stats"]["total"]["drafted"] == 0  # --no-draft: plain decoding
 
 
 # --- prompt lookup before a drafter model (LookupFirstDrafter) ---------------------------------
@@ -172,12 +188,13 @@ def paired(tiny_llama, noisy_copy) -> SpeculativeDecoder:
 def test_lookup_first_greedy_equals_plain_decoding(paired: SpeculativeDecoder, policy) -> None:
     kwargs = dict(max_new_tokens=40, stop_token_ids=[])
     plain = paired.generate(PROMPTS, use_drafter=False, **kwargs)
-    out = paired.generate(PROMPTS, lookup_first=LOOKUP_2, **kwargs, **policy)
+    first = dict(drafting="lookup-first", lookup=LOOKUP_2)
+    out = paired.generate(PROMPTS, **first, **kwargs, **policy)
     assert out.new_tokens == plain.new_tokens
     total = out.stats.total
     # both kinds of round: some drafted by the model (passes), some by lookup (no pass)
     assert 0 < total.drafter_calls < total.drafted, total
-    alone = paired.generate(PROMPTS, **kwargs, **policy).stats.total
+    alone = paired.generate(PROMPTS, drafting="model", **kwargs, **policy).stats.total
     assert alone.drafter_calls == alone.drafted  # the control: the model drafts every token
 
 
@@ -187,20 +204,31 @@ def test_lookup_first_keeps_the_sampled_law(tiny_llama, sampled_law) -> None:
     prompt = repeating_prompt(target, sampled_law.sampling)
     decoder = SpeculativeDecoder(target, drafter=drafter)
     total = sampled_law.assert_decoder_follows_target(
-        decoder, target, prompt, 3000, 3, num_draft_tokens=2, lookup_first=LOOKUP_2
+        decoder,
+        target,
+        prompt,
+        3000,
+        3,
+        num_draft_tokens=2,
+        drafting="lookup-first",
+        lookup=LOOKUP_2,
     )
     assert total.accepted > 0 and total.recovered > 0
     assert 0 < total.drafter_calls < total.drafted  # lookup and model drafts both verified
 
 
 def test_coupled_lookup_first_commits_one_text_for_every_k(paired) -> None:
-    one = coupled_run(paired, 1, lookup_first=LOOKUP_2)
-    five = coupled_run(paired, 5, lookup_first=LOOKUP_2)
+    one = coupled_run(paired, 1, drafting="lookup-first", lookup=LOOKUP_2)
+    five = coupled_run(paired, 5, drafting="lookup-first", lookup=LOOKUP_2)
     assert one.new_tokens == five.new_tokens
     assert one.stats.total.drafted != five.stats.total.drafted
 
 
-def test_lookup_first_needs_a_drafter_model(decoder, paired) -> None:
-    for dec, kwargs in ((decoder, {}), (paired, dict(use_drafter=False))):
-        with pytest.raises(ValueError, match="lookup_first looks up before a drafter model"):
-            dec.generate(PROMPTS, max_new_tokens=4, lookup_first=LOOKUP_2, **kwargs)
+def test_lookup_first_needs_a_drafter_model(decoder) -> None:
+    with pytest.raises(ValueError, match="drafting 'lookup-first' drafts with a drafter model"):
+        decoder.generate(PROMPTS, max_new_tokens=4, drafting="lookup-first", lookup=LOOKUP_2)
+
+
+def test_the_lookup_first_argument_names_its_new_spelling(paired) -> None:
+    with pytest.raises(TypeError, match="drafting='lookup-first'"):
+        paired.generate(PROMPTS, max_new_tokens=4, lookup_first=LOOKUP_2)

@@ -12,8 +12,8 @@ import warnings
 import pytest
 from transformers.utils import logging as hf_logging
 
-from specdecode.core.timing import step_seconds
 from specdecode.cli.main import main
+from specdecode.core.timing import step_seconds
 
 
 def run_quietly(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[str, str]:
@@ -43,10 +43,10 @@ def test_generate_prints_no_warning(tiny_pair, capfd) -> None:
 def test_generate_with_a_drafter_model_prints_no_warning(tiny_pair, capfd) -> None:
     target, draft, _ = tiny_pair
     args = ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "t5 t6 t7"]
-    # the priced default, its pass prices timed, then a constant k: the drafter model drafts
+    # the default drafting (auto), its pass prices timed, then a constant k: the model drafts
     _, err = run_quietly([*args, "--max-new-tokens", "8"], capfd)
     assert "[stats]" in err
-    constant = ["--length-policy", "constant", "--num-draft-tokens", "3"]
+    constant = ["--drafting", "model", "--length-policy", "constant", "--num-draft-tokens", "3"]
     _, err = run_quietly([*args, *constant, "--max-new-tokens", "8"], capfd)
     assert "drafter calls 0" not in err
 

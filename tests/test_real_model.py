@@ -32,7 +32,7 @@ def test_real_model_greedy_equality(smollm):
     model, tokenizer = smollm
     drafter = quantize_int8(model)
     decoder = SpeculativeDecoder(model, tokenizer, drafter, tokenizer)
-    out = decoder.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=4)
+    out = decoder.generate(PROMPTS, max_new_tokens=24, drafting="model", num_draft_tokens=4)
     for prompt, tokens in zip(PROMPTS, out.new_tokens, strict=True):
         ids = tokenizer(prompt, return_tensors="pt")
         ref = model.generate(**ids, max_new_tokens=24, do_sample=False)[0, ids.input_ids.shape[1] :]
@@ -46,7 +46,7 @@ def test_real_model_prepacked_kernels_keep_output(smollm):
     before = decoder.generate(PROMPTS, max_new_tokens=16, use_drafter=False).new_tokens
     packed = prepack_linears(copy.deepcopy(model))
     after = SpeculativeDecoder(packed, tokenizer, quantize_int8(model)).generate(
-        PROMPTS, max_new_tokens=16, num_draft_tokens=4
+        PROMPTS, max_new_tokens=16, drafting="model", num_draft_tokens=4
     )
     assert after.new_tokens == before
     with torch.no_grad():

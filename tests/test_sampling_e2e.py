@@ -13,7 +13,7 @@ import torch
 
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import DecodeConfig
-from specdecode.core.drafters import ModelDrafter
+from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
 from specdecode.core.stats import DecodeStats, RowStats
@@ -24,7 +24,11 @@ N = 3000  # rows, each with its own seed
 
 def sample_positions(law, target, drafter, rule) -> torch.Tensor:
     cfg = DecodeConfig(
-        max_new_tokens=3, num_draft_tokens=2, sampling=law.sampling, row_seeds=tuple(range(N))
+        max_new_tokens=3,
+        drafting="model",
+        num_draft_tokens=2,
+        sampling=law.sampling,
+        row_seeds=tuple(range(N)),
     )
     draft = None
     if drafter is not None:

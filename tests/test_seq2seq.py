@@ -20,12 +20,12 @@ from specdecode.backends.torch_eager import UnsupportedModelError
 from specdecode.core.config import DecodeConfig, SamplingConfig
 from specdecode.core.engine import decode
 from specdecode.core.sampling import InvalidLogitsError
+from specdecode.core.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
 from specdecode.seq2seq import api
 from specdecode.seq2seq.api import AUTO_DRAFT_BATCH, TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
-from specdecode.core.verification import GreedyRule, TopBetaTau, TopBetaTauRule, make_rule
 
 V = 48
 START, EOS, MASK = 0, 1, 3
@@ -151,7 +151,7 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
             pass
 
         def propose(self, sequences, seq_lens, max_tokens, rng):
-            from specdecode.core.drafters import Draft
+            from specdecode.core.drafting.base import Draft
 
             done = int(seq_lens[0]) - 1  # tokens after the start token
             block = (expected[done : done + self.k] + [EOS] * self.k)[: self.k]

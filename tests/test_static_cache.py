@@ -59,7 +59,9 @@ def test_greedy_equals_the_targets_own_decoding(tiny_architecture, drafter_kind,
     static = static_decoder(target, drafter)
     assert static.backend == "torch-static"
     eager = SpeculativeDecoder(target)
-    spec = static.generate(PROMPTS, max_new_tokens=20, num_draft_tokens=k, stop_token_ids=[])
+    spec = static.generate(
+        PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=k, stop_token_ids=[]
+    )
     plain = eager.generate(PROMPTS, max_new_tokens=20, use_drafter=False, stop_token_ids=[])
     assert spec.new_tokens == plain.new_tokens
     if drafter_kind == "same":
@@ -69,19 +71,25 @@ def test_greedy_equals_the_targets_own_decoding(tiny_architecture, drafter_kind,
 def test_rows_finishing_mid_draft_and_batches_equal_rows_alone(tiny_llama):
     target = tiny_llama(seed=0)
     decoder = static_decoder(target, target)  # oracle drafter: stops land inside drafts
-    free = decoder.generate(PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[])
+    free = decoder.generate(
+        PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=4, stop_token_ids=[]
+    )
     stop = free.new_tokens[0][6]
     stopped = decoder.generate(
-        PROMPTS, max_new_tokens=20, num_draft_tokens=4, stop_token_ids=[stop]
+        PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=4, stop_token_ids=[stop]
     ).new_tokens
     for tokens, reference in zip(stopped, free.new_tokens, strict=True):
         cut = reference.index(stop) + 1 if stop in reference else len(reference)
         assert tokens == reference[:cut]
     assert len({len(t) for t in stopped}) > 1, "rows should finish at different steps"
     other = static_decoder(target, tiny_llama(seed=3, layers=1))
-    batched = other.generate(PROMPTS, max_new_tokens=20, num_draft_tokens=3, stop_token_ids=[])
+    batched = other.generate(
+        PROMPTS, max_new_tokens=20, drafting="model", num_draft_tokens=3, stop_token_ids=[]
+    )
     for prompt, row in zip(PROMPTS, batched.new_tokens, strict=True):
-        alone = other.generate([prompt], max_new_tokens=20, num_draft_tokens=3, stop_token_ids=[])
+        alone = other.generate(
+            [prompt], max_new_tokens=20, drafting="model", num_draft_tokens=3, stop_token_ids=[]
+        )
         assert alone.new_tokens[0] == row
 
 
@@ -89,7 +97,13 @@ def test_sampled_law_is_the_targets(tiny_llama, sampled_law):
     target = tiny_llama(seed=0, vocab=sampled_law.vocab, init=0.4)
     drafter = tiny_llama(seed=9, vocab=sampled_law.vocab, init=0.4, layers=1)
     total = sampled_law.assert_decoder_follows_target(
-        static_decoder(target, drafter), target, sampled_law.prompt, 2000, 4, num_draft_tokens=3
+        static_decoder(target, drafter),
+        target,
+        sampled_law.prompt,
+        2000,
+        4,
+        drafting="model",
+        num_draft_tokens=3,
     )
     assert total.recovered > 0 and total.accepted > 0
 
@@ -101,7 +115,9 @@ def test_compiled_passes_give_the_eager_tokens(tiny_llama):
     prompts = [list(range(5, 23))]  # one row: each shape compiles once (about a minute on 2 cores)
     compiled = static_decoder(target, drafter, compile=True)
     eager = SpeculativeDecoder(target)
-    spec = compiled.generate(prompts, max_new_tokens=12, num_draft_tokens=3, stop_token_ids=[])
+    spec = compiled.generate(
+        prompts, max_new_tokens=12, drafting="model", num_draft_tokens=3, stop_token_ids=[]
+    )
     plain = eager.generate(prompts, max_new_tokens=12, use_drafter=False, stop_token_ids=[])
     assert spec.new_tokens == plain.new_tokens
     assert spec.stats.total.drafted > 0
@@ -126,7 +142,9 @@ def test_the_targets_pending_width_comes_from_the_host_after_the_first_round(tin
         PROMPTS, max_new_tokens=12, use_drafter=False, stop_token_ids=[]
     )
     stop = reference.new_tokens[0][4]
-    out = decoder.generate(PROMPTS, max_new_tokens=12, num_draft_tokens=3, stop_token_ids=[stop])
+    out = decoder.generate(
+        PROMPTS, max_new_tokens=12, drafting="model", num_draft_tokens=3, stop_token_ids=[stop]
+    )
     for tokens, plain in zip(out.new_tokens, reference.new_tokens, strict=True):
         assert tokens == (plain[: plain.index(stop) + 1] if stop in plain else plain)
     assert seen[0] == (None, max(map(len, PROMPTS)))  # the prompts: read off the device

@@ -6,6 +6,10 @@
 
     SpeculativeDecoder(target, tokenizer, drafter=PromptLookup())  # drafts with no model
 
+`drafting` says how tokens are drafted (`config.DRAFTINGS`; default `config.DEFAULT_DRAFTING`,
+"auto": lookup and the drafter model, each only as far as it pays at this machine's prices);
+"model" with a length policy (`length_policy="head"`, ...) drafts with the model alone.
+
 `generate` and `stream` take the same keyword arguments as `transformers` users expect
 (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`); `use_drafter=False` runs plain
 autoregressive decoding on the same engine, the baseline of every speedup.
@@ -29,9 +33,8 @@ from specdecode.core.checks import (
 )
 from specdecode.core.config import (
     DEFAULT_BOUND,
+    DEFAULT_DRAFTING,
     HEAD_POLICIES,
-    LOOKUP_FIRST,
-    PRICED_DRAFT_BATCH,
     PROMPT_LOOKUP,
     DecodeConfig,
     PassPrices,
@@ -39,22 +42,20 @@ from specdecode.core.config import (
     RoundPrices,
     SamplingConfig,
 )
-from specdecode.core.drafters import (
-    Drafter,
-    LookupFirstDrafter,
-    ModelDrafter,
-    PromptLookupDrafter,
-    check_lookup_policy,
-)
+from specdecode.core.drafting.base import Drafter
+from specdecode.core.drafting.factory import Sources, make_drafter
+from specdecode.core.drafting.planners import OneRowPassPrices
 from specdecode.core.engine import DecodeLoop, StepEvent, decode
-from specdecode.core.length_policies import make_policy
-from specdecode.core.priced import PricedDrafter
-from specdecode.models.tokenizer import render_chat
 from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
+from specdecode.models.tokenizer import render_chat
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+RENAMED_ARGUMENTS = {  # decoding arguments that were renamed: what to write instead
+    "lookup_first": ": drafting is one setting now, write drafting='lookup-first' (and "
+    "lookup=PromptLookup(...) for other n-grams than its 3-4)",
+}
 LLAMA_CPP = "llama.cpp"
 TORCH_STATIC = "torch-static"
 BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)
@@ -295,7 +296,7 @@ class SpeculativeDecoder:
 
     def pass_prices(self) -> PassPrices:
         """This backend's pass prices here, timed once (a few seconds) and kept: what the
-        priced policy plans rounds from (`core.prices`)."""
+        drafting `auto` plans rounds from (`core.prices`)."""
         if self._pass_prices is None:
             from specdecode.core.prices import measure_pass_prices
 
@@ -332,13 +333,20 @@ class SpeculativeDecoder:
         seed: int | None = None,
         row_seeds: Sequence[int] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        drafting: str = DEFAULT_DRAFTING,
         length_policy: str = "constant",
         stop_threshold: float | None = None,
         bound: tuple[int, int] | None = None,
         coupled: bool = False,
         max_draft_batch: int | None = None,
         round_prices: RoundPrices | None = None,
+        **unknown,
     ) -> DecodeConfig:
+        """The call's `DecodeConfig`; an argument it does not know is refused by name (with the
+        new spelling where it was renamed)."""
+        for name in unknown:
+            hint = RENAMED_ARGUMENTS.get(name, "")
+            raise TypeError(f"unknown decoding argument {name!r}{hint}")
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
@@ -348,13 +356,12 @@ class SpeculativeDecoder:
             ),
             seed=seed,
             row_seeds=tuple(row_seeds) if row_seeds is not None else None,
+            drafting=drafting,
             length_policy=length_policy,
             stop_threshold=stop_threshold,
             bound=tuple(bound) if bound is not None else None,
             coupled=coupled,
-            max_draft_batch=PRICED_DRAFT_BATCH
-            if max_draft_batch is None and length_policy == "priced"
-            else max_draft_batch,
+            max_draft_batch=max_draft_batch,
             round_prices=round_prices,
         )
 
@@ -375,22 +382,23 @@ class SpeculativeDecoder:
         chat: bool = False,
         stats: DecodeStats | None = None,
         rule: str | None = None,
-        lookup_first: PromptLookup | None = None,
+        lookup: PromptLookup | None = None,
         wrap_drafter: Callable[[Drafter], Drafter] | None = None,
         **kwargs,
     ) -> Iterator[StepEvent]:
         """Yield the tokens each step commits, per row (original prompt indices).
 
-        `lookup_first` (with a drafter model): a row whose text repeats itself drafts by that
-        lookup, the others with the model (`LookupFirstDrafter`; `config.LOOKUP_FIRST`).
-        `wrap_drafter`: applied to the drafter built for the call (the controlled-acceptance
-        bench wraps the drafter model's so it pays its passes but proposes a script).
+        `drafting` (in `kwargs`, see `config`) says how tokens are drafted; `lookup`: the
+        n-grams lookup drafting reads (default: the decoder's `PromptLookup`, else the
+        setting's own). `use_drafter=False` decodes plainly. `wrap_drafter`: applied to the
+        drafter built for the call (the controlled-acceptance bench wraps the drafter model's
+        so it pays its passes but proposes a script).
         """
         cfg = self.config(**kwargs)
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         verification = make_rule(rule, cfg.sampling)
-        drafter = self._drafter(cfg, use_drafter, verification.name, lookup_first)
+        drafter = self._drafter(cfg, use_drafter, verification.name, lookup)
         if wrap_drafter is not None and drafter is not None:
             drafter = wrap_drafter(drafter)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
@@ -426,43 +434,20 @@ class SpeculativeDecoder:
         cfg: DecodeConfig,
         use_drafter: bool,
         rule: str | None,
-        lookup_first: PromptLookup | None,
+        lookup: PromptLookup | None,
     ) -> Drafter | None:
-        drafter = None
-        if lookup_first is not None and not (use_drafter and self._draft_lm is not None):
-            raise ValueError(
-                "lookup_first looks up before a drafter model: it needs a decoder with a "
-                "drafter model, drafting (use_drafter=True)"
-            )
-        if use_drafter and cfg.length_policy == "priced":
-            if lookup_first is not None:
-                raise ValueError("the priced policy looks up first by itself; drop lookup_first")
-            drafter = self._priced_drafter(cfg)
-        elif use_drafter and self._draft_lm is not None:
-            policy = make_policy(cfg, self._checked_head(cfg, rule))
-            drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
-            if lookup_first is not None:
-                drafter = LookupFirstDrafter(lookup_first, drafter)
-        elif use_drafter and self.lookup is not None:
-            check_lookup_policy(cfg.length_policy)  # before make_policy asks for a head
-            policy = make_policy(cfg)
-            drafter = PromptLookupDrafter(
-                self.lookup, policy, self.vocab_size, self._target_lm.device
-            )
-        return drafter
-
-    def _priced_drafter(self, cfg: DecodeConfig) -> PricedDrafter:
-        """Lookup and the drafter model (if any), each as far as it pays at this backend's
-        prices: matches of 3-4 tokens before a drafter model, of 1-4 with no model."""
-        prices = cfg.pass_prices or self.pass_prices()
-        model = None
-        if self._draft_lm is not None:
-            policy = make_policy(cfg)  # drafts what the priced plan tells it
-            model = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
-            lookup = self.lookup or LOOKUP_FIRST
-        else:
-            lookup = self.lookup or PromptLookup(max_ngram=4, min_ngram=1)
-        return PricedDrafter(lookup, model, prices, cfg.max_draft_tokens)
+        """The drafter `cfg.drafting` asks for (`drafting.factory`); None: plain decoding."""
+        if not use_drafter:
+            return None
+        sources = Sources(
+            model=self._draft_lm,
+            lookup=lookup or self.lookup,
+            vocab_size=self.vocab_size,
+            device=self._target_lm.device,
+            head=lambda: self._checked_head(cfg, rule),
+            prices=lambda: OneRowPassPrices(cfg.pass_prices or self.pass_prices()),
+        )
+        return make_drafter(cfg.drafting, cfg, sources)
 
     def _checked_head(self, cfg: DecodeConfig, rule: str) -> torch.nn.Module | None:
         """The head, if the policy needs one and it learnt the acceptance of this rule.
@@ -477,7 +462,7 @@ class SpeculativeDecoder:
             raise ValueError(
                 f"length policy {cfg.length_policy!r} decodes with an acceptance head on the "
                 "PyTorch backends only (on llama.cpp a head does not pay at measured prices; "
-                "`specdecode head replay` shows it); use the priced policy (the default), or "
+                "`specdecode head replay` shows it); use drafting 'auto' (the default), or "
                 "--backend torch"
             )
         head = self.acceptance_head

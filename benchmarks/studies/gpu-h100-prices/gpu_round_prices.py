@@ -31,8 +31,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdecode import SpeculativeDecoder
-from specdecode.core.timing import step_seconds
 from specdecode.bench.runner import machine_info
+from specdecode.core.timing import step_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "round-cost-parts"))
 from round_cost_parts import instrument, measure, print_parts

@@ -38,8 +38,8 @@ from specdecode.backends.kernels import (
     product_candidates,
     timed_samples,
 )
-from specdecode.core.timing import step_seconds
 from specdecode.bench.prompts import load_prompts
+from specdecode.core.timing import step_seconds
 
 ROWS = list(range(1, 14))
 ROUNDS = 12

@@ -24,10 +24,10 @@ import torch
 from specdecode.acceptance.replay import PreviewCosts
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8
+from specdecode.bench.prompts import load_prompts
 from specdecode.core.config import PromptLookup
 from specdecode.core.drafters import lookup_continuation
 from specdecode.models.store import load_causal_lm
-from specdecode.bench.prompts import load_prompts
 
 CACHE = Path.home() / ".cache" / "specdecode" / "lookup-replay.json"
 PROMPTS, NEW_TOKENS = 8, 128

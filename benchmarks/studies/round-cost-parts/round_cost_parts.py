@@ -21,9 +21,9 @@ import time
 from collections import defaultdict
 
 from specdecode import SpeculativeDecoder
-from specdecode.core import engine, verification
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.bench.prompts import load_prompts
+from specdecode.core import engine, verification
 
 KS = (4, 5, 6, 8)
 ROTATIONS = 2

@@ -33,7 +33,7 @@ from specdecode.acceptance.head import law_features
 from specdecode.acceptance.labels import acceptance_labels
 from specdecode.backends.base import ModelBackend
 from specdecode.core.config import DecodeConfig, SamplingConfig
-from specdecode.core.drafters import ModelDrafter
+from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength, DraftedPosition, LengthPolicy
 from specdecode.core.sampling import logits_to_probs
@@ -193,6 +193,7 @@ def collect_rounds(
     cfg = DecodeConfig(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=round_tokens,
+        drafting="model",  # the recording drafter, k tokens a round
         sampling=sampling,
         stop_token_ids=stop_ids,
         row_seeds=row_seeds,

@@ -28,7 +28,8 @@ Choices that are not obvious from the code:
   Each epoch's order is a permutation drawn from (seed, epoch) alone, cut into global batches
   of `batch_size`; process r of N trains on rows r, r + N, ... of each, with the loss
   normalised over the whole global batch, so one step is the step a single process takes
-  (`specdecode.training.distributed`). The law term is fitted identically by every process. Validation
+  (`specdecode.training.distributed`). The law term is fitted identically by every process.
+Validation
   runs on every process over all held-out rows, so all agree on the best epoch; the main
   process alone writes.
 * Resumable at any world size: a checkpoint (`HEAD/checkpoint/`) is written after every epoch

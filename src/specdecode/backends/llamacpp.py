@@ -307,7 +307,9 @@ class LlamaCppModel:
         self.lengths = self.lengths + torch.tensor(counts, dtype=torch.long)
         for b in range(batch):
             if counts[b]:
-                self.row_tokens[b].extend(t for t, v in zip(tokens_l[b], valid_l[b]) if v)
+                self.row_tokens[b].extend(
+                    t for t, v in zip(tokens_l[b], valid_l[b], strict=True) if v
+                )
         return logits, hidden
 
     def _decode_piece(

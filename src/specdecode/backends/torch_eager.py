@@ -211,7 +211,7 @@ class CachedModel(TorchDecoderInfo):
         count = len(prompts)
         for layer in self._rollback_layers():
             if layer.keys is not None and layer.keys.numel():
-                b, h, n, d = layer.keys.shape
+                _, h, n, d = layer.keys.shape
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, h, n, d)])
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(count, h, n, d)])
         holes = torch.full((count, self.physical_len), HOLE, dtype=torch.long, device=self.device)

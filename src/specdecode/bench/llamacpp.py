@@ -40,12 +40,19 @@ from specdecode.bench.runner import (
     measure_shared,
     speed_rows,
 )
-from specdecode.core.config import LOOKUP_FIRST, PromptLookup
+from specdecode.core.config import DEFAULT_DRAFTING, PromptLookup
 
-LLAMA = Registry("llama.cpp")
+LLAMA = Registry(
+    "llama.cpp",
+    renamed={
+        "priced": "specdecode",
+        "priced-lookup": "specdecode-lookup",
+        "torch-sd-int8-lookup": "torch-sd-int8-lookup-first",
+    },
+)
 DEFAULT_METHODS = (
     "ar",
-    "priced",
+    "specdecode",
     "sd-lookup",
     "llama-cpp-python",
     "llama-cpp-python-huge",
@@ -188,12 +195,13 @@ def engine_run(
 class EngineOnLlama(LlamaMethod):
     """This engine on the llama.cpp backend."""
 
-    drafter: ClassVar[str | None] = "model"
-    options: ClassVar[dict] = {}
+    drafter: ClassVar[str | None] = "model"  # what its decoder holds: `Shared.decoder`
+    drafting: ClassVar[str] = "model"  # how it drafts (`config.DRAFTINGS`)
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         decoder = self.shared.decoder(self.drafter)
-        return engine_run(decoder, prompts, s, self.drafter is not None, self.k, self.options)
+        drafts = self.drafter is not None
+        return engine_run(decoder, prompts, s, drafts, self.k, {"drafting": self.drafting})
 
 
 @LLAMA.add
@@ -203,16 +211,16 @@ class PlainOnLlama(EngineOnLlama):
 
 
 @LLAMA.add
-class PricedOnLlama(EngineOnLlama):
-    name = "priced"  # `specdecode generate`'s default: lookup first, the drafter, as they pay
-    options: ClassVar[dict] = {"length_policy": "priced"}
+class DefaultOnLlama(EngineOnLlama):
+    name = "specdecode"  # as `specdecode generate` drafts, with the drafter model
+    drafting = DEFAULT_DRAFTING
 
 
 @LLAMA.add
-class PricedLookupOnLlama(EngineOnLlama):
-    name = "priced-lookup"  # the priced policy with lookup alone (no drafter model)
+class DefaultLookupOnLlama(EngineOnLlama):
+    name = "specdecode-lookup"  # the same with lookup alone (no drafter model)
     drafter = "lookup"
-    options: ClassVar[dict] = {"length_policy": "priced"}
+    drafting = DEFAULT_DRAFTING
 
 
 @LLAMA.add
@@ -226,6 +234,7 @@ class LookupOnLlama(EngineOnLlama):
     name = "sd-lookup"
     takes_k = True
     drafter = "lookup"
+    drafting = "lookup"
 
 
 @LLAMA.add
@@ -329,7 +338,7 @@ class TorchMethod(LlamaMethod):
             )
 
         decoder = self.shared.shared(self.name, build)
-        options = {"lookup_first": LOOKUP_FIRST} if self.drafter_int8 else {}
+        options = {"drafting": "lookup-first"}
         return engine_run(decoder, prompts, s, self.drafter_int8, self.k, options)
 
 
@@ -340,7 +349,7 @@ class TorchPlain(TorchMethod):
 
 @LLAMA.add
 class TorchInt8LookupFirst(TorchMethod):
-    name = "torch-sd-int8-lookup"  # the torch backend's best (int8 drafter, lookup first)
+    name = "torch-sd-int8-lookup-first"  # the torch backend's best (int8 drafter, lookup first)
     takes_k = True
     drafter_int8 = True
 
@@ -416,8 +425,8 @@ def run_llama_bench(
     target = shared.target()
     sample = records[(REFERENCE, cfg.batch_sizes[0])].outputs[0][:48]
     noise = measure_noise(target, prompt_ids[0], sample) if sample else 0.0
-    priced = shared.decoder("model") if "priced" in cfg.methods else None
-    prices = priced.pass_prices() if priced is not None else None
+    default = shared.decoder("model") if DefaultOnLlama.name in cfg.methods else None
+    prices = default.pass_prices() if default is not None else None
 
     def extras(row: dict, method: LlamaMethod, rec, base) -> None:
         if rec.stats is not None:

@@ -20,8 +20,10 @@ Causal methods (prompts in, new token ids out):
 * `sd-int8`: this engine with an int8 dynamically quantized copy of the drafter.
 * `sd-lookup`: this engine drafting by prompt lookup (`PromptLookup`: n-grams of 3 down to 1,
   the latest earlier occurrence), no drafter model; k tokens at most a round.
-* `sd-int8-lookup`: `sd-int8` where a row's last 3 or 4 tokens occurred before, prompt lookup
-  drafts instead of the model for that round (`LookupFirstDrafter`, `config.LOOKUP_FIRST`).
+* `sd-int8-lookup-first`: `sd-int8` where a row's last 3 or 4 tokens occurred before, prompt
+  lookup drafts instead of the model for that round (drafting `lookup-first`).
+* `specdecode`: this engine as `specdecode generate` runs it (`config.DEFAULT_DRAFTING`) with
+  the fp32 drafter.
 * `hf-lookup`: `transformers` prompt lookup decoding (`prompt_lookup_num_tokens=k`, n-grams of 3
   down to 1 as ours, its first occurrence); batch size 1 only.
 
@@ -49,7 +51,7 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8, use_prepacked
 from specdecode.backends.torch_eager import model_device
-from specdecode.core.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
+from specdecode.core.config import DEFAULT_DRAFTING, HEAD_POLICIES, PromptLookup, RoundPrices
 from specdecode.core.stats import DecodeStats
 
 
@@ -98,11 +100,13 @@ M = TypeVar("M", bound=type)
 
 
 class Registry(dict[str, type]):
-    """Method names to classes, filled by `add` where each class is defined."""
+    """Method names to classes, filled by `add` where each class is defined; `renamed` maps
+    names a method no longer has to the one it has now."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, renamed: dict[str, str] | None = None) -> None:
         super().__init__()
         self.family = family
+        self.renamed = renamed or {}
 
     def add(self, cls: M) -> M:
         """Class decorator: the class's `name` now names it in `--methods`."""
@@ -112,12 +116,14 @@ class Registry(dict[str, type]):
         return cls
 
     def lookup(self, name: str) -> type:
+        if name in self.renamed:
+            raise ValueError(f"method {name!r} is now called {self.renamed[name]!r}")
         if name not in self:
             raise ValueError(f"unknown method {name!r}; known: {', '.join(self)}")
         return self[name]
 
 
-CAUSAL = Registry("causal")
+CAUSAL = Registry("causal", renamed={"sd-int8-lookup": "sd-int8-lookup-first"})
 
 T = TypeVar("T")
 
@@ -359,7 +365,7 @@ class EngineMethod(CausalMethod):
 
     decoder_of: ClassVar[str | None] = None  # another kind whose decoder this one shares
     drafts: ClassVar[bool] = True  # False: plain decoding of the target
-    lookup_first: ClassVar[Any] = None
+    drafting: ClassVar[str] = "model"  # how it drafts (`config.DRAFTINGS`)
 
     @classmethod
     def make_drafter(cls, models: Models) -> torch.nn.Module | PromptLookup | None:
@@ -386,12 +392,12 @@ class EngineMethod(CausalMethod):
             num_draft_tokens=method.k or 1,
             seed=s.seed,
             stop_token_ids=s.stop_token_ids,
+            drafting=self.drafting,
             length_policy=method.policy,
             stop_threshold=method.threshold,
             bound=method.bound,
             coupled=s.coupled,
             round_prices=self.models.round_prices[method.kind] if method.priced else None,
-            lookup_first=self.lookup_first,
         )
         # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to
         # the pairing, not to the method: the time they took, measured on their own, is left out.
@@ -427,15 +433,23 @@ class SpeculativeInt8(Speculative):
 
 @CAUSAL.add
 class SpeculativeInt8LookupFirst(SpeculativeInt8):
-    name = "sd-int8-lookup"
+    name = "sd-int8-lookup-first"
     decoder_of = "sd-int8"  # the same decoder (one int8 copy), looking up first
-    lookup_first = LOOKUP_FIRST
+    drafting = "lookup-first"
+
+
+@CAUSAL.add
+class SpeculativeDefault(EngineMethod):
+    name = "specdecode"  # as `specdecode generate` drafts
+    decoder_of = "sd"  # the same decoder (the fp32 drafter)
+    drafting = DEFAULT_DRAFTING
 
 
 @CAUSAL.add
 class SpeculativeLookup(EngineMethod):
     name = "sd-lookup"
     takes_k = True
+    drafting = "lookup"
 
     @classmethod
     def make_drafter(cls, models: Models) -> PromptLookup:

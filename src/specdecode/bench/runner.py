@@ -32,7 +32,6 @@ import torch
 from tqdm.auto import tqdm
 
 from specdecode.backends.kernels import cpu_fp32, model_bytes
-from specdecode.core.timing import step_seconds
 from specdecode.bench.methods import (
     CAUSAL,
     BenchMethod,
@@ -52,6 +51,7 @@ from specdecode.bench.metrics import (
 )
 from specdecode.core.config import RoundPrices
 from specdecode.core.stats import CostFigures, DecodeStats, RowStats
+from specdecode.core.timing import step_seconds
 
 REFERENCE = "ar"  # the baseline of every ratio and the text exact methods must reproduce
 

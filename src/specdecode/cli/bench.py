@@ -116,10 +116,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_llama(args)
     from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
+    from specdecode.bench.prompts import require_prompts
     from specdecode.bench.runner import BenchConfig, run_bench
     from specdecode.cli.common import DTYPES
     from specdecode.models.store import load_causal_lm
-    from specdecode.bench.prompts import require_prompts
 
     set_threads(args.threads)
     fits = cpu_fp32(args.device, DTYPES[args.dtype])  # where the CPU kernels apply
@@ -165,9 +165,9 @@ def cmd_bench_llama(args: argparse.Namespace) -> int:
 
     if args.device != "cpu" or args.dtype != "float32" or args.length_policy != ["constant"]:
         raise ValueError(
-            "the llama.cpp bench runs GGUF weights on the CPU with its own methods (priced is "
-            "the priced policy); --device, --dtype and --length-policy are torch-bench options "
-            "(--backend torch)"
+            "the llama.cpp bench runs GGUF weights on the CPU with its own methods (specdecode "
+            "drafts as `specdecode generate` does); --device, --dtype and --length-policy are "
+            "torch-bench options (--backend torch)"
         )
     cfg = LlamaBenchConfig(
         **_run_settings(args), methods=tuple(args.methods or DEFAULT_METHODS), rss=args.rss
@@ -223,7 +223,7 @@ def _default_bench_backend(args: argparse.Namespace, default_backend) -> str:
         or args.priced
         or args.coupled
         or args.no_prepack
-        or any(m not in LLAMA for m in args.methods or [])
+        or any(m not in LLAMA and m not in LLAMA.renamed for m in args.methods or [])
     )
     return "torch" if torch_only else default_backend(args.target, args.device)
 
@@ -285,11 +285,13 @@ def add_subcommands(subparsers) -> None:
         "--methods",
         nargs="+",
         default=None,
-        help="On llama.cpp (known models on the CPU): ar priced priced-lookup sd sd-lookup "
+        help="On llama.cpp (known models on the CPU): ar specdecode (as `specdecode generate` "
+        "drafts) specdecode-lookup (the same, no drafter model) sd sd-lookup "
         "llama-cpp-python llama-cpp-python-huge (its weights in 2 MiB pages, as ours) "
-        "llama-cpp-python-lookup torch-ar torch-sd-int8-lookup (default: ar priced sd-lookup "
-        "and the llama-cpp-python peers). With --backend torch: ar hf "
-        "hf-assisted hf-assisted-k sd sd-int8 sd-lookup sd-int8-lookup hf-lookup (default: ar hf "
+        "llama-cpp-python-lookup torch-ar torch-sd-int8-lookup-first (default: ar specdecode "
+        "sd-lookup and the llama-cpp-python peers). With --backend torch: ar hf hf-assisted "
+        "hf-assisted-k specdecode sd sd-int8 sd-lookup sd-int8-lookup-first hf-lookup (default: "
+        "ar hf "
         "hf-assisted sd sd-int8); suffix +dense for default kernels. With --pair: ar hf hf-beam5 "
         "hf-assisted specdec "
         "specdec-int8 specdec-alt specdec-alt-int8 specdec-relaxed (default: all but the int8 and "

@@ -9,13 +9,36 @@ import argparse
 
 import torch
 
-from specdecode.core.config import (
-    POLICIES,
-)
+from specdecode.core.config import DEFAULT_DRAFTING, DRAFTINGS, POLICIES, RETIRED_POLICIES
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def length_policy_option(name: str) -> str:
+    """`--length-policy NAME`: a retired name is refused with what to write instead."""
+    if name in RETIRED_POLICIES:
+        raise argparse.ArgumentTypeError(RETIRED_POLICIES[name])
+    return name
+
+
+def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
+    """How tokens are drafted (`config.DRAFTINGS`), for the commands that decode one way."""
+    parser.add_argument(
+        "--drafting",
+        choices=tuple(DRAFTINGS),
+        default=DEFAULT_DRAFTING,
+        help="; ".join(f"{name}: {what}" for name, what in DRAFTINGS.items())
+        + f" (default: {DEFAULT_DRAFTING})",
+    )
+    parser.add_argument(
+        "--lookup-first",
+        dest="drafting",
+        action="store_const",
+        const="lookup-first",
+        help="the same as --drafting lookup-first",
+    )
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,12 +50,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
     parser.add_argument(
         "--length-policy",
+        type=length_policy_option,
         choices=POLICIES,
         default="constant",
-        help="how many tokens to draft per round (priced, generate's default: as far as this "
-        "machine's measured prices say drafting pays, lookup first, a plain step when nothing "
-        "does; head: SpecDec++; head-u: the head also "
-        "reads each token's acceptance number, sampling only; the default pair's heads ship)",
+        help="how many tokens the drafter model or lookup drafts per round (drafting auto plans "
+        "its own: use the others with --drafting model, lookup or lookup-first); head: "
+        "SpecDec++; head-u: the head also reads each token's acceptance number, sampling only; "
+        "the default pair's heads ship",
     )
     parser.add_argument(
         "--stop-threshold",

@@ -12,13 +12,13 @@ from specdecode.cli.common import (
     DEFAULT_TARGET,
     DTYPES,
     add_decoding_arguments,
+    add_drafting_arguments,
     read_prompts,
     set_threads,
 )
 from specdecode.core.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
-    LOOKUP_FIRST,
     PROMPT_LOOKUP,
     max_draft_batch_option,
 )
@@ -31,7 +31,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = read_prompts(args)
-    draft = None if args.no_draft else args.draft
+    # lookup drafts with no model: none is loaded for it
+    draft = None if args.no_draft or args.drafting == "lookup" else args.draft
     dtype = DTYPES[args.dtype]
     backend = args.backend or default_backend(args.target, args.device)
     torch_only = backend in TORCH_BACKENDS
@@ -48,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         threads=args.threads,
         compile=args.compile,
     )
-    if args.length_policy == "priced" and draft is not None and not args.json:
+    if args.drafting == "auto" and not args.no_draft and not args.json:
         print(f"[{decoder.backend} prices] {decoder.pass_prices().describe()}", file=sys.stderr)
     if args.head is not None:
         decoder.load_head(args.head)
@@ -56,11 +57,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.priced:
         if args.length_policy not in HEAD_POLICIES:
             raise ValueError("--priced prices the head policies' rounds: use --length-policy head")
-        if draft is None:
-            raise ValueError("--priced prices drafted tokens; it needs a drafter (no --no-draft)")
+        if decoder.drafter is None:
+            raise ValueError("--priced prices drafted tokens; it needs a drafter model (--draft)")
         prices = decoder.measure_round_prices(args.bound[1] if args.bound else DEFAULT_BOUND[1])
         print(f"[round prices] {prices.describe()}", file=sys.stderr)
     settings = dict(
+        use_drafter=not args.no_draft,
+        drafting=args.drafting,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -74,10 +77,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_draft_batch=max_draft_batch_option(args.max_draft_batch),
         round_prices=prices,
     )
-    if args.lookup_first:
-        if draft in (None, PROMPT_LOOKUP):
-            raise ValueError("--lookup-first looks up before a drafter model; give one (--draft)")
-        settings["lookup_first"] = LOOKUP_FIRST
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]
@@ -117,8 +116,8 @@ def add_subcommands(subparsers) -> None:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (n-gram lookup in the text "
-        "itself, no drafter model)",
+        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (no drafter model: drafting "
+        "auto then prices lookup alone; --drafting lookup drafts k every round)",
     )
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
     p.add_argument(
@@ -146,12 +145,7 @@ def add_subcommands(subparsers) -> None:
         help="draft only while at most N rows of a batch are running, plain steps above "
         "(default: always draft; greedy output is the same either way)",
     )
-    p.add_argument(
-        "--lookup-first",
-        action="store_true",
-        help="where a row's last 3 or 4 tokens occurred before, draft what followed them (prompt "
-        "lookup) instead of running the drafter that round (the bench's sd-int8-lookup)",
-    )
+    add_drafting_arguments(p)
     p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
     add_decoding_arguments(p)
-    p.set_defaults(func=cmd_generate, length_policy="priced")
+    p.set_defaults(func=cmd_generate)

@@ -66,7 +66,23 @@ class PromptLookup:
 
 LOOKUP_FIRST = PromptLookup(max_ngram=4, min_ngram=3)  # lookup before a drafter model: only
 # matches of 3 tokens or more, whose drafts the default pair's greedy HumanEval outputs accept
-# 2.7 of 4 at a time, against 2.4 with 2-gram matches allowed (`drafters.LookupFirstDrafter`)
+# 2.7 of 4 at a time, against 2.4 with 2-gram matches allowed (`drafting.mixed.MixedDrafter`)
+LOOKUP_ALONE = PromptLookup(max_ngram=4, min_ngram=1)  # priced lookup with no drafter model:
+# every match length, each priced by its own acceptance (`drafting.planners.PricedPlanner`)
+
+# How tokens are drafted, one setting apart from how many (the length policy); built by
+# `drafting.factory.make_drafter`, which alone maps these names to drafters.
+DRAFTINGS = {
+    "auto": "lookup where the text repeats itself, the drafter model elsewhere (if one is "
+    "loaded), each only as far as this machine's prices say it pays, down to a plain step",
+    "model": "the drafter model, under the length policy",
+    "lookup": "prompt lookup: n-grams of the text itself, no drafter model",
+    "lookup-first": "prompt lookup where the text's last 3-4 tokens occurred before, else the "
+    "drafter model under the length policy",
+}
+DEFAULT_DRAFTING = "auto"  # the one default of the API, `specdecode generate`, bench and server
+PLANNED_DRAFTINGS = ("auto",)  # settings that plan each round's length themselves (from prices,
+# up to the bound's MAX), so they read no length policy
 
 
 @dataclass(frozen=True)
@@ -117,7 +133,7 @@ class PassPrices:
     `target[t - 1]` a target pass over t tokens in all (the rows of a batch together), `draft`
     a one-token drafter step (None: no drafter model).
 
-    The priced policy (`length_policy="priced"`) plans every round from these. A pass's cost is
+    Drafting `auto` plans every round from these. A pass's cost is
     read as a function of the tokens it holds in all: on llama.cpp a batch of 8 rows of one
     token costs about what one row of 8 tokens does (121 against 106 ms on the 1.5B target, 2
     cores), and a verify pass grows about half a step per token, so whether drafting pays
@@ -138,7 +154,7 @@ class PassPrices:
         """A target pass over `tokens` tokens; beyond the measured range, the line through the
         upper half of the measured passes. Not the last step's slope: two neighbouring timings
         are as noisy as their difference, and a flat last step once priced a batch of 8 rows
-        of 9 tokens at the cost of 12 tokens, which made the priced policy draft at batch 8
+        of 9 tokens at the cost of 12 tokens, which made priced drafting draft at batch 8
         where it lost 40% to plain decoding."""
         known = len(self.target)
         if tokens <= known:
@@ -171,20 +187,20 @@ class DecodeConfig:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     row_seeds: tuple[int, ...] | None = None
-    length_policy: str = "constant"  # see `length_policies.POLICIES`
+    drafting: str = DEFAULT_DRAFTING  # how tokens are drafted: one of `DRAFTINGS`
+    length_policy: str = "constant"  # how many a round (`length_policies`); `auto` plans its own
     stop_threshold: float | None = None  # confidence: least top probability; head: SpecDec++ h
     bound: tuple[int, int] | None = None  # (MIN, MAX) tokens per round of adaptive policies
     # sampling only: numbers keyed to positions and the bonus token drawn via the drafter, so
     # every length policy commits the same text for a seed (see `sampling.PositionRandom`)
     coupled: bool = False
-    # rounds draft only while at most this many rows are running (None: always). Above it a
-    # round is a plain step of every row: where a batch makes the target's pass compute-bound
-    # (a CPU at batch 8 or more, `docs/findings.md`), verifying k + 1 positions a row costs
-    # more than the drafts save. Rows that finish shrink the batch and drafting resumes.
+    # rounds draft only while at most this many rows are running (None: always), an explicit
+    # choice of the user's: above it a round is a plain step of every row. Rows that finish
+    # shrink the batch and drafting resumes. Drafting `auto` needs none: its plan prices rows.
     max_draft_batch: int | None = None
     # head policies: what a round costs here; None prices every verify pass alike (SpecDec++)
     round_prices: RoundPrices | None = None
-    # the priced policy: this backend's pass prices (`PassPrices`); None: measured at first use
+    # drafting auto: this backend's pass prices (`PassPrices`); None: measured at first use
     pass_prices: PassPrices | None = None
 
     def __post_init__(self) -> None:
@@ -215,6 +231,11 @@ class DecodeConfig:
                 f"max_draft_batch must be an integer >= 1 (None: always draft), got "
                 f"{self.max_draft_batch!r}"
             )
+        if self.drafting not in DRAFTINGS:
+            known = ", ".join(DRAFTINGS)
+            raise ValueError(f"unknown drafting {self.drafting!r}; known: {known}")
+        if self.length_policy in RETIRED_POLICIES:
+            raise ValueError(RETIRED_POLICIES[self.length_policy])
         if self.length_policy not in POLICIES:
             known = ", ".join(POLICIES)
             raise ValueError(f"unknown length policy {self.length_policy!r}; known: {known}")
@@ -226,15 +247,13 @@ class DecodeConfig:
                 )
             if not (math.isfinite(self.stop_threshold) and 0.0 < self.stop_threshold < 1.0):
                 raise ValueError(f"stop_threshold must be in (0, 1), got {self.stop_threshold}")
-        if self.pass_prices is not None and self.length_policy != "priced":
-            raise ValueError(
-                f"pass_prices are read by the priced policy, not {self.length_policy!r}"
-            )
+        if self.pass_prices is not None and self.drafting not in PLANNED_DRAFTINGS:
+            raise ValueError(f"pass_prices are read by drafting auto, not {self.drafting!r}")
         if self.bound is not None:
-            if self.length_policy == "constant":
+            if not self.plans_lengths and self.length_policy == "constant":
                 raise ValueError(
-                    "bound (MIN, MAX) applies to the adaptive length policies; the constant "
-                    "policy drafts num_draft_tokens every round"
+                    "bound (MIN, MAX) applies to the adaptive length policies and drafting "
+                    "auto; the constant policy drafts num_draft_tokens every round"
                 )
             low, high = self.bound
             if not (1 <= low <= high):
@@ -261,9 +280,14 @@ class DecodeConfig:
         return self.bound if self.bound is not None else DEFAULT_BOUND
 
     @property
+    def plans_lengths(self) -> bool:
+        """Whether the drafting plans each round's length itself (up to the bound's MAX)."""
+        return self.drafting in PLANNED_DRAFTINGS
+
+    @property
     def max_draft_tokens(self) -> int:
         """The longest round: sizes the verify window and the token buffer."""
-        if self.length_policy == "constant":
+        if self.length_policy == "constant" and not self.plans_lengths:
             return self.num_draft_tokens
         return self.draft_bound[1]
 
@@ -276,14 +300,14 @@ POLICY_DEFAULT_THRESHOLDS = {
     "confidence": 0.4,
     "head": 0.7,
     "head-u": 0.8,  # its predictions also read the acceptance number: led on both sets replayed
-    "priced": 0.0,  # no threshold: drafts as far as this machine's prices say it pays
 }
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 HEAD_POLICIES = ("head", "head-u")  # the policies that read an acceptance head
-# the priced policy drafts only while this many rows run (unless max_draft_batch says otherwise):
-# its prices are timed on one row, and a pass of 8 rows costs about 20% more than one row of as
-# many tokens, which its plan does not see (measured at batch 8 on 2 cores: 0.69x plain decoding)
-PRICED_DRAFT_BATCH = 1
+RETIRED_POLICIES = {  # names that are no longer length policies, and what to write instead
+    "priced": "'priced' is no longer a length policy: drafting is a setting of its own, and "
+    "drafting='auto' (--drafting auto, the default) drafts as far as this machine's prices "
+    "say it pays",
+}
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound
 
 

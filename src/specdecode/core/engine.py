@@ -17,7 +17,7 @@ import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.core.config import DecodeConfig, SamplingConfig
-from specdecode.core.drafters import Draft, Drafter
+from specdecode.core.drafting.base import Draft, Drafter
 from specdecode.core.sampling import (
     InvalidLogitsError,
     PositionRandom,

@@ -1,6 +1,8 @@
 """Length policies: how many tokens each row drafts in a round.
 
-One protocol, six policies, chosen by name (`POLICIES`):
+One protocol, five policies, chosen by name (`POLICIES`). A policy says how many tokens a round
+drafts, never how: that is the drafting setting (`drafting`), and drafting `auto` plans its
+rounds' lengths from the machine's prices instead of reading a policy.
 
 * `constant`: k tokens every round (SpecDec; the baseline).
 * `heuristic`: `transformers` assisted generation's schedule, per row: k grows by 2 after a round
@@ -12,8 +14,6 @@ One protocol, six policies, chosen by name (`POLICIES`):
   acceptance head's prediction for the i-th drafted token (from the drafter's hidden state and
   the drafting law's features; a sampling head also reads how likely the drawn token was).
   The SpecDec++ MDP analysis shows this threshold rule is the optimal stopping policy.
-* `priced`: per row and round, as far as drafting pays at this machine's measured prices, from
-  lookup or the drafter model, down to a plain step (`priced.PricedDrafter`).
 * `head-u` (sampling): `head`, with each prediction also reading the token's acceptance number
   u, drawn when the token is drafted. The verdict is u < p/q: a token drawn with a small u is
   kept unless the target all but excludes it, one with u near 1 only if the target likes it at
@@ -294,8 +294,6 @@ BUILDERS = {
     "confidence": lambda cfg, head: ConfidenceLength(cfg.policy_threshold, *cfg.draft_bound),
     "head": _head_policy,
     "head-u": _head_policy,
-    # `priced.PricedDrafter` plans each row's round itself; the model under it drafts as told
-    "priced": lambda cfg, head: ConstantLength(cfg.max_draft_tokens),
 }
 assert tuple(BUILDERS) == POLICIES
 

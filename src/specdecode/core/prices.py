@@ -1,6 +1,6 @@
 """What a pass costs on a backend, measured through the model interface at load.
 
-The priced policy (`priced.PricedDrafter`) plans rounds from these prices rather than from a
+Drafting `auto` (`drafting.planners`) plans rounds from these prices rather than from a
 rule of thumb, because they differ by an order of magnitude between machines and backends: on
 a 2-core CPU a 4-bit target on llama.cpp pays about half a step per extra token in a pass, an
 fp32 target on prepacked PyTorch kernels almost nothing up to 4-5 tokens, a GPU nothing up to

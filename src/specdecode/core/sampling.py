@@ -83,7 +83,9 @@ class RowSampling:
         first = self.configs[0] if self.configs else SamplingConfig()
         if all(c == first for c in self.configs):
             return logits_to_probs(logits, first)
-        return torch.stack([logits_to_probs(row, c) for row, c in zip(logits, self.configs)])
+        return torch.stack(
+            [logits_to_probs(row, c) for row, c in zip(logits, self.configs, strict=True)]
+        )
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig | RowSampling) -> torch.Tensor:

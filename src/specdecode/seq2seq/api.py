@@ -19,11 +19,11 @@ import torch
 
 from specdecode.core.config import DecodeConfig, SamplingConfig
 from specdecode.core.engine import decode
+from specdecode.core.stats import DecodeStats, RowStats
+from specdecode.core.verification import TopBetaTau, make_rule
 from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
-from specdecode.core.stats import DecodeStats, RowStats
-from specdecode.core.verification import TopBetaTau, make_rule
 
 # Exact SpecDec against plain decoding of the shipped pair by batch size, 2-core AMD EPYC
 # (benchmarks/studies/specdec-draft-batch/): 1.2-1.4x at 1, 0.9-1.2x at 4, 0.9-1.0x at 8, 0.7-0.8x
@@ -184,6 +184,7 @@ class TranslationPair:
         cfg = DecodeConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=block_size,
+            drafting="model",  # its own block drafter, k tokens a round
             sampling=sampling,
             stop_token_ids=(self.tokenizer.eos_token_id,),
             seed=seed,

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.training.distributed import gather_objects, main_object, process_state
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.verifier_train import translate_batches, translation_batches
+from specdecode.training.distributed import gather_objects, main_object, process_state
 
 _CLAUSE = re.compile(r"(?<=[,;:])\s+")
 

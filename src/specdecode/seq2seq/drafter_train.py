@@ -31,16 +31,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.training.distributed import (
-    StepCallback,
-    StepRecord,
-    agreed_on_resume,
-    global_means,
-    main_object,
-    new_accelerator,
-    share,
-    step_seed,
-)
 from specdecode.seq2seq.block_drafter import BlockDrafter, BlockDrafterConfig, init_from_verifier
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.training import (
@@ -55,6 +45,16 @@ from specdecode.seq2seq.training import (
     start_run,
 )
 from specdecode.seq2seq.verifier_train import read_pairs
+from specdecode.training.distributed import (
+    StepCallback,
+    StepRecord,
+    agreed_on_resume,
+    global_means,
+    main_object,
+    new_accelerator,
+    share,
+    step_seed,
+)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.core.drafters import Draft
+from specdecode.core.drafting.base import Draft
 from specdecode.core.sampling import bad_maxima
 from specdecode.seq2seq.block_drafter import BlockDrafter, DrafterState
 from specdecode.seq2seq.cached import CachedSeq2Seq

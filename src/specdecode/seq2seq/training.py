@@ -4,7 +4,8 @@ resumable checkpoints, a wall-clock budget, and greedy BLEU on the validation sp
 Training runs on a 2-core CPU in pieces of a few hours, so every trainer is resumable: the model,
 optimizer, scheduler, step counter and data position are saved every few minutes, and the same
 command picks up where it stopped. `accelerate` drives the loop, so the same command uses a GPU
-where there is one, and several processes under `accelerate launch` (`specdecode.training.distributed`
+where there is one, and several processes under `accelerate launch`
+(`specdecode.training.distributed`
 says how they split the work). `max_tokens` is the *global* batch: the batches of an epoch are
 the same whatever the number of processes, each process trains on its share of every batch, and
 so a checkpoint resumes at any world size with its step count and data position.

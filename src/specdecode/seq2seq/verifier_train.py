@@ -18,16 +18,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from specdecode.training.distributed import (
-    StepCallback,
-    StepRecord,
-    agreed_on_resume,
-    global_means,
-    main_object,
-    new_accelerator,
-    share,
-    step_seed,
-)
 from specdecode.seq2seq.corpus import read_split
 from specdecode.seq2seq.tokenizer import load_tokenizer, train_tokenizer
 from specdecode.seq2seq.training import (
@@ -43,6 +33,16 @@ from specdecode.seq2seq.training import (
     pad,
     snapshot_dirs,
     start_run,
+)
+from specdecode.training.distributed import (
+    StepCallback,
+    StepRecord,
+    agreed_on_resume,
+    global_means,
+    main_object,
+    new_accelerator,
+    share,
+    step_seed,
 )
 
 
@@ -199,7 +199,8 @@ def train_verifier(
     """Train (or resume) the verifier; returns the summary written to summary.json.
 
     Under `accelerate launch` each process trains on its share of every global batch
-    (`specdecode.training.distributed`), and the main process alone writes the tokenizer, checkpoints,
+    (`specdecode.training.distributed`), and the main process alone writes the tokenizer,
+    checkpoints,
     best model and summary. `on_step` sees each step's rows of this process and global loss.
     """
     from transformers import MarianMTModel

@@ -1,0 +1,125 @@
+"""One drafter for lookup and a model together, under a planner (`planners`).
+
+Per row and round: if the text's last n tokens (n >= `lookup.min_ngram`) occurred before, the
+row drafts what followed them, at no model pass; the other rows draft with the model (if there
+is one). The planner says how far each row drafts: `FixedPlanner` as far as the model's length
+policy allows (drafting `lookup-first`), `PricedPlanner` as far as it pays at this machine's
+prices (drafting `auto`). A row's model cache catches up on the committed tokens the next time
+it drafts with the model (`ModelBackend.pending`).
+
+Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
+lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
+measurements on the default pair).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.core.config import PromptLookup
+from specdecode.core.drafting.base import Draft
+from specdecode.core.drafting.lookup import lookup_continuation, lookup_law
+from specdecode.core.drafting.model import ModelDrafter
+from specdecode.core.drafting.planners import Planner
+
+
+class MixedDrafter:
+    """Lookup where the text repeats, the drafter model (`model`, may be None) elsewhere."""
+
+    def __init__(
+        self, lookup: PromptLookup, model: ModelDrafter | None, planner: Planner, vocab_size: int
+    ) -> None:
+        self.lookup, self.model, self.planner = lookup, model, planner
+        self.vocab_size = vocab_size
+        self.round: tuple[list[int], list[int]] | None = None  # (match length or 0, drafted)
+
+    def start(self, batch_size: int) -> None:
+        self.planner.start(batch_size)
+        if self.model is not None:
+            self.model.start(batch_size)
+
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        budget = self.planner.budget(max_tokens)  # most tokens per row this round
+        lens = seq_lens.tolist()
+        texts = sequences[:, : max(lens, default=0)].cpu()  # [batch, longest] the round's copy
+        found = [
+            lookup_continuation(texts[b, : lens[b]], budget[b], self.lookup, with_ngram=True)
+            for b in range(len(lens))
+        ]
+        ngrams = [n for _, n in found]  # 0: no match, the model drafts (if there is one)
+        plan = self.planner.plan(ngrams, [len(c) for c, _ in found], budget)
+        self.round = (ngrams, plan)
+        device = sequences.device
+        use = torch.tensor([n > 0 for n in ngrams], device=device)  # [batch] lookup rows
+        model_k = [0 if n else k for n, k in zip(ngrams, plan, strict=True)]
+        if self.model is not None and max(model_k, default=0) > 0:
+            limits = torch.tensor(model_k, device=device)  # [batch]
+            draft = self.model.propose(sequences, seq_lens, limits, rng)
+        else:
+            draft = Draft.empty(len(lens), device)
+        looked = [c[:k] if n else c[:0] for (c, n), k in zip(found, plan, strict=True)]
+        return merge_lookup(draft, looked, use)
+
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        if self.model is None:
+            return lookup_law(sequences, seq_lens, rows, self.lookup, self.vocab_size)
+        return self.model.next_law(sequences, seq_lens, rows)
+
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
+        if self.round is None:  # a plain round (the engine did not ask for a draft)
+            if self.model is not None:
+                self.model.rollback(lengths, num_drafted, num_accepted)
+            return
+        ngrams, plan = self.round
+        self.planner.observe(ngrams, plan, num_accepted.tolist())
+        if self.model is not None:
+            # the model's policy hears only its own rows: a looked-up row drafted nothing
+            # with the model (a heuristic k stays as it was)
+            looked = torch.tensor([n > 0 for n in ngrams], device=num_drafted.device)
+            self.model.rollback(lengths, num_drafted.masked_fill(looked, 0), num_accepted)
+        self.round = None  # heard: a round the engine runs plain next leaves nothing to learn
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.planner.select_rows(rows.tolist())
+        self.round = None
+        if self.model is not None:
+            self.model.select_rows(rows)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.planner.add_rows(len(prompts))
+        self.round = None
+        if self.model is not None:
+            self.model.add_rows(prompts)
+
+
+def merge_lookup(draft: Draft, looked: list[torch.Tensor], use: torch.Tensor) -> Draft:
+    """The model's draft with the rows in `use` ([batch] bool) replaced by their looked-up
+    tokens (`looked[b]`, [n_b] on any device): a looked-up row's law is a point mass on its
+    token, and it spent no drafter pass."""
+    device = draft.tokens.device
+    width = max(draft.tokens.shape[1], max((len(t) for t in looked), default=0))
+    if not any(len(t) for t in looked):  # no row looked anything up (no host sync on `use`)
+        return draft
+    lengths = torch.tensor([len(t) for t in looked], dtype=torch.long, device=device)  # [batch]
+    tokens = torch.zeros(len(looked), width, dtype=torch.long)  # [batch, width] on the host
+    for b, t in enumerate(looked):
+        tokens[b, : len(t)] = t
+    tokens = tokens.to(device)
+    padded = torch.nn.functional.pad(draft.tokens, (0, width - draft.tokens.shape[1]))
+    tokens = torch.where(use[:, None], tokens, padded)  # [batch, width]
+    lengths = torch.where(use, lengths, draft.lengths)  # [batch]
+    probs = draft.probs  # [batch, drafted, vocab] or None
+    if probs is not None:  # sampling: the looked-up rows' laws are point masses
+        probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))
+        point = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
+        probs = torch.where(use[:, None, None], point, probs)
+    passes = draft.row_passes if draft.row_passes is not None else draft.lengths
+    return Draft(
+        tokens,
+        probs,
+        lengths,
+        draft.forwards,
+        draft.invalid_logits,
+        draft.policy_seconds,
+        row_passes=passes.masked_fill(use, 0),
+    )

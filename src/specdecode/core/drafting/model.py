@@ -1,0 +1,122 @@
+"""A small causal LM drafting autoregressively: k sequential forward passes, its own cache.
+
+How many tokens each row drafts in a round is the job of a length policy (`length_policies`):
+the constant policy fixes it up front; adaptive policies decide after every drafted position,
+per row, and the round ends when every row has stopped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdecode.backends.base import ModelBackend
+from specdecode.core.config import SamplingConfig
+from specdecode.core.drafting.base import Draft
+from specdecode.core.length_policies import DraftedPosition, LengthPolicy
+from specdecode.core.sampling import bad_logits, logits_to_probs, sample_from
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bring drafter logits to the target's vocabulary size (families pad embeddings).
+
+    Extra drafter ids are cut off and missing ones get -inf; the draft is then sampled from this
+    aligned law, and the same law enters the acceptance ratio, so nothing is lost.
+    """
+    # logits: [batch, v_draft] -> [batch, vocab_size]
+    extra = vocab_size - logits.shape[-1]
+    if extra < 0:
+        return logits[..., :vocab_size]
+    if extra > 0:
+        return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+    return logits
+
+
+class ModelDrafter:
+    """A small causal LM drafting autoregressively, one forward pass per drafted position."""
+
+    def __init__(
+        self,
+        lm: ModelBackend,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        policy: LengthPolicy,
+    ) -> None:
+        self.lm = lm
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        self.policy = policy
+
+    def start(self, batch_size: int) -> None:
+        self.lm.reset(batch_size)
+        self.policy.start(batch_size, self.lm.device)
+
+    @torch.no_grad()
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        policy = self.policy
+        limits = policy.round_limits(max_tokens)  # [batch] most tokens per row this round
+        limit_list = limits.tolist()
+        width = max(limit_list, default=0)
+        if width == 0:
+            return Draft.empty(len(limit_list), sequences.device)
+        tokens, valid = self.lm.pending(sequences, seq_lens)  # [batch, n_pending]
+        active = limits > 0  # [batch] rows drafting position i
+        active_host = [lim > 0 for lim in limit_list]  # the same, for the per-row draws
+        lengths = torch.zeros_like(limits)  # [batch]
+        drafted, laws, policy_seconds = [], [], 0.0
+        invalid = torch.zeros((), dtype=torch.bool, device=sequences.device)
+        for i in range(width):
+            logits, hidden = self.lm.forward(tokens, valid, 1, want_hidden=policy.needs_hidden)
+            logits = align_vocab(logits[:, -1], self.vocab_size)  # [batch, vocab]
+            invalid = invalid | bad_logits(logits)
+            probs = None
+            if self.sampling.greedy:
+                token = logits.argmax(-1)  # [batch]
+            else:
+                probs = logits_to_probs(logits, self.sampling)  # [batch, vocab]
+                # only rows still drafting draw a number: a row's stream depends on it alone
+                token = sample_from(probs, rng.draft_uniforms(i, active_host, probs.device))
+                laws.append(probs)
+            drafted.append(token)
+            lengths = lengths + active
+            go_on = active & (limits > i + 1)  # [batch] rows that will draft position i + 1
+            if policy.stops_early:
+                t0 = time.perf_counter()
+                last = hidden[:, -1] if hidden is not None else None  # [batch, hidden]
+                number = rng.accept_uniforms(i, token.device) if policy.needs_number else None
+                position = DraftedPosition(i, logits, probs, last, token, number)
+                go_on = go_on & policy.keep_drafting(position)
+                policy_seconds += time.perf_counter() - t0
+                active_host = go_on.tolist()  # the per-position host sync adaptive lengths need
+                if not any(active_host):
+                    break
+            else:
+                active_host = [i + 1 < lim for lim in limit_list]
+            # feed d_i only to rows that will draft position i + 1
+            active, tokens, valid = go_on, token[:, None], go_on[:, None]
+        probs = torch.stack(laws, 1) if laws else None  # [batch, drafted, vocab]
+        return Draft(torch.stack(drafted, 1), probs, lengths, len(drafted), invalid, policy_seconds)
+
+    @torch.no_grad()
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        """[batch, vocab]: the law this drafter would draft the next token from, for the `rows`
+        ([batch] bool) that ask; feeds their pending tokens, as the next round would."""
+        # a row that drafted nothing this round may have fed everything already: re-feed its
+        # last token (rolling the cache back one) so that every asking row has a position
+        self.lm.truncate(torch.where(rows, seq_lens - 1, self.lm.lengths))
+        tokens, valid = self.lm.pending(sequences, seq_lens)  # [batch, n_pending]
+        logits, _ = self.lm.forward(tokens, valid & rows[:, None], 1)
+        return logits_to_probs(align_vocab(logits[:, -1], self.vocab_size), self.sampling)
+
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
+        self.lm.truncate(lengths)
+        self.policy.observe(num_drafted, num_accepted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.lm.select_rows(rows)
+        self.policy.select_rows(rows)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.lm.add_rows(prompts)  # the drafter's cache catches up when the row first drafts
+        self.policy.add_rows(len(prompts))

@@ -1,0 +1,234 @@
+"""Planners of the mixed drafter: per row and round, lookup or the model, and how far.
+
+Each round every row gets a source: lookup where its text's last n tokens occurred before
+(`PromptLookup`), else the drafter model (if there is one). The planner then says how many
+tokens each row drafts:
+
+* `FixedPlanner` (drafting `lookup-first`): a looked-up row drafts what followed its match, a
+  model row drafts under the model's length policy; as far as that policy lets either.
+* `PricedPlanner` (drafting `auto`): only as far as drafting pays at this machine's prices.
+
+Why price: whether a drafted token pays depends on the machine as much as on the drafter. On a
+CPU where a verify pass grows by a good part of a step per token and the drafter model's step
+is a large fraction of the target's, model drafts lose whatever their acceptance, while a
+lookup draft (no model pass) pays where it is right often enough; a batch of many rows makes
+every extra token dearer still. A planner that drafts blindly loses to plain decoding on such a
+machine; this one plans every round from the prices (`PriceModel`) and the acceptance each
+source has had.
+
+Expected tokens of a row drafting k with per-token acceptance a are 1 + a + ... + a^k; the
+round's cost is the target's pass over all rows and all their tokens plus, at each drafted
+depth, one drafter step over the model rows drafting that deep. Tokens are added one at a time
+where they add the most expected tokens per added cost, and the round keeps the allocation with
+the most expected tokens per unit of cost seen along the way, which is no drafting at all (a
+plain step) when nothing pays. Acceptance is estimated online: per row for the model, per match
+length for lookup (matches of 3 tokens are right far more often than matches of 1), with counts
+that decay so the estimate follows the text; a source that was not tried for a while drifts
+back to its prior and is tried again.
+
+A plan only chooses how many tokens are drafted, never which, so outputs stay exact under
+greedy decoding and the sampled law stays the target's (the lengths are a stopping time).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specdecode.core.config import PassPrices
+from specdecode.core.length_policies import LengthPolicy
+
+PRIOR = (3.0, 1.0)  # pseudo-counts (kept, rejected): a source starts at 0.75 and is tried
+MEMORY = 0.8  # weight of the past in each update: about the last five rounds count
+
+
+class PriceModel(Protocol):
+    """What a planner reads of a machine's prices, in steps (a one-row, one-token target pass)."""
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        """A target pass over `rows` rows holding `tokens` tokens in all."""
+        ...
+
+    def draft_cost(self, rows: int) -> float | None:
+        """One drafter step over `rows` rows (None: no drafter model priced)."""
+        ...
+
+
+class OneRowPassPrices:
+    """`PassPrices` (timed on one row) read as a `PriceModel`: a pass of r rows holding t tokens
+    is priced as one row of t tokens, and a drafter step over r rows as the drafter's step
+    scaled as a target pass of r tokens grows."""
+
+    def __init__(self, prices: PassPrices) -> None:
+        self.prices = prices
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        return self.prices.pass_cost(tokens)
+
+    def draft_cost(self, rows: int) -> float | None:
+        if self.prices.draft is None:
+            return None
+        return self.prices.draft * self.prices.pass_cost(rows)
+
+
+class Planner(Protocol):
+    """Says how many tokens each row drafts this round, given what lookup found."""
+
+    def start(self, batch_size: int) -> None: ...
+
+    def budget(self, max_tokens: torch.Tensor) -> list[int]:
+        """max_tokens [batch] (what the engine allows) -> most tokens per row this round."""
+        ...
+
+    def plan(self, ngrams: list[int], found: list[int], budget: list[int]) -> list[int]:
+        """Tokens per row: `ngrams[b]` the match length lookup found (0: none, the model's
+        row), `found[b]` how many tokens it found (<= budget[b])."""
+        ...
+
+    def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None: ...
+
+    def select_rows(self, keep: list[int]) -> None: ...
+
+    def add_rows(self, count: int) -> None: ...
+
+
+class FixedPlanner:
+    """Lookup where it found something, else the model; each as far as the policy allows."""
+
+    def __init__(self, policy: LengthPolicy) -> None:
+        self.policy = policy  # the model's own: it also stops the model's rows early
+
+    def start(self, batch_size: int) -> None:
+        pass
+
+    def budget(self, max_tokens: torch.Tensor) -> list[int]:
+        return self.policy.round_limits(max_tokens).tolist()
+
+    def plan(self, ngrams: list[int], found: list[int], budget: list[int]) -> list[int]:
+        return [f if n else b for n, f, b in zip(ngrams, found, budget, strict=True)]
+
+    def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None:
+        pass
+
+    def select_rows(self, keep: list[int]) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
+        pass
+
+
+class Acceptance:
+    """Decaying kept / rejected counts of drafted tokens, for a set of keys (rows, n-grams)."""
+
+    def __init__(self, size: int) -> None:
+        self.kept = [PRIOR[0]] * size
+        self.rejected = [PRIOR[1]] * size
+
+    def rate(self, key: int) -> float:
+        return self.kept[key] / (self.kept[key] + self.rejected[key])
+
+    def observe(self, key: int, drafted: int, accepted: int) -> None:
+        """Tokens are judged in order until the first rejection: `accepted` kept, then one
+        rejected unless every drafted token was kept (the estimator of a per-token rate)."""
+        self.kept[key] = MEMORY * self.kept[key] + accepted
+        self.rejected[key] = MEMORY * self.rejected[key] + (accepted < drafted)
+
+    def relax(self, key: int) -> None:
+        """No drafts this round: drift back toward the prior, so the source is tried again."""
+        self.kept[key] = MEMORY * self.kept[key] + (1 - MEMORY) * PRIOR[0]
+        self.rejected[key] = MEMORY * self.rejected[key] + (1 - MEMORY) * PRIOR[1]
+
+    def select(self, rows: list[int]) -> None:
+        self.kept = [self.kept[b] for b in rows]
+        self.rejected = [self.rejected[b] for b in rows]
+
+    def add(self, count: int) -> None:
+        self.kept += [PRIOR[0]] * count
+        self.rejected += [PRIOR[1]] * count
+
+
+def plan_lengths(
+    rates: list[float], caps: list[int], uses_model: list[bool], prices: PriceModel
+) -> list[int]:
+    """Tokens to draft per row this round: the allocation with the most expected committed
+    tokens per unit of cost, grown a token at a time where it gains the most per its cost."""
+    batch = len(rates)
+    k = [0] * batch
+    depth_rows = [0] * (max(caps, default=0) + 2)  # model rows drafting position i (1-based)
+    tokens = batch
+    expected = float(batch)
+    cost = prices.pass_cost(batch, tokens)
+    best, best_ratio = list(k), expected / cost
+
+    def draft_step(rows: int) -> float:
+        return (prices.draft_cost(rows) or 0.0) if rows else 0.0
+
+    while True:
+        pick, pick_score, pick_cost = -1, 0.0, 0.0
+        # one more token in the target's pass: the same for every row
+        grown = prices.pass_cost(batch, tokens + 1) - prices.pass_cost(batch, tokens)
+        for b in range(batch):
+            if k[b] >= caps[b]:
+                continue
+            added = grown
+            if uses_model[b]:
+                rows = depth_rows[k[b] + 1]  # one more row in the drafter's step at this depth
+                added += draft_step(rows + 1) - draft_step(rows)
+            score = rates[b] ** (k[b] + 1) / max(added, 1e-9)
+            if score > pick_score:
+                pick, pick_score, pick_cost = b, score, added
+        if pick < 0:
+            return best
+        expected += rates[pick] ** (k[pick] + 1)
+        cost += pick_cost
+        tokens += 1
+        k[pick] += 1
+        if uses_model[pick]:
+            depth_rows[k[pick]] += 1
+        if expected / cost > best_ratio:
+            best, best_ratio = list(k), expected / cost
+
+
+class PricedPlanner:
+    """Each source as far as it pays at `prices`, at most `max_tokens` a row and round."""
+
+    def __init__(
+        self, lookup_ngrams: int, has_model: bool, prices: PriceModel, max_tokens: int
+    ) -> None:
+        if has_model and prices.draft_cost(1) is None:
+            raise ValueError("pricing a drafter model's rounds needs its step's price")
+        self.has_model, self.prices, self.max_tokens = has_model, prices, max_tokens
+        self.by_ngram = Acceptance(lookup_ngrams + 1)  # lookup acceptance by match length
+        self.by_row = Acceptance(0)  # the model's acceptance, per row
+
+    def start(self, batch_size: int) -> None:
+        self.by_row = Acceptance(batch_size)
+
+    def budget(self, max_tokens: torch.Tensor) -> list[int]:
+        return max_tokens.clamp(max=self.max_tokens).tolist()
+
+    def plan(self, ngrams: list[int], found: list[int], budget: list[int]) -> list[int]:
+        rates = [self.by_ngram.rate(n) if n else self.by_row.rate(b) for b, n in enumerate(ngrams)]
+        model_cap = budget if self.has_model else [0] * len(budget)
+        caps = [f if n else c for n, f, c in zip(ngrams, found, model_cap, strict=True)]
+        uses_model = [n == 0 and self.has_model for n in ngrams]
+        return plan_lengths(rates, caps, uses_model, self.prices)
+
+    def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None:
+        for b, (n, k) in enumerate(zip(ngrams, plan, strict=True)):
+            if k and n:
+                self.by_ngram.observe(n, k, accepted[b])
+            elif k:
+                self.by_row.observe(b, k, accepted[b])
+            elif not n:
+                self.by_row.relax(b)
+        for n in range(1, len(self.by_ngram.kept)):
+            if n not in ngrams:
+                self.by_ngram.relax(n)
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.by_row.select(keep)
+
+    def add_rows(self, count: int) -> None:
+        self.by_row.add(count)

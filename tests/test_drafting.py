@@ -1,0 +1,239 @@
+"""Drafting settings: one factory, the mixed drafter's planners, one default everywhere.
+
+The planners run on tiny random models with prices given by hand (`FakePrices`), so what the
+priced plan does is decided by the prices alone, not by this machine's timings.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specdecode import SpeculativeDecoder
+from specdecode.backends.torch_eager import CachedModel
+from specdecode.bench.llamacpp import LLAMA
+from specdecode.bench.methods import CAUSAL
+from specdecode.cli.main import build_parser, main
+from specdecode.core.config import DEFAULT_DRAFTING, DRAFTINGS, DecodeConfig, PromptLookup
+from specdecode.core.drafting.factory import Sources, make_drafter
+from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, plan_lengths
+from specdecode.core.engine import decode
+from specdecode.core.length_policies import ConstantLength
+from specdecode.core.stats import DecodeStats, RowStats
+from specdecode.core.verification import make_rule
+
+# texts that repeat themselves (lookup finds matches) and one that does not
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 8, 9, 8, 9, 8], [4, 11, 2], [1, 2, 3, 4, 5, 6, 1, 2, 3]]
+GREEDY = dict(max_new_tokens=24, stop_token_ids=[])
+
+
+@dataclass(frozen=True)
+class FakePrices:
+    """A pass of `rows` rows costs `base(rows)` plus `per_token(rows)` a token past one a row;
+    a drafter step `draft` a row it runs over."""
+
+    per_token_1: float = 0.05  # one row: a verify pass grows little per token
+    per_token_8: float = 0.05  # eight rows and more
+    draft: float | None = 0.1
+
+    def per_token(self, rows: int) -> float:
+        share = min(max(rows - 1, 0) / 7, 1.0)
+        return self.per_token_1 + share * (self.per_token_8 - self.per_token_1)
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        return 1.0 + 0.05 * (rows - 1) + self.per_token(rows) * (tokens - rows)
+
+    def draft_cost(self, rows: int) -> float | None:
+        return None if self.draft is None else self.draft * rows
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, noisy_copy):
+    target = tiny_llama(seed=0, init=0.3)
+    return target, noisy_copy(target, 0.3)
+
+
+@pytest.fixture(scope="module")
+def decoder(pair) -> SpeculativeDecoder:
+    target, drafter = pair
+    return SpeculativeDecoder(target, drafter=drafter)
+
+
+def run_with_prices(pair, prices: FakePrices, prompts=PROMPTS, model: bool = True):
+    """Greedy drafting `auto` on the tiny pair at the given prices -> (new tokens, stats)."""
+    target, drafter = pair
+    cfg = DecodeConfig(**GREEDY)
+    sources = Sources(
+        model=CachedModel(drafter, "drafter") if model else None,
+        lookup=None,
+        vocab_size=target.config.vocab_size,
+        device=torch.device("cpu"),
+        head=lambda: None,
+        prices=lambda: prices,
+    )
+    drafting = make_drafter("auto", cfg, sources)
+    stats = DecodeStats([RowStats() for _ in prompts])
+    new: list[list[int]] = [[] for _ in prompts]
+    rule = make_rule(None, cfg.sampling)
+    for event in decode(CachedModel(target, "target"), drafting, rule, prompts, cfg, stats):
+        for row, tokens in zip(event.rows, event.new_tokens, strict=True):
+            new[row].extend(tokens)
+    return new, stats
+
+
+# --- the priced planner --------------------------------------------------------------------------
+
+
+def test_a_dear_drafter_step_is_never_planned(pair, decoder) -> None:
+    plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
+    tokens, stats = run_with_prices(pair, FakePrices(draft=5.0))
+    assert tokens == plain
+    assert stats.total.drafter_calls == 0 and stats.drafter_forwards == 0  # the model: never
+    assert stats.total.drafted > 0  # lookup (no drafter pass) still pays on repeating texts
+
+
+def test_cheap_passes_make_the_model_draft(pair, decoder) -> None:
+    plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
+    tokens, stats = run_with_prices(pair, FakePrices(per_token_1=0.01, per_token_8=0.01))
+    assert tokens == plain
+    assert stats.total.drafter_calls > 0 and stats.drafter_forwards > 0
+
+
+def test_dear_passes_make_nothing_pay(pair) -> None:
+    """Where every token in a pass costs a full step, no draft can pay: plain steps only."""
+    _, stats = run_with_prices(pair, FakePrices(per_token_1=1.0, per_token_8=1.0))
+    assert stats.total.drafted == 0
+
+
+def test_more_rows_at_a_dearer_token_draft_less() -> None:
+    """The plan reads rows x tokens: the same rows' acceptance, one row alone against eight
+    rows whose pass grows by a larger share of a step per token, drafts less a row."""
+    prices = FakePrices(per_token_1=0.05, per_token_8=0.2, draft=0.02)
+    alone = plan_lengths([0.8], [8], [True], prices)
+    eight = plan_lengths([0.8] * 8, [8] * 8, [True] * 8, prices)
+    assert alone[0] > 0
+    assert sum(eight) / 8 < alone[0]
+    flat = FakePrices(per_token_1=0.05, per_token_8=0.05, draft=0.02)  # as dear as one row
+    assert sum(eight) < sum(plan_lengths([0.8] * 8, [8] * 8, [True] * 8, flat))
+
+
+def test_plan_respects_caps_and_prefers_the_likelier_source() -> None:
+    prices = FakePrices(per_token_1=0.02, per_token_8=0.02, draft=0.6)
+    plan = plan_lengths([0.9, 0.2, 0.9], [3, 8, 8], [False, False, True], prices)
+    assert plan[0] == 3  # a likely lookup row drafts all it found, no more
+    assert plan[1] < plan[0]  # an unlikely one, less
+    assert all(k <= cap for k, cap in zip(plan, [3, 8, 8], strict=True))
+    assert plan_lengths([0.9], [0], [False], prices) == [0]
+
+
+def test_priced_planner_learns_a_source_that_fails() -> None:
+    """A model row whose drafts are all refused is planned shorter than at the start."""
+    planner = PricedPlanner(4, True, FakePrices(per_token_1=0.02, draft=0.05), max_tokens=8)
+    planner.start(1)
+    first = planner.plan([0], [0], [8])[0]
+    for _ in range(6):
+        planner.observe([0], [max(first, 1)], [0])
+    assert planner.plan([0], [0], [8])[0] < first
+
+
+def test_a_model_needs_a_priced_step() -> None:
+    with pytest.raises(ValueError, match="needs its step's price"):
+        PricedPlanner(4, True, FakePrices(draft=None), max_tokens=8)
+
+
+def test_fixed_planner_drafts_what_lookup_found_else_the_budget() -> None:
+    planner = FixedPlanner(ConstantLength(4))
+    budget = planner.budget(torch.tensor([6, 2, 4]))
+    assert budget == [4, 2, 4]
+    assert planner.plan([3, 0, 4], [2, 0, 4], budget) == [2, 2, 4]
+
+
+# --- every setting is lossless ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafting", [None, *DRAFTINGS])
+def test_greedy_of_every_drafting_equals_plain(decoder, drafting) -> None:
+    """None: the default setting, whatever it is."""
+    plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
+    kwargs = {} if drafting is None else dict(drafting=drafting)
+    out = decoder.generate(PROMPTS, num_draft_tokens=3, **kwargs, **GREEDY)
+    assert out.new_tokens == plain
+    if drafting in ("model", "lookup", "lookup-first"):  # not planned: they draft every round
+        assert out.stats.total.drafted > 0
+    if drafting == "lookup":
+        assert out.stats.drafter_forwards == 0
+
+
+def test_auto_with_lookup_alone_equals_plain(pair) -> None:
+    target, _ = pair
+    decoder = SpeculativeDecoder(target, drafter=PromptLookup())
+    plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
+    assert decoder.generate(PROMPTS, drafting="auto", **GREEDY).new_tokens == plain
+    tokens, stats = run_with_prices(pair, FakePrices(), model=False)
+    assert tokens == plain and stats.total.drafted > 0 and stats.drafter_forwards == 0
+
+
+# --- one default, and the old spellings named ---------------------------------------------------
+
+
+def test_the_default_drafting_agrees_everywhere() -> None:
+    api = inspect.signature(SpeculativeDecoder.config).parameters["drafting"].default
+    cli = build_parser().parse_args(["generate", "--prompt", "x"]).drafting
+    assert api == cli == DecodeConfig().drafting == DEFAULT_DRAFTING
+    assert LLAMA["specdecode"].drafting == CAUSAL["specdecode"].drafting == DEFAULT_DRAFTING
+    assert "specdecode" in LLAMA and DEFAULT_DRAFTING in DRAFTINGS
+
+
+def test_lookup_first_flag_is_the_drafting_setting() -> None:
+    parse = build_parser().parse_args
+    assert parse(["generate", "--prompt", "x", "--lookup-first"]).drafting == "lookup-first"
+    assert parse(["generate", "--prompt", "x", "--drafting", "model"]).drafting == "model"
+
+
+def test_priced_is_no_longer_a_length_policy(decoder, capsys) -> None:
+    with pytest.raises(ValueError, match=r"drafting='auto' \(--drafting auto"):
+        DecodeConfig(length_policy="priced")
+    with pytest.raises(ValueError, match="no longer a length policy"):
+        decoder.generate(PROMPTS, length_policy="priced", max_new_tokens=2)
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--length-policy", "priced"])
+    err = capsys.readouterr().err
+    assert "--drafting auto" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("registry", "old", "new"),
+    [
+        (LLAMA, "priced", "specdecode"),
+        (LLAMA, "priced-lookup", "specdecode-lookup"),
+        (LLAMA, "torch-sd-int8-lookup", "torch-sd-int8-lookup-first"),
+        (CAUSAL, "sd-int8-lookup", "sd-int8-lookup-first"),
+    ],
+)
+def test_renamed_bench_methods_say_their_new_name(registry, old, new) -> None:
+    assert new in registry
+    with pytest.raises(ValueError, match=f"now called '{new}'"):
+        registry.lookup(old)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(drafting="auto", length_policy="confidence"), "use it with drafting 'model'"),
+        (dict(drafting="lookup", length_policy="confidence"), "prompt lookup drafts without"),
+        (dict(drafting="guess"), "unknown drafting 'guess'; known: auto"),
+    ],
+)
+def test_settings_that_cannot_run_are_refused_at_construction(decoder, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        decoder.generate(PROMPTS, max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("drafting", ["model", "lookup-first"])
+def test_model_settings_need_a_drafter_model(pair, drafting) -> None:
+    alone = SpeculativeDecoder(pair[0])
+    with pytest.raises(ValueError, match=f"drafting '{drafting}' drafts with a drafter model"):
+        alone.generate(PROMPTS, max_new_tokens=2, drafting=drafting)
