@@ -54,7 +54,8 @@ class Server:
         cmd = [
             sys.executable, "-m", "specdecode.cli", "serve", "--target", MODEL, "--draft", MODEL,
             "--port", str(self.port), "--max-batch", "8", "--max-queue", "4",
-            "--length-policy", "constant", "--num-draft-tokens", "3", "--drain-seconds", "60",
+            "--drafting", "model", "--length-policy", "constant", "--num-draft-tokens", "3",
+            "--drain-seconds", "60",
             "--log-level", "warning", "--threads", "1",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=dict(os.environ), stderr=subprocess.PIPE, text=True)

@@ -7,7 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.cli.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    add_drafting_arguments,
+    length_policy_option,
+)
 from specdecode.core.config import HEAD_POLICIES, POLICIES, PROMPT_LOOKUP
 
 
@@ -19,12 +24,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"the server needs the serve extra ({error.name} is missing): "
             "pip install 'specdecode[serve]'"
         ) from None
-    if args.length_policy in HEAD_POLICIES:
-        raise ValueError(
-            f"--length-policy {args.length_policy} reads a head trained for one verification "
-            "rule, and a server's requests mix greedy and sampled ones: use priced or constant"
-        )
-    draft = None if args.no_draft else args.draft
+    # lookup drafts with no model: none is loaded for it
+    draft = None if args.no_draft or args.drafting == "lookup" else args.draft
     config = ServeConfig(
         model_name=args.model_name or Path(args.target).name.removesuffix(".gguf"),
         host=args.host,
@@ -37,7 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         log_level=args.log_level,
         loop_options=(
-            ("use_drafter", draft is not None),
+            ("use_drafter", not args.no_draft),
+            ("drafting", args.drafting),
             ("length_policy", args.length_policy),
             ("num_draft_tokens", args.num_draft_tokens),
         ),
@@ -76,7 +78,8 @@ def add_subcommands(subparsers) -> None:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (n-gram lookup, no model)",
+        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (no drafter model: drafting "
+        "auto then prices lookup alone)",
     )
     p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
     p.add_argument(
@@ -85,12 +88,15 @@ def add_subcommands(subparsers) -> None:
         default=None,
         help="llama.cpp for known models and GGUF files (the default on the CPU), else torch",
     )
+    add_drafting_arguments(p)
     p.add_argument(
         "--length-policy",
-        choices=[p for p in POLICIES if p not in HEAD_POLICIES],
-        default="priced",
-        help="how many tokens to draft per round; priced (default): as far as this machine's "
-        "prices, timed at load, say drafting pays for the batch running, a plain step otherwise",
+        type=length_policy_option,
+        choices=[name for name in POLICIES if name not in HEAD_POLICIES],
+        default="constant",
+        help="how many tokens drafting model, lookup or lookup-first drafts per round (drafting "
+        "auto plans its own from this machine's prices); the head policies are refused: a head "
+        "is trained for one verification rule and a server's rows mix greedy and sampled ones",
     )
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
