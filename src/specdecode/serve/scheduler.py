@@ -91,11 +91,15 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        self._thread.join(timeout)
+        if self.started():
+            self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
         with self._lock:

@@ -78,6 +78,12 @@ class DrainingServer(uvicorn.Server):
             file=sys.stderr,
         )
 
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:  # listening: load the models now (a port already taken has
+            # ended the process before a load began, so none is cut off mid-way at exit)
+            self.state.scheduler.start()
+
     async def on_tick(self, counter: int) -> bool:
         scheduler = self.state.scheduler
         if scheduler.state == "ready" and not self.announced:
@@ -122,10 +128,12 @@ def serve(load: Callable[[], Any], config: ServeConfig) -> int:
         state,
         config.drain_seconds,
     )
-    scheduler.start()
     try:
         server.run()
     finally:
+        if scheduler.state == "loading" and scheduler.started():
+            print("[serve] stopping once the models have loaded", file=sys.stderr, flush=True)
+            scheduler.loaded.wait()  # the load runs in native code that cannot be cut off
         scheduler.stop()
     if scheduler.state == "failed":
         print(
