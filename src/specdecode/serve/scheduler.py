@@ -25,7 +25,7 @@ from typing import Any
 from specdecode.core.config import SamplingConfig
 from specdecode.core.engine import RowFailed, RowRequest
 from specdecode.serve.metrics import RequestSpec, ServerMetrics
-from specdecode.serve.protocol import RequestError
+from specdecode.serve.protocol import RequestError, Sampling
 from specdecode.serve.text import RowText
 
 log = logging.getLogger("specdecode.serve")
@@ -222,7 +222,9 @@ class Scheduler:
             self.metrics.running.set(len(self._running))
 
 
-def row_request(prompt: list[int], max_tokens: int, sampling, stop_ids) -> RowRequest:
+def row_request(
+    prompt: list[int], max_tokens: int, sampling: Sampling, stop_ids: tuple[int, ...]
+) -> RowRequest:
     return RowRequest(
         prompt=list(prompt),
         max_new_tokens=max_tokens,
@@ -242,7 +244,12 @@ class RowStream:
     """
 
     def __init__(
-        self, scheduler: Scheduler, prompt: list[int], max_tokens: int, sampling, arrival: float
+        self,
+        scheduler: Scheduler,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        arrival: float,
     ) -> None:
         self.scheduler = scheduler
         self.arrival = arrival
