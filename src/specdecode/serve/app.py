@@ -28,6 +28,7 @@ from specdecode.serve.protocol import (
 from specdecode.serve.scheduler import RowResult, RowStream, Scheduler
 
 DISCONNECT_POLL_SECONDS = 0.5
+UNNAMED_CONTEXT = 1 << 16  # the row length `SpeculativeDecoder.loop` makes for such a model
 
 
 class ClientGone(Exception):
@@ -44,7 +45,8 @@ class ServerState:
     draining: bool = False
 
     def row_context(self) -> int:
-        model = int(self.scheduler.decoder.context)
+        # a model that names no context length: as long as the engine's rows are made
+        model = int(self.scheduler.decoder.context or UNNAMED_CONTEXT)
         return min(model, self.context) if self.context else model
 
 
@@ -63,16 +65,7 @@ def _usage(results: list[RowResult]) -> dict[str, int]:
 
 
 def _spec(results: list[RowResult]) -> dict[str, Any]:
-    total = RequestSpec()
-    for r in results:
-        total.spec_steps += r.spec.spec_steps
-        total.draft_tokens += r.spec.draft_tokens
-        total.accepted_tokens += r.spec.accepted_tokens
-        for i, count in enumerate(r.spec.histogram):
-            if len(total.histogram) <= i:
-                total.histogram.append(0)
-            total.histogram[i] += count
-    return {"speculative_decoding": total.as_dict()}
+    return {"speculative_decoding": RequestSpec.total([r.spec for r in results]).as_dict()}
 
 
 class Rows:
@@ -96,7 +89,7 @@ class Rows:
             self.rows.append((prompt, max_tokens))
         self.state = state
         self.sampling = sampling
-        self.streams: list = []
+        self.streams: list[RowStream] = []
 
     def submit(self, arrival: float) -> None:
         """All rows join the queue, or none (a full queue refuses the whole request)."""
@@ -122,7 +115,7 @@ class Rows:
         client that goes away before the answer cancels the rows too, rather than leaving them
         to decode for nobody."""
 
-        async def one(stream) -> None:
+        async def one(stream: RowStream) -> None:
             async with contextlib.aclosing(stream.pieces()) as pieces:
                 async for _ in pieces:
                     pass
@@ -150,7 +143,7 @@ class Rows:
         """(choice, piece) as rows produce text; (choice, None) when a row ends."""
         out: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, stream) -> None:
+        async def pump(i: int, stream: RowStream) -> None:
             try:
                 async with contextlib.aclosing(stream.pieces()) as pieces:
                     async for piece in pieces:

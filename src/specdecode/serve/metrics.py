@@ -36,6 +36,20 @@ class RequestSpec:
             self.histogram.extend([0] * (accepted + 1 - len(self.histogram)))
         self.histogram[accepted] += 1
 
+    @classmethod
+    def total(cls, specs: list[RequestSpec]) -> RequestSpec:
+        """The counts of several rows together (a request with several prompts)."""
+        out = cls()
+        for spec in specs:
+            out.spec_steps += spec.spec_steps
+            out.draft_tokens += spec.draft_tokens
+            out.accepted_tokens += spec.accepted_tokens
+            for i, count in enumerate(spec.histogram):
+                if len(out.histogram) <= i:
+                    out.histogram.append(0)
+                out.histogram[i] += count
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         steps, drafted = self.spec_steps, self.draft_tokens
         return {
