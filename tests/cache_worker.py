@@ -22,8 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdecode.models import integrity, packages
-from specdecode.models import store as model_store
+from specdecode.models import cache, convert, integrity, packages, store
 from specdecode.models.catalogue import MODELS, Chunk, ModelSpec
 from specdecode.models.packages import PinnedPackage
 
@@ -67,18 +66,18 @@ def main(config_path: str) -> int:
                 hang(config)
             replace(src, dst)
 
-        model_store.os.replace = replace_then_hang
+        os.replace = replace_then_hang
     if hang_at == "convert":
-        convert = model_store.convert_gguf
+        convert_gguf = convert.convert_gguf
 
         def convert_then_hang(*args, **kwargs):
-            out = convert(*args, **kwargs)
+            out = convert_gguf(*args, **kwargs)
             hang(config)
             return out
 
-        model_store.convert_gguf = convert_then_hang
+        convert.convert_gguf = convert_then_hang
 
-    fetch = model_store.gguf_file if config.get("gguf_only") else model_store.fetch_model
+    fetch = cache.gguf_file if config.get("gguf_only") else store.fetch_model
     print(fetch(config["name"], config["cache"], progress=False))
     return 0
 

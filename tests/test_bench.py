@@ -218,26 +218,6 @@ def test_methods_are_one_class_and_one_registry_entry():
     assert CAUSAL["hf-assisted"].batch1_only and CAUSAL["sd-int8"].cpu_kernels
 
 
-def test_report_reads_translation_records_of_the_earlier_layout():
-    """Translation records once kept rows per batch size under `runs`: one table reads them."""
-    from specdecode.bench.report import current_layout, markdown_table
-
-    speed = {"n": 2, "median": 1.2, "geomean": 1.2, "p10": 1.1, "p90": 1.3, "min": 1.1, "max": 1.3}
-    row = {"method": "specdec[k=4,b=5,t=3]", "exact": False, "approximate": True, "batch_size": 1,
-           "sentences": 2, "sentences_per_s": 5.0, "speedup": speed, "speedup_vs_hf": None,
-           "identical_to_ar": 0.5, "mismatches": [], "bleu": 30.0, "chrf": 50.0}  # fmt: skip
-    machine = {"cpu": "cpu", "cores": 2, "torch": "2", "transformers": "5"}
-    old = {"config": {"pair": "p", "split": "test", "limit": 2, "max_new_tokens": 9},
-           "machine": machine, "verifier_mib": 1.0, "drafter_mib": 1.0, "assistant_mib": None,
-           "peak_rss_gib": 0.5, "ok": True,
-           "runs": [{"batch_size": 1, "methods": [row], "examples": [{"ref": "a"}]}]}  # fmt: skip
-    now = current_layout(old)
-    assert now["methods"] == [row] and now["examples"] == [{"ref": "a"}] and "runs" not in now
-    table = markdown_table(old)
-    assert "| specdec[k=4,b=5,t=3] (approx.) | 1 | 5.00 | 1.20 |" in table
-    assert "| 30.00 |" in table and "50.0% identical |" in table and "tok/s" not in table
-
-
 def test_decode_ratios_leave_out_the_first_round():
     from specdecode.bench.runner import MethodRecord, decode_ratios
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect
 from specdecode.acceptance.head import law_features
@@ -127,46 +127,6 @@ def test_collection_resumes_and_refuses_other_settings(tmp_path, tiny_llama):
         collect(
             target, drafter, PROMPTS, tmp_path, CollectConfig(max_new_tokens=5), (), progress=False
         )
-
-
-def test_resumed_collection_adds_law_features_to_old_shards(tmp_path, tiny_llama):
-    """Shards from before the law features get them from one teacher-forced drafter pass per
-    response; they match what collection records directly (the same prefixes)."""
-    target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
-    cfg = CollectConfig(max_new_tokens=6, batch_size=2, temperature=0.8)
-    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
-    direct = load_file(tmp_path / EXAMPLES_FILE)
-    for shard in (tmp_path / "shards").glob("*.safetensors"):
-        old = {k: v for k, v in load_file(shard).items() if not k.startswith("law_")}
-        save_file(old, shard)
-    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
-    again = load_file(tmp_path / EXAMPLES_FILE)
-    for key in ("law_greedy", "law_sampling"):
-        torch.testing.assert_close(again[key], direct[key], atol=2e-2, rtol=2e-2)
-    assert not torch.allclose(direct["law_greedy"], direct["law_sampling"])
-
-
-def test_resumed_collection_adds_drawn_labels_by_teacher_forcing(tmp_path, tiny_llama):
-    """Shards from before the drawn-token label get it from one target pass per response; it
-    matches what collection records directly (the same prefixes, in one pass)."""
-    target, drafter = tiny_llama(0, init=0.2), tiny_llama(3, init=0.2)
-    cfg = CollectConfig(max_new_tokens=6, batch_size=2, temperature=0.8)
-    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
-    direct = load_file(tmp_path / EXAMPLES_FILE)
-    assert 0.05 < direct["label_drawn"].mean() < 0.95 and direct["label_drawn"].max() == 1
-    shards = sorted((tmp_path / "shards").glob("*.safetensors"))
-    for shard in shards:
-        old = {k: v for k, v in load_file(shard).items() if "drawn" not in k}
-        save_file(old, shard)
-    collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
-    again = load_file(tmp_path / EXAMPLES_FILE)
-    torch.testing.assert_close(again["label_drawn"], direct["label_drawn"], atol=2e-2, rtol=0)
-    torch.testing.assert_close(again["drawn_log_prob"], direct["drawn_log_prob"], atol=2e-2, rtol=0)
-    # a shard without its committed tokens cannot be labelled: a clear error, not a guess
-    old = {k: v for k, v in load_file(shards[0]).items() if "drawn" not in k and k != "token"}
-    save_file(old, shards[0])
-    with pytest.raises(ValueError, match="before the committed tokens were recorded"):
-        collect(target, drafter, PROMPTS, tmp_path, cfg, (), progress=False)
 
 
 def test_collect_train_bench_end_to_end(tiny_pair, tmp_path, capsys):

@@ -32,8 +32,27 @@ import torch
 
 from specdecode.cli.main import main
 from specdecode.cli.models import add_subcommands
-from specdecode.models import convert, integrity, packages
-from specdecode.models import store as model_store
+from specdecode.models import convert, integrity, packages, store
+from specdecode.models.cache import (
+    GGUF_FILE,
+    RECORD_FILE,
+    TOKENIZER_DIR,
+    ModelCache,
+    ModelLock,
+    ModelState,
+    gguf_file,
+    inspect_model,
+)
+from specdecode.models.catalogue import MODELS, ModelSpec, chunk_series
+from specdecode.models.convert import (
+    MARKER_FILE,
+    ConversionError,
+    convert_gguf,
+    is_converted,
+    strip_quantization_marker,
+)
+from specdecode.models.integrity import DamagedModelError, ModelIntegrityError
+from specdecode.models.join import DiskSpaceError, check_disk_space, join_chunks, locate_chunk_files
 from specdecode.models.packages import (
     PackageFileNotFoundError,
     PackageInstallError,
@@ -41,26 +60,8 @@ from specdecode.models.packages import (
     cache_root,
     find_distribution,
 )
-from specdecode.models.store import (
-    MODELS,
-    ConversionError,
-    DamagedModelError,
-    DiskSpaceError,
-    ModelIntegrityError,
-    ModelSpec,
-    check_disk_space,
-    chunk_series,
-    convert_gguf,
-    fetch_model,
-    gguf_file,
-    inspect_model,
-    is_converted,
-    join_chunks,
-    load_causal_lm,
-    locate_chunk_files,
-    resolve_model,
-    strip_quantization_marker,
-)
+from specdecode.models.store import ModelLoadError, fetch_model, load_causal_lm, resolve_model
+from specdecode.models.tokenizer import gguf_tokenizer
 
 # --------------------------------------------------------------------------- helpers
 
@@ -193,7 +194,7 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 # --------------------------------------------------------------------------- catalogue
 
 
-def test_catalogue_matches_models_md():
+def test_catalogue_pins_the_published_files():
     big, small, smol = (
         MODELS["qwen2.5-coder-1.5b"],
         MODELS["qwen2.5-coder-0.5b"],
@@ -335,7 +336,7 @@ def test_cache_root_respects_env(tmp_path, monkeypatch):
     assert cache_root() == tmp_path / "c"
     assert cache_root(tmp_path / "explicit") == tmp_path / "explicit"
     expected = tmp_path / "c" / "models" / MODELS["smollm2-135m"].dir_name
-    assert model_store.converted_dir("smollm2-135m") == expected
+    assert ModelCache.of("smollm2-135m").directory == expected
     monkeypatch.delenv("SPECDECODE_CACHE")
     assert cache_root() == Path.home() / ".cache" / "specdecode"
 
@@ -401,7 +402,7 @@ def test_convert_gguf_round_trip(tmp_path, tied):
     )
     assert is_converted(out)
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # the temporary folder is gone
-    info = json.loads((out / model_store.MARKER_FILE).read_text())
+    info = json.loads((out / MARKER_FILE).read_text())
     assert info["name"] == "t" and info["tie_word_embeddings"] is tied
     assert info["vocab_size"] == len(tiny.tokens)
 
@@ -503,7 +504,7 @@ class Tiny:
     def load(self):
         return load_causal_lm(TINY, cache_dir=self.cache)
 
-    def state(self, **kwargs) -> model_store.ModelState:
+    def state(self, **kwargs) -> ModelState:
         return inspect_model(TINY, self.cache, **kwargs)
 
 
@@ -543,7 +544,7 @@ def truncate(path: Path) -> None:
 
 
 def records(tiny: Tiny) -> dict:
-    return json.loads(tiny.file(model_store.RECORD_FILE).read_text())["files"]
+    return json.loads(tiny.file(RECORD_FILE).read_text())["files"]
 
 
 def count_hashes(monkeypatch) -> list[str]:
@@ -565,17 +566,17 @@ def test_fetch_keeps_the_gguf_and_records_every_file(tiny_empty):
     tiny = tiny_empty
     out = tiny.fetch()
     assert tiny.installs == ["tiny-part1==1.0", "tiny-part2==1.0", "tiny-part3==1.0"]
-    assert out == tiny.directory == model_store.converted_dir(TINY, tiny.cache)
-    assert tiny.file(model_store.GGUF_FILE).read_bytes() == tiny.data  # kept, not deleted
-    info = json.loads(tiny.file(model_store.MARKER_FILE).read_text())
+    assert out == tiny.directory == ModelCache.of(TINY, tiny.cache).directory
+    assert tiny.file(GGUF_FILE).read_bytes() == tiny.data  # kept, not deleted
+    info = json.loads(tiny.file(MARKER_FILE).read_text())
     assert info["sha256"] == tiny.spec.sha256 and info["source_packages"] == tiny.installs
     files = records(tiny)
-    on_disk = {p.name for p in tiny.directory.iterdir()} - {model_store.RECORD_FILE}
+    on_disk = {p.name for p in tiny.directory.iterdir()} - {RECORD_FILE}
     assert set(files) == on_disk
-    assert {"model.safetensors", "config.json", "tokenizer.json", model_store.GGUF_FILE} <= on_disk
+    assert {"model.safetensors", "config.json", "tokenizer.json", GGUF_FILE} <= on_disk
     for name, record in files.items():
         assert record["sha256"] == sha256(tiny.file(name).read_bytes()), name
-        assert record["artefact"] == ("gguf" if name == model_store.GGUF_FILE else "fp32")
+        assert record["artefact"] == ("gguf" if name == GGUF_FILE else "fp32")
     assert not (tiny.cache / "packages").exists() or not any((tiny.cache / "packages").iterdir())
     assert [p.name for p in (tiny.cache / "models").iterdir()] == [tiny.spec.dir_name]
     state = tiny.state()
@@ -590,7 +591,7 @@ def test_fetch_keeps_the_gguf_and_records_every_file(tiny_empty):
 def test_gguf_only_then_converted_on_first_torch_use(tiny_empty):
     tiny = tiny_empty
     path = tiny.gguf()
-    assert path == tiny.file(model_store.GGUF_FILE) and path.read_bytes() == tiny.data
+    assert path == tiny.file(GGUF_FILE) and path.read_bytes() == tiny.data
     assert not tiny.file("config.json").exists()  # not converted
     state = tiny.state()
     assert (state.state, state.artefacts) == ("ok", ("gguf",))
@@ -632,7 +633,7 @@ def test_damaged_fp32_file_is_recreated_from_the_gguf(tiny, caplog, damage, name
     state = tiny.state()
     assert state.state == ("partial" if damage is Path.unlink else "damaged")
     assert [p.path.name for p in state.problems] == [name]
-    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.models"):
         model, tokenizer = tiny.load()
     message = caplog.text
     assert (
@@ -648,7 +649,7 @@ def test_damaged_fp32_file_is_recreated_from_the_gguf(tiny, caplog, damage, name
 
 @pytest.mark.parametrize("damage", [flip, truncate], ids=["flip", "truncate"])
 def test_damaged_fp32_without_gguf_is_a_named_error(tiny, damage, monkeypatch, capsys):
-    tiny.file(model_store.GGUF_FILE).unlink()
+    tiny.file(GGUF_FILE).unlink()
     damage(tiny.file("model.safetensors"))
     with pytest.raises(DamagedModelError) as err:
         tiny.load()
@@ -672,13 +673,13 @@ def test_damaged_fp32_without_gguf_is_a_named_error(tiny, damage, monkeypatch, c
     assert main([*generate, "--json"]) == 0
 
 
-def test_older_cache_without_records_is_recreated(tiny, caplog):
-    """A copy written before hashes were recorded (no records, no GGUF) is not trusted."""
-    tiny.file(model_store.RECORD_FILE).unlink()
-    tiny.file(model_store.GGUF_FILE).unlink()
+def test_model_folder_without_records_is_recreated(tiny, caplog):
+    """A model folder whose records are gone (and its GGUF with them) is not trusted."""
+    tiny.file(RECORD_FILE).unlink()
+    tiny.file(GGUF_FILE).unlink()
     flip(tiny.file("model.safetensors"))  # the damage of the report: undetectable without records
     assert tiny.state().state == "partial"
-    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.models"):
         model, _ = tiny.load()
     assert "no hash recorded" in caplog.text and "the GGUF, fetched first" in caplog.text
     assert len(tiny.installs) == 3
@@ -687,7 +688,7 @@ def test_older_cache_without_records_is_recreated(tiny, caplog):
 
 
 def test_unreadable_records_rechecked_against_the_catalogue(tiny):
-    tiny.file(model_store.RECORD_FILE).write_text("{not json")
+    tiny.file(RECORD_FILE).write_text("{not json")
     assert tiny.state().state == "partial"
     model, _ = tiny.load()  # the GGUF passes its catalogue sha256; the fp32 copy is rebuilt
     assert tiny.installs == []
@@ -699,21 +700,10 @@ def test_stray_file_in_the_model_folder_is_not_loaded(tiny, caplog):
     (tiny.directory / "added_tokens.json").write_text('{"zz": 30}')
     state = tiny.state()
     assert state.state == "partial" and state.problems[0].path.name == "added_tokens.json"
-    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.models"):
         _, tokenizer = tiny.load()
     assert "added_tokens.json" in caplog.text
     assert not (tiny.directory / "added_tokens.json").exists() and len(tokenizer) == len(_TOKENS)
-
-
-def test_legacy_work_gguf_is_adopted(tiny_empty, tiny_source):
-    """An older specdecode joined into work/<name>/<name>.gguf; a verified one is kept."""
-    tiny = tiny_empty
-    legacy = tiny.cache / "work" / TINY / f"{TINY}.gguf"
-    legacy.parent.mkdir(parents=True)
-    legacy.write_bytes(tiny.data)
-    tiny.fetch()
-    assert tiny.installs == [] and not (tiny.cache / "work").exists()
-    assert tiny.state(full=True).state == "ok"
 
 
 # --------------------------------------------------------------------------- damage: the GGUF
@@ -722,11 +712,11 @@ def test_legacy_work_gguf_is_adopted(tiny_empty, tiny_source):
 @pytest.mark.parametrize("damage", [flip, truncate], ids=["flip", "truncate"])
 def test_damaged_gguf_is_a_named_error(tiny, damage):
     time.sleep(2 * SETTLE_NS / 1e9)
-    damage(tiny.file(model_store.GGUF_FILE))
+    damage(tiny.file(GGUF_FILE))
     with pytest.raises(DamagedModelError) as err:
         tiny.gguf()
     message = str(err.value)
-    assert str(tiny.file(model_store.GGUF_FILE)) in message
+    assert str(tiny.file(GGUF_FILE)) in message
     assert f"specdecode models fetch {TINY} --force" in message
     assert tiny.state().state == "damaged"
     tiny.load()  # the torch backend does not need the GGUF while its fp32 copy is good
@@ -740,14 +730,14 @@ def test_damaged_gguf_refused_by_the_llamacpp_backend(tiny, monkeypatch, capsys)
     """The llama.cpp backend runs the GGUF itself: it gets the same check and the same error."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tiny.cache))
     time.sleep(2 * SETTLE_NS / 1e9)
-    flip(tiny.file(model_store.GGUF_FILE))
+    flip(tiny.file(GGUF_FILE))
     generate = ["generate", "--target", TINY, "--backend", "llama.cpp", "--no-draft"]
     generate += ["--prompt", "ab", "--max-new-tokens", "2", "--json"]
     capsys.readouterr()
     assert main(generate) == 2
     err_text = capsys.readouterr().err
     assert err_text.count("\n") == 1 and "Traceback" not in err_text
-    assert str(tiny.file(model_store.GGUF_FILE)) in err_text
+    assert str(tiny.file(GGUF_FILE)) in err_text
     assert f"specdecode models fetch {TINY} --force" in err_text
     assert main(["models", "fetch", TINY, "--gguf-only", "--force", "--quiet"]) == 0
     pytest.importorskip("llama_cpp")
@@ -755,16 +745,16 @@ def test_damaged_gguf_refused_by_the_llamacpp_backend(tiny, monkeypatch, capsys)
 
 
 def test_deleted_gguf_is_fetched_again(tiny, caplog):
-    tiny.file(model_store.GGUF_FILE).unlink()
+    tiny.file(GGUF_FILE).unlink()
     assert tiny.state().state == "partial"
-    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.models"):
         assert tiny.gguf().read_bytes() == tiny.data
     assert "missing; fetching it again" in caplog.text and len(tiny.installs) == 3
     assert tiny.state().state == "ok"
 
 
 def test_damaged_gguf_and_fp32_name_both(tiny):
-    flip(tiny.file(model_store.GGUF_FILE))
+    flip(tiny.file(GGUF_FILE))
     flip(tiny.file("model.safetensors"))
     with pytest.raises(DamagedModelError) as err:
         tiny.fetch()
@@ -776,21 +766,19 @@ def test_damaged_gguf_and_fp32_name_both(tiny):
 
 def test_gguf_tokenizer_is_recorded_checked_and_recreated(tiny, caplog):
     """The llama.cpp backend's tokenizer copy lives in the model folder as a third artefact."""
-    from specdecode.models.tokenizer import gguf_tokenizer
-
-    tokenizer = gguf_tokenizer(tiny.file(model_store.GGUF_FILE))  # handed to the store
+    tokenizer = gguf_tokenizer(tiny.file(GGUF_FILE))  # kept in the model's cache folder
     assert tokenizer.get_vocab() == {t: i for i, t in enumerate(_TOKENS)}
     saved = [n for n, r in records(tiny).items() if r["artefact"] == "tokenizer"]
-    assert f"{model_store.TOKENIZER_DIR}/tokenizer.json" in saved
+    assert f"{TOKENIZER_DIR}/tokenizer.json" in saved
     assert tiny.state().artefacts == ("gguf", "fp32", "tokenizer")
-    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
+    with caplog.at_level(logging.WARNING, logger="specdecode.models"):
         tiny.fetch()  # the fp32 copy does not take the tokenizer's files for strays of its own
     assert caplog.text == "" and tiny.installs == []
 
-    flip(tiny.file(f"{model_store.TOKENIZER_DIR}/tokenizer.json"))
+    flip(tiny.file(f"{TOKENIZER_DIR}/tokenizer.json"))
     assert tiny.state().state == "damaged"
-    with caplog.at_level(logging.WARNING, logger="specdecode.models.store"):
-        again = model_store.gguf_tokenizer(TINY, tiny.cache, progress=False)
+    with caplog.at_level(logging.WARNING, logger="specdecode.models"):
+        again = gguf_tokenizer(tiny.file(GGUF_FILE))
     assert "GGUF tokenizer is damaged (tokenizer.json: sha256 is" in caplog.text
     assert again.get_vocab() == tokenizer.get_vocab()
     assert tiny.state(full=True).state == "ok" and tiny.installs == []
@@ -810,10 +798,10 @@ def test_check_file_fast_path_and_its_limits(tmp_path, monkeypatch):
     def check(record, full=False):
         return integrity.check_file(tmp_path, "f.bin", 1000, good, record, full=full)
 
-    assert check(settled).ok and not check(settled).hashed  # a stat, no hash
+    assert check(settled).problem is None and not check(settled).hashed  # a stat, no hash
     assert check(racy).hashed and check(settled, full=True).hashed  # racy or verify: hashed
     assert check(None).hashed  # no record: hashed
-    assert check(settled).restamp is None and check(racy).restamp is not None
+    assert check(settled).record is None and check(racy).record is not None
 
     time.sleep(0.05)  # past the filesystem's timestamp granularity
     path.write_bytes(b"b" * 1000)
@@ -830,12 +818,14 @@ def test_check_file_fast_path_and_its_limits(tmp_path, monkeypatch):
 
 
 def test_lock_refuses_an_upgrade_and_nests_shared_in_exclusive(tmp_path):
-    lock = integrity.ModelLock(tmp_path / "locks" / "m.lock", "m")
-    with lock.exclusive(), lock.shared():
+    lock = ModelLock(tmp_path / "locks" / "m.lock", "m")
+    shared, exclusive = dict(exclusive=False), dict(exclusive=True)
+    with lock.hold(**exclusive), lock.hold(**shared):
         assert (tmp_path / "locks" / "m.lock").read_text().strip() == str(os.getpid())
-    with lock.shared(), pytest.raises(RuntimeError, match="inside a shared one"), lock.exclusive():
+    busy = pytest.raises(RuntimeError, match="inside a shared one")
+    with lock.hold(**shared), busy, lock.hold(**exclusive):
         pass
-    with lock.shared(), lock.shared():
+    with lock.hold(**shared), lock.hold(**shared):
         pass
 
 
@@ -895,9 +885,9 @@ def test_cli_models_verify_hashes_every_file(tiny, capsys):
     # a file that rots under an unchanged stamp: the load check cannot see it, verify does
     time.sleep(2 * SETTLE_NS / 1e9)
     tiny.fetch()
-    data = json.loads(tiny.file(model_store.RECORD_FILE).read_text())
+    data = json.loads(tiny.file(RECORD_FILE).read_text())
     data["files"]["model.safetensors"]["sha256"] = "0" * 64
-    tiny.file(model_store.RECORD_FILE).write_text(json.dumps(data))
+    tiny.file(RECORD_FILE).write_text(json.dumps(data))
     assert tiny.state().state == "ok"
     code, out = run_cli(capsys, "models", "verify", "--cache-dir", str(tiny.cache))
     assert code == 1
@@ -918,7 +908,7 @@ def test_cli_models_fetch_flags_and_errors(tiny_empty, monkeypatch, capsys):
     tiny = tiny_empty
     code, out = run_cli(capsys, "models", "fetch", TINY, "--gguf-only", "--quiet",
                         "--cache-dir", str(tiny.cache))  # fmt: skip
-    assert code == 0 and out.strip() == str(tiny.file(model_store.GGUF_FILE))
+    assert code == 0 and out.strip() == str(tiny.file(GGUF_FILE))
     assert not tiny.file("config.json").exists()
     code, out = run_cli(capsys, "models", "fetch", TINY, "--quiet", "--cache-dir", str(tiny.cache))
     assert code == 0 and out.strip() == str(tiny.directory) and len(tiny.installs) == 3
@@ -932,7 +922,7 @@ def test_cli_models_fetch_flags_and_errors(tiny_empty, monkeypatch, capsys):
     def short(*a, **k):
         raise DiskSpaceError("needs more space")
 
-    monkeypatch.setattr(model_store, "fetch_model", short)
+    monkeypatch.setattr(store, "fetch_model", short)
     capsys.readouterr()
     assert main(["models", "fetch", "smollm2-135m", "--cache-dir", str(tiny.cache)]) == 2
     assert capsys.readouterr().err == "specdecode models: error: needs more space\n"
@@ -974,7 +964,7 @@ def test_local_model_load_errors_name_the_folder(tmp_path, tiny_llama, word_toke
     tiny_llama().save_pretrained(tmp_path)
     word_tokenizer().save_pretrained(tmp_path)
     truncate(tmp_path / "model.safetensors")
-    with pytest.raises(model_store.ModelLoadError, match=f"could not load the model in {tmp_path}"):
+    with pytest.raises(ModelLoadError, match=f"could not load the model in {tmp_path}"):
         load_causal_lm(tmp_path)
 
 
@@ -1051,7 +1041,7 @@ def test_fetch_killed_by_sigterm_recovers_on_rerun(tiny_empty, tiny_source, tmp_
     assert left.state == "partial"
     names = {p.name for p in left.leftovers}
     if hang_at == "join":  # the wheels installed, the joined file not yet renamed
-        assert names == {TINY, f"{model_store.GGUF_FILE}.partial"}
+        assert names == {TINY, f"{GGUF_FILE}.partial"}
     else:  # the GGUF in place, the conversion in its temporary folder
         assert [n.startswith(f".tmp-{tiny.spec.dir_name}-") for n in names] == [True]
     tiny.fetch()

@@ -45,9 +45,6 @@ backend it began on.
 
 Collection is written in shards, one per batch of prompts, and resumes where it stopped; under
 `accelerate launch` the processes share out the shards and the main process writes them all.
-Shards written before the law features or the drawn-token label existed get them on resume
-(`backfill`): one teacher-forced pass of each model over each recorded response (prompt +
-committed tokens) sees the prefixes the collection saw, in one pass instead of one per token.
 """
 
 from __future__ import annotations
@@ -62,7 +59,7 @@ from safetensors.torch import load_file, save_file
 
 from specdecode.acceptance.examples import EXAMPLES_FILE, META_FILE
 from specdecode.acceptance.head import IDENTITY_ROWS, ModelIdentity, law_features
-from specdecode.acceptance.labels import acceptance_labels, drawn_acceptance
+from specdecode.acceptance.labels import acceptance_labels
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.torch_eager import CachedModel
@@ -184,10 +181,10 @@ def model_identity(model: torch.nn.Module | ModelBackend) -> ModelIdentity:
     if isinstance(model, torch.nn.Module):
         return ModelIdentity.of(model)
     if isinstance(model, LlamaCppModel):
+        from specdecode.models.cache import GGUF_FILE
         from specdecode.models.convert import gguf_identity_parts
-        from specdecode.models.store import GGUF_FILE
 
-        path = model.path  # a store's model.gguf is named by its folder, as its conversion is
+        path = model.path  # a cached model.gguf is named by its folder, as its conversion is
         name = path.parent.name if path.name == GGUF_FILE else path.stem
         return ModelIdentity.of_rows(name, *gguf_identity_parts(path, IDENTITY_ROWS))
     raise TypeError(
@@ -205,69 +202,6 @@ def as_backend(model: torch.nn.Module | ModelBackend, role: str) -> ModelBackend
 def backend_name(lm: ModelBackend) -> str:
     """The backend whose drafter states a collection records: torch or llama.cpp."""
     return "llama.cpp" if isinstance(lm, LlamaCppModel) else "torch"
-
-
-@torch.no_grad()
-def teacher_forced(
-    lm: ModelBackend, prompt: list[int], tokens: torch.Tensor, vocab: int
-) -> torch.Tensor:
-    """The logits [n, vocab] before each of the n committed `tokens` of one response after
-    `prompt`: one pass over prompt + tokens[:-1] through the backend (its cache is reset)."""
-    ids = torch.tensor([list(prompt) + tokens[:-1].tolist()], device=lm.device)  # [1, len]
-    lm.reset(1)
-    logits, _ = lm.forward(ids, torch.ones_like(ids, dtype=torch.bool), len(tokens))
-    return align_vocab(logits[0].float(), vocab)  # [n, vocab]
-
-
-@torch.no_grad()
-def backfill(
-    part: dict[str, torch.Tensor],
-    target: ModelBackend,
-    drafter: ModelBackend,
-    prompts: list[list[int]],
-    vocab: int,
-    temperature: float,
-) -> dict[str, torch.Tensor]:
-    """The law features and the drawn token's label of a shard collected without them.
-
-    Each response is rebuilt as prompt + committed tokens (`prompts`: the token ids indexed by
-    the shard's `prompt_index`) and passed once through the drafter (its law at every position)
-    and, under sampling, once through the target (p of the drawn token): the prefixes the
-    collection saw. Under greedy the drawn token is the argmax, so its label is the greedy label
-    and its log probability the top one. Tensors the shard already holds are kept.
-    """
-    if "token" not in part:
-        raise ValueError(
-            "the shard was collected before the committed tokens were recorded, so its law "
-            "features and drawn-token labels cannot be added: collect again into a new --out"
-        )
-    sampling = SamplingConfig(temperature)
-    n = len(part["position"])
-    law = {"law_greedy": torch.zeros(n, 3), "law_sampling": torch.zeros(n, 3)}
-    label, log_prob = torch.zeros(n), torch.zeros(n)
-    for index in part["prompt_index"].unique().tolist():
-        rows = (part["prompt_index"] == index).nonzero()[:, 0]
-        rows = rows[part["position"][rows].argsort()]  # [m] this response's positions, in order
-        if not torch.equal(part["position"][rows], torch.arange(len(rows))):
-            raise ValueError(f"the shard's response to prompt {index} has missing positions")
-        tokens = part["token"][rows]  # [m]
-        q_logits = teacher_forced(drafter, prompts[index], tokens, vocab)  # [m, vocab]
-        probs = q_logits.softmax(-1)
-        q_law = probs if sampling.greedy else logits_to_probs(q_logits, sampling)
-        law["law_greedy"][rows] = law_features(probs).cpu()
-        law["law_sampling"][rows] = law_features(q_law).cpu()
-        if not sampling.greedy and "label_drawn" not in part:
-            p_logits = teacher_forced(target, prompts[index], tokens, vocab)  # [m, vocab]
-            p_law = logits_to_probs(p_logits, sampling)
-            drawn = part["proposal"][rows].to(p_law.device)  # [m]
-            got = drawn_acceptance(p_law, q_law.to(p_law.device), drawn)
-            label[rows], log_prob[rows] = got[0].cpu(), got[1].cpu()
-    out = law | part  # features already stored win
-    if "label_drawn" not in part:
-        if sampling.greedy:
-            label, log_prob = out["label_greedy"], out["law_greedy"][:, 0]
-        out |= {"label_drawn": label, "drawn_log_prob": log_prob}
-    return out
 
 
 def collect(
@@ -310,8 +244,8 @@ def collect(
         **asdict(cfg),
     }
     old = out / META_FILE
-    if old.is_file():  # older ones had no rounds, and ran on torch
-        before = {"rounds": 0, "backend": "torch"} | json.loads(old.read_text())
+    if old.is_file():
+        before = json.loads(old.read_text())
         if {k: before.get(k) for k in meta} != meta:
             raise ValueError(
                 f"{out} holds a collection made with other settings or models; "
@@ -321,16 +255,10 @@ def collect(
     started = time.perf_counter()
     seconds = json.loads(old.read_text()).get("seconds", 0.0) if old.is_file() else 0.0
     starts = range(0, len(prompts), cfg.batch_size)
-    vocab = target_lm.vocab_size
     todo: list[int] = []
-    if main:  # the shards on the writer's disk are the truth; older ones are brought up to date
+    if main:  # the shards on the writer's disk are the truth
         shards.mkdir(parents=True, exist_ok=True)
-        for n in range(len(starts)):
-            shard = shards / f"{n:05d}.safetensors"
-            if shard.is_file():
-                _upgrade_shard(shard, target_lm, drafter_lm, prompts, vocab, cfg)
-            else:
-                todo.append(n)
+        todo = [n for n in range(len(starts)) if not (shards / f"{n:05d}.safetensors").is_file()]
     todo = main_object(state, todo)
     bar = tqdm(total=len(todo), desc="collect", unit="batch", disable=not progress or not main)
     for turn in range(0, len(todo), state.num_processes):
@@ -359,25 +287,6 @@ def collect(
     meta = main_object(state, meta)
     state.wait_for_everyone()
     return meta
-
-
-def _upgrade_shard(
-    shard: Path,
-    target: ModelBackend,
-    drafter: ModelBackend,
-    prompts: list[list[int]],
-    vocab: int,
-    cfg: CollectConfig,
-) -> None:
-    """A shard written by an older collection, given the tensors it lacks (rewritten in place)."""
-    part = load_file(shard)
-    if "law_greedy" in part and "label_drawn" in part:
-        return
-    try:
-        part = backfill(part, target, drafter, prompts, vocab, cfg.temperature)
-    except ValueError as error:
-        raise ValueError(f"{shard}: {error}") from error
-    save_file(part, shard)
 
 
 def _collect_shard(

@@ -2,14 +2,14 @@
 
 Why: a decoding step streams every weight once. llama.cpp's CPU buffers come from
 `posix_memalign`, which Linux backs with 4 KiB pages unless the process asks for more (the
-common `transparent_hugepage=madvise` setting), so a 1 GiB model is 262,144 pages and nearly
-every page of a step misses the TLB. Measured on a 2-core Xeon VM, the 1.5B Q4_K_M target's
-one-token step took 69 ms with 4 KiB pages and 55 ms with the same buffers in 2 MiB pages
-(`docs/findings.md`). The weights are read into anonymous memory (llama.cpp's load mode "none",
-not a file mapping, which huge pages cannot back here) and this module then asks the kernel to
-collapse the new regions: `madvise(MADV_HUGEPAGE)` so later faults get huge pages, then
-`MADV_COLLAPSE` (Linux 6.1+) to move what is already there. Where the kernel or its settings
-refuse, nothing changes but the speed: `collapse_new_regions` reports what it managed.
+common `transparent_hugepage=madvise` setting), so a model of a gigabyte is hundreds of thousands
+of pages and nearly every page of a step misses the TLB; in 2 MiB pages the same buffers make a
+step faster (`docs/findings.md`, 12, has the measurements). The weights are read into anonymous
+memory (llama.cpp's load mode "none", not a file mapping, which huge pages cannot back here) and
+this module then asks the kernel to collapse the new regions: `madvise(MADV_HUGEPAGE)` so later
+faults get huge pages, then `MADV_COLLAPSE` (Linux 6.1+) to move what is already there. Where the
+kernel or its settings refuse, nothing changes but the speed: `collapse_new_regions` reports what
+it managed.
 """
 
 from __future__ import annotations

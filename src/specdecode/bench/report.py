@@ -3,7 +3,7 @@
 Causal and translation runs write one record layout (`runner.bench_record`); their rows differ
 only in the figures their methods add (round counts and costs, BLEU). The table shows the
 columns some row has figures for, so one table serves both, and records made before a figure
-existed still read (`current_layout` brings earlier layouts to this one).
+existed still read.
 """
 
 from __future__ import annotations
@@ -85,23 +85,6 @@ def _against_best(row: dict, constants: list[dict], speed: str, per_batch: str) 
         "wins": sum(x > 1 for x in ratios),
         "batches": len(ratios),
     }
-
-
-def current_layout(record: dict) -> dict:
-    """The record as this version writes it, from any earlier one (a copy; nothing measured).
-
-    Translation records once kept their rows per batch size under `runs`; causal rows once had
-    no `exact` (every row was checked against ar under greedy decoding, none under sampling).
-    """
-    out = dict(record)
-    if "runs" in out:
-        runs = out.pop("runs")
-        out["methods"] = [row for run in runs for row in run["methods"]]
-        out.setdefault("examples", runs[0]["examples"] if runs else [])
-        out.setdefault("skipped", [])
-    greedy = out["config"].get("temperature", 0.0) == 0
-    out["methods"] = [{"exact": greedy, **row} for row in out["methods"]]
-    return out
 
 
 def _num(row: dict, key: str, digits: int = 2) -> str:
@@ -347,7 +330,6 @@ def _model_notes(record: dict) -> list[str]:
 
 
 def markdown_table(record: dict) -> str:
-    record = current_layout(record)
     rows = sorted(record["methods"], key=lambda r: (r["batch_size"], -_speed(r)))
     columns = [
         c for c in COLUMNS if not c.keys or any(r.get(k) is not None for r in rows for k in c.keys)
@@ -386,7 +368,7 @@ def plot(record: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = current_layout(record)["methods"]
+    rows = record["methods"]
     paths = []
     families: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:

@@ -567,10 +567,9 @@ def add_modelled(row: dict, costs: dict | None, batch_size: int) -> None:
 def rederive(record: dict) -> dict:
     """Recompute a saved record's derived figures (modelled speedups, Leviathan's bounds, the
     policy comparison) from its measurements, so a record written before a figure existed can
-    be reported with it; a translation record of the earlier layout comes back in this one's."""
-    from specdecode.bench.report import current_layout, policy_comparison
+    be reported with it."""
+    from specdecode.bench.report import policy_comparison
 
-    record = current_layout(record)
     for row in record["methods"]:
         add_modelled(row, record.get("costs"), row.get("batch_size", 1))
         add_bounds(row)

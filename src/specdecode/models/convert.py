@@ -1,28 +1,35 @@
 """GGUF to fp32 safetensors: what the torch backend loads, made once from the verified GGUF.
 
-transformers can read a GGUF directly, but it dequantizes every weight on each load (50-140 s for
-the default pair), so the store converts once and keeps the result as plain fp32 safetensors
-(seconds to load). Converting is separate from fetching: the GGUF is the primary cached file
-(llama.cpp runs it as is) and the conversion is made only when the torch backend first asks.
+transformers can read a GGUF directly, but it dequantizes every weight on each load, which takes
+far longer than reading plain fp32 safetensors, so the conversion is made once and kept.
+Converting is separate from fetching: the GGUF is the primary cached file (llama.cpp runs it as
+it is) and the conversion is made only when the torch backend first asks (``converted_model``).
 
-``convert_gguf`` writes into a fresh folder and renames it into place; the store then moves the
-files into the model's cache folder and records their hashes (``integrity``).
+``convert_gguf`` writes into a fresh folder and renames it into place; ``ensure_converted`` then
+moves the files into the model's cache folder and records their hashes (``cache``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+
+from specdecode.models.cache import FileRecords, ModelCache, ensure_gguf
+from specdecode.models.catalogue import ModelSpec
+from specdecode.models.integrity import DamagedModelError
+from specdecode.models.join import check_disk_space
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +43,8 @@ class ConversionError(RuntimeError):
 def is_converted(path: Path) -> bool:
     """Whether ``path`` holds a finished conversion (the marker is written last).
 
-    Says nothing about whether the files are intact: the store checks them against their
-    records (``store.fetch_model``, ``models verify``).
+    Says nothing about whether the files are intact: the cache checks them against their
+    records (``converted_model``, ``models verify``).
     """
     return (path / MARKER_FILE).is_file() and (path / "config.json").is_file()
 
@@ -154,7 +161,7 @@ def _load_gguf(directory: Path, filename: str) -> tuple[Any, Any]:
 def _load_gguf_alone(gguf_path: Path, scratch: Path) -> tuple[Any, Any]:
     """``_load_gguf`` on ``gguf_path`` seen through a folder that holds nothing else.
 
-    transformers resolves a GGUF inside a model folder, and the store's model folder also holds
+    transformers resolves a GGUF inside a model folder, and the cache's model folder also holds
     the previous conversion (config.json, tokenizer files: possibly the damaged ones being
     replaced). A symlink in an empty scratch folder keeps those out of the load. A symlink, not
     a hard link: linking would change the GGUF's ctime and so cost a re-hash at its next check.
@@ -180,8 +187,8 @@ def convert_gguf(
     The model (safetensors), its generation config and the tokenizer are written into a
     temporary sibling folder together with ``specdecode_model.json`` (``record`` plus timings),
     which is then renamed to ``out_dir`` in one step. If ``out_dir`` appears meanwhile (another
-    process finished first) that copy is kept and ours discarded. The store converts into a
-    fresh folder under its exclusive lock and records the files' hashes afterwards.
+    process finished first) that copy is kept and ours discarded. ``ensure_converted`` converts
+    into a fresh folder under the model's exclusive lock and records the files' hashes after.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -242,3 +249,98 @@ def _version(dist: str) -> str | None:
         return version(dist)
     except PackageNotFoundError:
         return None
+
+
+# --------------------------------------------------------------------------- in the cache
+
+
+@contextlib.contextmanager
+def converted_model(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    force: bool = False,
+) -> Iterator[Path]:
+    """The checked fp32 model folder of catalogue model ``name``, under the model's lock for as
+    long as the block runs; fetched and converted first if need be (``cache`` says what is
+    re-created, fetched, or refused). ``force`` deletes everything cached first."""
+    c = ModelCache.of(name, cache_dir)
+    with c.using("fp32", ensure_converted, progress=progress, force=force):
+        yield c.directory
+
+
+def ensure_converted(c: ModelCache, progress: bool) -> None:
+    """A good fp32 conversion in the model folder (exclusive lock held)."""
+    name = c.spec.name
+    records = FileRecords.load(c.directory)
+    converted = c.check("fp32", records, progress=progress)
+    if converted.ok:
+        if records.take("fp32", converted.checks):
+            records.save_quietly()
+        return
+    gguf = c.check("gguf", records, progress=progress)
+    if gguf.damaged:
+        raise DamagedModelError(name, [*converted.damaged, *gguf.damaged], c.fix)
+    if converted.damaged and not gguf.ok:
+        why = ", and no verified GGUF is cached to re-create it from"
+        raise DamagedModelError(name, converted.damaged, c.fix, why=why)
+    if not converted.absent:
+        state = "damaged" if converted.damaged else "incomplete"
+        source = f"the verified GGUF {c.gguf}" if gguf.ok else "the GGUF, fetched first"
+        logger.warning(
+            "%s: the cached fp32 copy is %s (%s); re-creating it from %s",
+            name,
+            state,
+            converted.describe(),
+            source,
+        )
+    if gguf.ok:
+        if records.take("gguf", gguf.checks):
+            records.save_quietly()
+    else:
+        ensure_gguf(c, progress, need_after=c.spec.fp32_bytes)
+    _convert_into_place(c, progress)
+
+
+def _convert_into_place(c: ModelCache, progress: bool) -> None:
+    """Convert the GGUF, replace any earlier conversion with it, record its files.
+
+    The conversion is written to a temporary folder beside the model folder; its files are
+    then renamed into place and hashed. The previous conversion's files, recorded or not, are
+    deleted first, so no stray file of it is loaded with the new one. Exclusive lock held, the
+    GGUF verified.
+    """
+    spec = c.spec
+    check_disk_space(c.root, spec.fp32_bytes, f"converting {spec.name}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.dir_name}-", dir=c.root / "models"))
+    try:
+        out = convert_gguf(c.gguf, tmp / "out", record=_model_record(spec), progress=progress)
+        new = sorted(
+            (p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()),
+            key=lambda rel: (rel == MARKER_FILE, rel),  # the marker lands last
+        )
+        records = FileRecords.load(c.directory)
+        for rel in {*records.names("fp32"), *c.files("fp32")}:
+            (c.directory / rel).unlink(missing_ok=True)
+            records.files.pop(rel, None)
+        records.save()
+        for rel in new:
+            (c.directory / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out / rel, c.directory / rel)
+        records.add_settled("fp32", new, progress=progress)
+        records.save()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _model_record(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "role": spec.role,
+        "description": spec.description,
+        "sha256": spec.sha256,
+        "gguf_bytes": spec.gguf_bytes,
+        "source_packages": [p.requirement for p in spec.packages],
+        "source_files": [c.file for c in spec.chunks],
+    }

