@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.cli import head as head_cli
     from specdecode.cli import models as models_cli
     from specdecode.cli import seq2seq as seq2seq_cli
+    from specdecode.cli import serve as serve_cli
 
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Speculative decoding for Hugging Face models."
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     head_cli.add_subcommands(subparsers)
     data_cli.add_subcommands(subparsers)
     seq2seq_cli.add_subcommands(subparsers)
+    serve_cli.add_subcommands(subparsers)
     return parser
 
 

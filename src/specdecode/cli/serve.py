@@ -1,0 +1,136 @@
+"""`specdecode serve`: an OpenAI-compatible server over the engine's decoding loop."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from specdecode.cli.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    add_drafting_arguments,
+    length_policy_option,
+)
+from specdecode.core.config import HEAD_POLICIES, POLICIES, PROMPT_LOOKUP
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from specdecode.serve.server import ServeConfig, serve
+    except ImportError as error:
+        raise RuntimeError(
+            f"the server needs the serve extra ({error.name} is missing): "
+            "pip install 'specdecode[serve]'"
+        ) from None
+    # lookup drafts with no model: none is loaded for it
+    draft = None if args.no_draft or args.drafting == "lookup" else args.draft
+    config = ServeConfig(
+        model_name=args.model_name or Path(args.target).name.removesuffix(".gguf"),
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        context=args.context,
+        api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
+        drain_seconds=args.drain_seconds,
+        prefill_chunk=args.prefill_chunk,
+        log_level=args.log_level,
+        loop_options=(
+            ("use_drafter", not args.no_draft),
+            ("drafting", args.drafting),
+            ("length_policy", args.length_policy),
+            ("num_draft_tokens", args.num_draft_tokens),
+        ),
+    )
+
+    def load():
+        from specdecode.api import SpeculativeDecoder, default_backend
+
+        backend = args.backend or default_backend(args.target, "cpu")
+        print(
+            f"[serve] loading {args.target}"
+            + (f" with drafter {draft}" if draft else "")
+            + f" on {backend}; /health answers 503 until ready",
+            file=sys.stderr,
+            flush=True,
+        )
+        decoder = SpeculativeDecoder.from_pretrained(
+            args.target, draft, backend=backend, threads=args.threads
+        )
+        if config.context and config.context > decoder.context:
+            print(
+                f"[serve] --context {config.context} is over the model's {decoder.context} "
+                f"tokens per row; serving {decoder.context}",
+                file=sys.stderr,
+            )
+        return decoder
+
+    return serve(load, config)
+
+
+def add_subcommands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible server (completions, chat, metrics) over the engine"
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
+    p.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (no drafter model: drafting "
+        "auto then prices lookup alone)",
+    )
+    p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
+    p.add_argument(
+        "--backend",
+        choices=("torch", "torch-static", "llama.cpp"),
+        default=None,
+        help="llama.cpp for known models and GGUF files (the default on the CPU), else torch",
+    )
+    add_drafting_arguments(p)
+    p.add_argument(
+        "--length-policy",
+        type=length_policy_option,
+        choices=[name for name in POLICIES if name not in HEAD_POLICIES],
+        default="constant",
+        help="how many tokens drafting model, lookup or lookup-first drafts per round (drafting "
+        "auto plans its own from this machine's prices); the head policies are refused: a head "
+        "is trained for one verification rule and a server's rows mix greedy and sampled ones",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting for a row; beyond them the server answers 429 with Retry-After",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per request, prompt plus new tokens (default: the model's row context)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (or set SPECDECODE_API_KEY)",
+    )
+    p.add_argument("--model-name", default=None, help="the model id served (default: --target)")
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running requests may take to finish before the server exits",
+    )
+    p.add_argument(
+        "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per round per row"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    p.set_defaults(func=cmd_serve)

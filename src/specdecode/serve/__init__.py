@@ -1,0 +1,1 @@
+"""`specdecode serve`: OpenAI-compatible routes over the engine's decoding loop."""

@@ -1,0 +1,318 @@
+"""The scheduler: one thread owns the engine's `DecodeLoop`, admits rows between rounds, steps it,
+and hands each row's updates to the asyncio side.
+
+The loop is synchronous and CPU-bound, so it runs in one dedicated thread and only that thread
+calls `add`, `cancel` and `step`; the event loop only queues admissions and cancellations under a
+lock and wakes the thread. A row's updates go to its request through
+`call_soon_threadsafe` into an asyncio queue. Requests beyond the batch wait in a bounded queue
+(`max_queue`); past it the server answers 429 at once instead of letting latency grow without
+bound. A row that fails inside the engine (`RowFailed`) fails alone; any other error of a round
+fails every running row and resets the loop, so the next requests start from a clean state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdecode.core.config import SamplingConfig
+from specdecode.core.engine import RowFailed, RowRequest
+from specdecode.serve.metrics import RequestSpec, ServerMetrics
+from specdecode.serve.protocol import RequestError, Sampling
+from specdecode.serve.text import RowText
+
+log = logging.getLogger("specdecode.serve")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The engine could not finish a row: the request is answered with `status`."""
+
+    message: str
+    status: int = 500
+
+
+@dataclass(eq=False)
+class Job:
+    """One row's request on its way through the scheduler."""
+
+    request: RowRequest
+    deliver: Callable[[Any], None]  # thread-safe: puts an update or a Failure in the row's queue
+    key: int | None = None
+
+
+@dataclass
+class RowResult:
+    """What the asyncio side knows of a row once it has ended."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec: RequestSpec = field(default_factory=RequestSpec)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        metrics: ServerMetrics,
+        max_rows: int = 8,
+        max_queue: int = 64,
+        prefill_chunk: int = 256,
+        loop_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._load = load
+        self.loop_options = loop_options or {}  # drafting settings for `decoder.loop`
+        self.metrics = metrics
+        self.max_rows = max_rows
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.decoder: Any = None
+        self.state = "loading"  # then "ready", or "failed" with load_error
+        self.load_error: str | None = None
+        self._lock = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._cancels: list[Job] = []
+        self._running: dict[int, Job] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        self.loaded = threading.Event()  # set once state leaves "loading"
+
+    # ------------------------------------------------------------ event loop side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self.started():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            # rows free now are taken at the next round: requests for them do not queue
+            free = self.max_rows - len(self._running)
+            if len(self._waiting) >= self.max_queue + max(0, free):
+                raise RequestError(
+                    f"the server is at capacity ({self.max_rows} requests running, "
+                    f"{self.max_queue} waiting); retry shortly",
+                    status=429,
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+            self._waiting.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            self._lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.metrics.waiting.set(len(self._waiting))
+            else:
+                self._cancels.append(job)
+                self._lock.notify()
+
+    def busy(self) -> int:
+        """Requests accepted and not yet ended (waiting or running)."""
+        with self._lock:
+            return len(self._waiting) + len(self._running) + len(self._cancels)
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """End every accepted request with an error (the drain's bound ran out)."""
+        with self._lock:
+            jobs = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._cancels.extend(self._running.values())
+            self._lock.notify()
+        for job in jobs:
+            job.deliver(Failure(message, status))
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self.decoder = self._load()
+            loop = self.decoder.loop(
+                max_rows=self.max_rows, prefill_chunk=self.prefill_chunk, **self.loop_options
+            )
+        except Exception as error:  # reported by the server, which then exits
+            log.debug("loading failed", exc_info=True)
+            self.load_error = str(error) or type(error).__name__
+            self.state = "failed"
+            self.loaded.set()
+            return
+        self.state = "ready"
+        self.loaded.set()
+        while True:
+            with self._lock:
+                while not (self._stopping or self._cancels or self._waiting or len(loop)):
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self._admit(loop)
+                if len(loop):
+                    self._round(loop)
+            except Exception as error:  # the loop's state is not to be trusted: start clean
+                self._fail_running(loop, error)
+
+    def _admit(self, loop: Any) -> None:
+        """Cancelled rows leave and waiting requests take the free rows, before the round."""
+        with self._lock:
+            for job in self._cancels:
+                if job.key is not None and self._running.pop(job.key, None) is not None:
+                    loop.cancel(job.key)
+            self._cancels.clear()
+            while self._waiting and len(self._running) < self.max_rows:
+                job = self._waiting.popleft()
+                try:
+                    job.key = loop.add(job.request)
+                except ValueError as error:  # a request the engine refuses: that row alone
+                    job.deliver(Failure(str(error), 400))
+                    continue
+                self._running[job.key] = job
+            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.running.set(len(self._running))
+
+    def _fail_running(self, loop: Any, error: Exception) -> None:
+        log.exception("a decoding round failed; every running request fails with it")
+        with self._lock:
+            jobs = list(self._running.values())
+            self._running.clear()
+            self.metrics.running.set(0)
+        try:
+            loop.reset()
+        except Exception:  # the next rounds will fail their requests alike, none hangs
+            log.exception("resetting the loop failed")
+        for job in jobs:
+            job.deliver(Failure(f"the engine failed during a decoding round: {error}"))
+
+    def _round(self, loop: Any) -> None:
+        try:
+            updates = loop.step()
+        except RowFailed as error:
+            with self._lock:
+                job = self._running.pop(error.key, None)
+            if job is not None:
+                job.deliver(Failure(f"the engine failed on this request: {error}"))
+            return
+        with self._lock:
+            for update in updates:
+                job = self._running.get(update.key)
+                if job is None:  # cancelled while the round ran
+                    continue
+                if update.finished:
+                    del self._running[update.key]
+                job.deliver(update)
+            self.metrics.running.set(len(self._running))
+
+
+def row_request(
+    prompt: list[int], max_tokens: int, sampling: Sampling, stop_ids: tuple[int, ...]
+) -> RowRequest:
+    return RowRequest(
+        prompt=list(prompt),
+        max_new_tokens=max_tokens,
+        sampling=SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p),
+        seed=sampling.seed,
+        stop_token_ids=tuple(stop_ids),
+    )
+
+
+class RowStream:
+    """One row of a request: `submit` it (a full queue refuses at once, before any response
+    starts), then iterate `pieces` for its text as it becomes safe to show; `result` fills in.
+
+    The row leaves the engine whenever its consumer stops early (a client that disconnects, a
+    stop string, another row of the request failing): `pieces`' `finally` cancels it, so its
+    cache is freed before the next round.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        arrival: float,
+    ) -> None:
+        self.scheduler = scheduler
+        self.arrival = arrival
+        self.aloop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        decoder = scheduler.decoder
+        self.stop_ids = tuple(decoder.default_stop_ids())
+        try:
+            request = row_request(prompt, max_tokens, sampling, self.stop_ids)
+        except ValueError as error:  # what the engine's own checks refuse
+            raise RequestError(str(error)) from None
+        self.job = Job(request, self._deliver)
+        self.text = RowText(decoder.tokenizer, sampling.stop, self.stop_ids)
+        self.result = RowResult(prompt_tokens=len(prompt))
+        self.ended = True  # nothing to cancel until submitted
+
+    def _deliver(self, item: Any) -> None:  # engine thread
+        with contextlib.suppress(RuntimeError):  # the event loop has closed (shutdown)
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def submit(self) -> None:
+        self.scheduler.submit(self.job)
+        self.ended = False
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.scheduler.cancel(self.job)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        metrics, result = self.scheduler.metrics, self.result
+        first: float | None = None
+        try:
+            while True:
+                update = await self.queue.get()
+                if isinstance(update, Failure):
+                    self.ended = True
+                    kind = "invalid_request_error" if update.status < 500 else "server_error"
+                    raise RequestError(update.message, status=update.status, type=kind)
+                if update.reused:
+                    metrics.prefix_reused_tokens.inc(update.reused)
+                result.spec.add(update.drafted, update.accepted)
+                metrics.add_round(update.drafted, update.accepted)
+                if update.tokens and first is None:
+                    first = time.monotonic()
+                    metrics.ttft.observe(first - self.arrival)
+                piece = self.text.feed(update.tokens, final=update.finished)
+                if piece:
+                    result.text += piece
+                    yield piece
+                if self.text.stopped or update.finished:
+                    self.ended = update.finished
+                    last = update.tokens[-1] if update.tokens else None
+                    stop = self.text.stopped or last in self.stop_ids
+                    result.finish_reason = "stop" if stop else "length"
+                    result.completion_tokens = self.text.tokens_used
+                    break
+        finally:
+            self.cancel()
+        done = time.monotonic()
+        metrics.e2e.observe(done - self.arrival)
+        if first is not None and result.completion_tokens > 1:
+            metrics.tpot.observe((done - first) / (result.completion_tokens - 1))
+        metrics.prompt_tokens.inc(result.prompt_tokens)
+        metrics.generation_tokens.inc(result.completion_tokens)
+        metrics.requests_success.labels(finished_reason=result.finish_reason).inc()

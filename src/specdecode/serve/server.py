@@ -1,0 +1,146 @@
+"""Running the app under uvicorn: models load in the background, SIGTERM drains.
+
+uvicorn starts listening at once and the engine thread loads the models meanwhile, so `/health`
+answers 503 `{"status": "loading"}` until they are ready (load balancers and the tests poll it).
+On SIGTERM (or Ctrl-C) the server stops admitting (503 to new requests), lets every accepted
+request finish within `drain_seconds`, ends any still running with a 503 error, and exits 0; a
+second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from specdecode.serve.app import ServerState, create_app
+from specdecode.serve.metrics import ServerMetrics
+from specdecode.serve.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8  # rows decoded together
+    max_queue: int = 64  # requests waiting for a row; beyond, 429
+    context: int | None = None  # tokens per request (prompt + new); None: the model's
+    api_key: str | None = None
+    drain_seconds: float = 30.0
+    prefill_chunk: int = 256
+    log_level: str = "info"
+    # drafting settings of the engine's loop (`SpeculativeDecoder.loop`), e.g. length_policy
+    loop_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = {
+            "--max-batch": self.max_batch >= 1,
+            "--max-queue": self.max_queue >= 0,
+            "--port": 0 <= self.port <= 65535,
+            "--drain-seconds": self.drain_seconds >= 0,
+            "--prefill-chunk": self.prefill_chunk >= 1,
+            "--context": self.context is None or self.context >= 2,
+        }
+        for flag, ok in checks.items():
+            if not ok:
+                raise ValueError(
+                    f"{flag} is out of range: {getattr(self, flag[2:].replace('-', '_'))}"
+                )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose exit signal starts a drain instead of closing the listener at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_seconds = drain_seconds
+        self.deadline: float | None = None
+        self.announced = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # not recorded as a captured signal: uvicorn would re-raise it at exit, and a drained
+        # server exits 0
+        if self.state.draining:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        self.state.draining = True
+        self.deadline = time.monotonic() + self.drain_seconds
+        print(
+            f"[serve] draining: no new requests; the running ones have {self.drain_seconds:g} s",
+            file=sys.stderr,
+        )
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:  # listening: load the models now (a port already taken has
+            # ended the process before a load began, so none is cut off mid-way at exit)
+            self.state.scheduler.start()
+
+    async def on_tick(self, counter: int) -> bool:
+        scheduler = self.state.scheduler
+        if scheduler.state == "ready" and not self.announced:
+            self.announced = True
+            print(
+                f"[serve] ready: model {self.state.model_name!r} at "
+                f"http://{self.config.host}:{self.config.port}/v1",
+                file=sys.stderr,
+                flush=True,
+            )
+        if scheduler.state == "failed":
+            self.should_exit = True
+        elif self.state.draining and not self.should_exit:
+            if scheduler.busy() == 0:
+                self.should_exit = True
+            elif self.deadline is not None and time.monotonic() > self.deadline:
+                scheduler.fail_all("the server shut down before this request finished")
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(load: Callable[[], Any], config: ServeConfig) -> int:
+    """Serve until a signal; 0 after a clean drain, 2 if the models could not be loaded."""
+    metrics = ServerMetrics()
+    scheduler = Scheduler(
+        load,
+        metrics,
+        config.max_batch,
+        config.max_queue,
+        config.prefill_chunk,
+        dict(config.loop_options),
+    )
+    state = ServerState(scheduler, metrics, config.model_name, config.api_key, config.context)
+    server = DrainingServer(
+        uvicorn.Config(
+            create_app(state),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=5,
+        ),
+        state,
+        config.drain_seconds,
+    )
+    try:
+        server.run()
+    finally:
+        if scheduler.state == "loading" and scheduler.started():
+            print("[serve] stopping once the models have loaded", file=sys.stderr, flush=True)
+            scheduler.loaded.wait()  # the load runs in native code that cannot be cut off
+        scheduler.stop()
+    if scheduler.state == "failed":
+        print(
+            f"specdecode serve: error: loading the models failed: {scheduler.load_error}",
+            file=sys.stderr,
+        )
+        return 2
+    if not server.started:
+        return 2  # uvicorn has said why (the port is taken, ...)
+    return 0

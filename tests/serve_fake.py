@@ -1,0 +1,160 @@
+"""A stand-in for the engine's `DecodeLoop` and decoder, for the server's fast tests.
+
+Tokens are bytes (a multi-byte character spans tokens, as with real byte-level tokenizers), so
+text holding-back is exercised. A row echoes its prompt's bytes cyclically, a few tokens a round
+(the count varies by round and row, as ragged acceptance does); a `#` in the echo is the end id
+instead. A prompt containing FAIL fails its row alone (`RowFailed`); CRASH fails the round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdecode.serve.scheduler import RowFailed
+
+EOS = 256
+
+
+class Encoding:
+    def __init__(self, ids: list[int]) -> None:
+        self.input_ids = ids
+
+
+class ByteTokenizer:
+    eos_token_id = EOS
+    chat_template = "role-tagged"
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        return Encoding(list(text.encode()))
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None) -> str:
+        kept = bytes(t for t in ids if t < 256)
+        text = kept.decode("utf-8", errors="replace")
+        return text if skip_special_tokens or EOS not in ids else text + "<eos>"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        text = "".join(f"[{m['role']}]{m['content']}\n" for m in messages)
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+
+@dataclass(frozen=True)
+class FakeUpdate:
+    key: int
+    tokens: list[int]
+    finished: bool
+    drafted: int
+    accepted: int
+    reused: int
+
+
+@dataclass
+class FakeRow:
+    request: object
+    produced: int = 0
+    rounds: int = 0
+
+
+@dataclass
+class FakeLoop:
+    max_rows: int
+    step_delay: float = 0.0
+    rows: dict[int, FakeRow] = field(default_factory=dict)
+    cancelled: list[int] = field(default_factory=list)
+    resets: int = 0
+    next_key: int = 0
+    thread: threading.Thread | None = None
+
+    def _same_thread(self) -> None:
+        current = threading.current_thread()
+        if self.thread is None:
+            self.thread = current
+        assert current is self.thread, "the loop is used from two threads"
+
+    def add(self, request) -> int:
+        self._same_thread()
+        assert len(self.rows) < self.max_rows, "more rows added than max_rows"
+        key = self.next_key
+        self.next_key += 1
+        self.rows[key] = FakeRow(request)
+        return key
+
+    def cancel(self, key: int) -> None:
+        self._same_thread()
+        del self.rows[key]
+        self.cancelled.append(key)
+
+    def reset(self) -> None:
+        self._same_thread()
+        self.rows.clear()
+        self.resets += 1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def step(self) -> list[FakeUpdate]:
+        self._same_thread()
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        prompts = {k: bytes(t for t in r.request.prompt if t < 256) for k, r in self.rows.items()}
+        # failures come before any row's tokens, so a failed round commits nothing
+        if any(b"CRASH" in p for p in prompts.values()):
+            raise RuntimeError("the fake engine crashed")
+        for key, prompt in prompts.items():
+            if b"FAIL" in prompt and self.rows[key].rounds >= 1:
+                del self.rows[key]
+                raise RowFailed(key, "the fake engine could not decode this row")
+        updates = []
+        for key, row in list(self.rows.items()):
+            prompt = prompts[key]
+            row.rounds += 1
+            if row.rounds == 1:  # the prompt's prefill
+                updates.append(FakeUpdate(key, [], False, 0, 0, 0))
+                continue
+            want = 1 + (row.rounds + key) % 3
+            tokens: list[int] = []
+            finished = False
+            while len(tokens) < want:
+                byte = prompt[row.produced % len(prompt)]
+                row.produced += 1
+                tokens.append(EOS if byte == ord("#") else byte)
+                if tokens[-1] == EOS or row.produced >= row.request.max_new_tokens:
+                    finished = True
+                    break
+            if finished:
+                del self.rows[key]
+            drafted = 3 if row.rounds % 2 else 0  # every other round a plain step
+            accepted = min(drafted, len(tokens) - 1)
+            updates.append(FakeUpdate(key, tokens, finished, drafted, accepted, 0))
+        return updates
+
+
+class FakeDecoder:
+    vocab_size = 258
+    context = 512
+
+    def __init__(self, step_delay: float = 0.0) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.step_delay = step_delay
+        self.loops: list[FakeLoop] = []
+
+    def default_stop_ids(self) -> tuple[int, ...]:
+        return (EOS,)
+
+    def loop(self, max_rows: int = 8, prefill_chunk: int = 256, **drafting) -> FakeLoop:
+        loop = FakeLoop(max_rows, self.step_delay)
+        self.loops.append(loop)
+        return loop
+
+
+def expected_text(prompt: str, max_tokens: int) -> tuple[str, str]:
+    """What a row of the fake engine returns for `prompt` alone: (text, finish_reason)."""
+    data = prompt.encode()
+    out = bytearray()
+    for i in range(max_tokens):
+        byte = data[i % len(data)]
+        if byte == ord("#"):
+            return out.decode("utf-8", errors="replace"), "stop"
+        out.append(byte)
+    return out.decode("utf-8", errors="replace"), "length"

@@ -1,0 +1,521 @@
+"""The server over a fake engine loop (tests/serve_fake.py): routes, OpenAI shapes, streaming,
+stop strings, metrics, faults, queueing, cancellation and the SIGTERM drain, in seconds.
+
+The same behaviour against real models is tests/test_serve_live.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+import uvicorn  # noqa: E402
+from serve_fake import EOS, ByteTokenizer, FakeDecoder, expected_text  # noqa: E402
+
+from specdecode.serve.app import ServerState, create_app  # noqa: E402
+from specdecode.serve.metrics import ServerMetrics  # noqa: E402
+from specdecode.serve.scheduler import Scheduler  # noqa: E402
+from specdecode.serve.text import RowText, longest_partial_stop  # noqa: E402
+
+MODEL = "fake"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """The app under uvicorn in a thread, over a fake decoder."""
+
+    def __init__(
+        self, decoder=None, load=None, api_key=None, max_batch=4, max_queue=64, context=None
+    ) -> None:
+        self.decoder = decoder or FakeDecoder(step_delay=0.002)
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(
+            load or (lambda: self.decoder), self.metrics, max_batch, max_queue
+        )
+        self.state = ServerState(self.scheduler, self.metrics, MODEL, api_key, context)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(self.state), port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Live:
+        self.scheduler.start()
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.scheduler.stop()
+
+    @property
+    def loop(self):
+        return self.decoder.loops[-1]
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
+        )
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        content = body if isinstance(body, bytes | str) else json.dumps(body)
+        headers = {"content-type": "application/json", **kw.pop("headers", {})}
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=30, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith(f"specdecode:{name}{labels} ") or (
+                not labels and line.startswith(f"specdecode:{name} ")
+            ):
+                return float(line.split()[-1])
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def live():
+    with Live() as server:
+        yield server
+
+
+# ------------------------------------------------------------------ text: pure
+
+
+def test_multibyte_text_is_never_shown_broken():
+    text = "añb€c😀d"
+    ids = list(text.encode())
+    row = RowText(ByteTokenizer())
+    pieces = [row.feed([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + row.feed([], final=True) == text
+
+
+def test_stop_string_across_feeds_is_cut_and_held_back():
+    row = RowText(ByteTokenizer(), stops=("STOP", "xyz"))
+    shown = [row.feed(list(b"abcST")), row.feed(list(b"O")), row.feed(list(b"Pdef"))]
+    assert shown == ["abc", "", ""]  # "ST", "STO" could begin STOP: held back
+    assert row.stopped and row.emitted == "abc"
+    assert row.tokens_used == len(b"abcSTOP")  # the stop string's last token, not the round's
+
+
+def test_partial_stop_is_released_when_it_does_not_match():
+    row = RowText(ByteTokenizer(), stops=("STOP",))
+    assert row.feed(list(b"aST")) == "a"
+    assert row.feed(list(b"Ob")) == "STOb"
+    assert not row.stopped
+    assert longest_partial_stop("xxSTO", ("STOP", "OPQ")) == 3
+
+
+def test_end_id_is_not_text_and_counts_as_a_token():
+    row = RowText(ByteTokenizer(), stop_ids=(EOS,))
+    assert row.feed([*b"hi", EOS], final=True) == "hi"
+    assert row.tokens_used == 3
+
+
+# ------------------------------------------------------------------ routes
+
+
+def test_health_models_and_shapes(live):
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    out = live.client().completions.create(
+        model=MODEL, prompt="abcdef", max_tokens=10, temperature=0
+    )
+    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL
+    text, reason = expected_text("abcdef", 10)
+    assert out.choices[0].text == text and out.choices[0].finish_reason == reason == "length"
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 10
+    assert out.usage.total_tokens == 16
+    spec = out.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"] > 0
+    assert spec["mean_acceptance_length"] == pytest.approx(
+        1 + spec["num_accepted_tokens"] / spec["num_spec_steps"]
+    )
+
+
+def test_end_id_finishes_with_stop(live):
+    out = live.client().completions.create(model=MODEL, prompt="ab#", max_tokens=50)
+    assert out.choices[0].text == "ab" and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == 3  # the end id counts
+
+
+def test_list_of_prompts_and_token_ids(live):
+    prompts = ["one two ", "three ", "fourfour"]
+    out = live.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 7})
+    body = out.json()
+    assert out.status_code == 200
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [expected_text(p, 7)[0] for p in prompts]
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    ids = list(b"xyz")
+    out = live.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 4})
+    assert out.json()["choices"][0]["text"] == "xyzx"
+
+
+def test_stream_joins_to_the_whole_text_with_usage(live):
+    client = live.client()
+    prompt = "héllo wörld €uro 😀 "
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) > 3 and all("\ufffd" not in t for t in texts)
+    assert "".join(texts) == whole.choices[0].text == expected_text(prompt, 40)[0]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    spec = chunks[-1].model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_draft_tokens"] > 0
+
+
+def test_chat_and_its_stream(live):
+    client = live.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    rendered = "[system]be brief\n[user]hi\n[assistant]"
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected_text(rendered, 12)[0]
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True)
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_runs_to_the_context(live):
+    out = live.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x#"}]
+    )
+    assert out.choices[0].finish_reason == "stop"  # the echo reaches '#' long before the context
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_across_chunks(live, stream):
+    client = live.client()
+    prompt = "the quick brown fox "
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=60, stop=["k br", "zzz"])
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    else:
+        out = client.completions.create(**kw)
+        text = out.choices[0].text
+        assert out.choices[0].finish_reason == "stop"
+        assert out.usage.completion_tokens == len("the quick br")
+    assert text == "the quic"
+
+
+def test_metrics_rise_by_the_responses_counts(live):
+    before = {
+        n: live.metric(n)
+        for n in (
+            "spec_decode_num_drafts_total",
+            "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total",
+            "prompt_tokens_total",
+            "generation_tokens_total",
+        )
+    }
+    pos0 = live.metric("spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}')
+    out = live.post("/v1/completions", {"model": MODEL, "prompt": "metrics!", "max_tokens": 30})
+    body = out.json()
+    spec = body["metrics"]["speculative_decoding"]
+    assert (
+        live.metric("spec_decode_num_drafts_total") - before["spec_decode_num_drafts_total"]
+        == spec["num_spec_steps"]
+    )
+    assert (
+        live.metric("spec_decode_num_draft_tokens_total")
+        - before["spec_decode_num_draft_tokens_total"]
+        == spec["num_draft_tokens"]
+    )
+    assert (
+        live.metric("spec_decode_num_accepted_tokens_total")
+        - before["spec_decode_num_accepted_tokens_total"]
+        == spec["num_accepted_tokens"]
+    )
+    assert live.metric("prompt_tokens_total") - before["prompt_tokens_total"] == 8
+    assert live.metric("generation_tokens_total") - before["generation_tokens_total"] == 30
+    rounds_accepting = sum(spec["acceptance_histogram"][1:])
+    assert (
+        live.metric("spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') - pos0
+        == rounds_accepting
+    )
+    text = httpx.get(live.url + "/metrics").text
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "time_to_first_token_seconds_bucket",
+        "time_per_output_token_seconds_count",
+        "e2e_request_latency_seconds_sum",
+    ):
+        assert f"specdecode:{name}" in text
+
+
+def test_concurrent_clients_get_their_own_texts(live):
+    prompts = [f"client {i} says {'ab' * i}# " for i in range(12)]
+
+    def ask(p: str):
+        out = live.client().completions.create(model=MODEL, prompt=p, max_tokens=25)
+        return out.choices[0].text, out.choices[0].finish_reason
+
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(ask, prompts))
+    assert got == [expected_text(p, 25) for p in prompts]
+
+
+def test_disconnect_mid_stream_cancels_the_row():
+    with Live(FakeDecoder(step_delay=0.02)) as live:
+        body = {"model": MODEL, "prompt": "a long answer ", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.monotonic() + 10
+        while live.loop.cancelled == [] or live.metric("num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the row was not cancelled"
+            time.sleep(0.05)
+        assert len(live.loop) == 0
+
+
+def test_a_client_gone_before_a_whole_answer_cancels_its_row():
+    with Live(FakeDecoder(step_delay=0.02)) as live:
+        body = {"model": MODEL, "prompt": "a long answer ", "max_tokens": 400}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(live.url + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while live.loop.cancelled == [] or live.metric("num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the row was not cancelled"
+            time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ faults
+
+
+def bad_requests():
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    yield "not json", b"{nope", None
+    yield "not an object", b"[1, 2]", None
+    yield "no model", {"prompt": "hi"}, "model"
+    yield "unknown model", {**ok, "model": "gpt-5"}, "model"
+    yield "no prompt", {"model": MODEL}, "prompt"
+    yield "prompt type", {**ok, "prompt": 3}, "prompt"
+    yield "empty prompt", {**ok, "prompt": ""}, "prompt"
+    yield "token out of vocabulary", {**ok, "prompt": [1, 99999]}, "prompt"
+    yield "max_tokens 0", {**ok, "max_tokens": 0}, "max_tokens"
+    yield "max_tokens type", {**ok, "max_tokens": "4"}, "max_tokens"
+    yield "temperature < 0", {**ok, "temperature": -0.1}, "temperature"
+    yield "top_p 0", {**ok, "top_p": 0}, "top_p"
+    yield "top_p > 1", {**ok, "top_p": 1.5}, "top_p"
+    yield "stop type", {**ok, "stop": 5}, "stop"
+    yield "five stops", {**ok, "stop": list("abcde")}, "stop"
+    yield "over the context", {**ok, "max_tokens": 511}, "max_tokens"
+    yield "stream type", {**ok, "stream": "yes"}, "stream"
+    for name, value in [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 1),
+        ("logit_bias", {"1": 5}),
+        ("n", 2),
+        ("best_of", 3),
+        ("logprobs", 2),
+        ("echo", True),
+        ("suffix", "x"),
+        ("repetition_penalty", 1.2),
+        ("tools", [{}]),
+        ("response_format", {"type": "json_object"}),
+    ]:
+        yield f"unsupported {name}", {**ok, name: value}, name
+    yield "unknown field", {**ok, "temprature": 0}, "temprature"
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "param"), list(bad_requests()), ids=[b[0] for b in bad_requests()]
+)
+def test_bad_requests_are_400_with_the_field_named(live, what, body, param):
+    r = live.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(live):
+    body = {
+        "model": MODEL,
+        "prompt": "ok",
+        "max_tokens": 3,
+        "n": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "echo": False,
+        "user": "u1",
+    }
+    assert live.post("/v1/completions", body).status_code == 200
+
+
+def test_bad_chat_requests(live):
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for body, param in [
+        ({"model": MODEL}, "messages"),
+        ({**ok, "messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0]"),
+        ({**ok, "tools": [{"type": "function"}]}, "tools"),
+        ({**ok, "max_tokens": -1}, "max_tokens"),
+    ]:
+        r = live.post("/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_api_key():
+    with Live(api_key="sesame") as live:
+        with pytest.raises(openai.AuthenticationError):
+            live.client(api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+        r = live.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        out = live.client(api_key="sesame").completions.create(
+            model=MODEL, prompt="x", max_tokens=2
+        )
+        assert out.choices[0].text == "xx"
+
+
+def test_a_failing_row_fails_alone_and_a_crash_resets_the_loop(live):
+    def ask(p: str) -> httpx.Response:
+        return live.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 20})
+
+    with ThreadPoolExecutor(3) as pool:
+        fail, good = pool.map(ask, ["please FAIL", "fine fine "])
+    assert fail.status_code == 500 and "could not decode" in fail.json()["error"]["message"]
+    assert (
+        good.status_code == 200
+        and good.json()["choices"][0]["text"] == expected_text("fine fine ", 20)[0]
+    )
+    resets = live.loop.resets
+    crash = ask("CRASH now")
+    assert crash.status_code == 500 and crash.json()["error"]["type"] == "server_error"
+    assert live.loop.resets == resets + 1
+    assert ask("after ").json()["choices"][0]["text"] == expected_text("after ", 20)[0]
+
+
+def test_health_is_503_while_loading():
+    release = threading.Event()
+    decoder = FakeDecoder()
+
+    def load():
+        release.wait(20)
+        return decoder
+
+    with Live(decoder, load=load) as live:
+        r = httpx.get(live.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        r = live.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        release.set()
+        live.scheduler.loaded.wait(10)
+        assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+
+
+def test_load_test_every_request_answered_once_or_refused():
+    """200 short requests at concurrency 16 against a queue of 4: each is answered in full or
+    refused with 429 and Retry-After; none is lost, none answered twice (distinct texts)."""
+    with Live(FakeDecoder(step_delay=0.003), max_batch=4, max_queue=4) as live:
+        prompts = [f"req{i:03d} " for i in range(200)]
+
+        async def main():
+            limits = httpx.Limits(max_connections=16)
+            async with httpx.AsyncClient(base_url=live.url, timeout=60, limits=limits) as c:
+                gate = asyncio.Semaphore(16)
+
+                async def one(p):
+                    async with gate:
+                        return await c.post(
+                            "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 12}
+                        )
+
+                return await asyncio.gather(*(one(p) for p in prompts))
+
+        responses = asyncio.run(main())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and 200 in codes
+    for p, r in zip(prompts, responses, strict=True):
+        if r.status_code == 429:
+            assert r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
+        else:
+            assert r.json()["choices"][0]["text"] == expected_text(p, 12)[0]
+    ids = [r.json()["id"] for r in responses if r.status_code == 200]
+    assert len(set(ids)) == len(ids)
+
+
+def test_sigterm_drains_then_exits_zero():
+    port = free_port()
+    worker = Path(__file__).with_name("serve_fake_worker.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(worker), str(port), "0.02"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "worker did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        body = {"model": "fake", "prompt": "drain me ", "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(
+                url + "/v1/completions", json={"model": "fake", "prompt": "late", "max_tokens": 2}
+            )
+            rest = [x for x in [first, *lines] if x]
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert rest[-1] == "data: [DONE]"
+        pieces = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+        text = "".join(p["choices"][0]["text"] for p in pieces if p.get("choices"))
+        assert text == expected_text("drain me ", 60)[0]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
