@@ -406,10 +406,12 @@ async def _pass(
     client: Client, mode: Mode, prompts: Sequence[Prompt], concurrency: int, cfg: ServeBenchConfig
 ) -> dict:
     warmup: list[dict] = []
+    warm_zero = client.clock_zero = time.perf_counter()
     if mode.warm:
-        client.clock_zero = time.perf_counter()
         warmup = await _pool(mode.jobs(client, prompts, cfg.turns), concurrency)
     client.clock_zero = time.perf_counter()
+    for r in warmup:  # on the measured clock: the warm-up went before its zero
+        r["sent_s"] -= client.clock_zero - warm_zero
     requests = await _pool(mode.jobs(client, prompts, cfg.turns), concurrency)
     wall = time.perf_counter() - client.clock_zero
     return {
