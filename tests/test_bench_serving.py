@@ -84,7 +84,8 @@ class Fake:
             error = {"message": "refused by the fake", "type": "invalid_request_error"}
             return JSONResponse({"error": error}, status_code=400)
         state = self.state
-        pieces = PIECES[: body["max_tokens"]]
+        cut = "CUT" in text  # a stream broken off: [DONE] after 2 tokens, no finish_reason
+        pieces = PIECES[: 2 if cut else body["max_tokens"]]
         entry = {"chat": chat, "body": body, "tokens": len(pieces), "text": "".join(pieces)}
         state.log.append(entry)
 
@@ -96,7 +97,7 @@ class Fake:
                 while state.in_flight < state.gate and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
                 for i, piece in enumerate(pieces):
-                    reason = "length" if i == len(pieces) - 1 else None
+                    reason = "length" if i == len(pieces) - 1 and not cut else None
                     choice = (
                         {"index": 0, "delta": {"content": piece}, "finish_reason": reason}
                         if chat
@@ -104,7 +105,8 @@ class Fake:
                     )
                     yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                     await asyncio.sleep(0.002)
-                if state.usage and body.get("stream_options", {}).get("include_usage"):
+                wants_usage = body.get("stream_options", {}).get("include_usage")
+                if state.usage and wants_usage and not cut:
                     usage = {
                         "choices": [],
                         "usage": {"prompt_tokens": 5, "completion_tokens": len(pieces)},
@@ -284,15 +286,21 @@ def test_chat_turns_extend_the_last(fake_server, prompts_file):
 def test_refused_requests_are_counted_and_fail_the_command(fake_server, prompts_file, tmp_path):
     fake, url = fake_server
     fake.reset()
-    prompts = prompts_file("fine", "FAIL here", "also fine")
+    prompts = prompts_file("fine", "FAIL here", "also fine", "CUT here")
     out = tmp_path / "run"
     argv = ["bench-serve", "--label", f"fake={url}", "--prompts", prompts, "--concurrency", "2"]
     argv += ["--max-tokens", "4", "--modes", "new", "--out", str(out), "--quiet"]
     assert main(argv) == 1
     record = json.loads((out / "record.json").read_text())
     (cell,) = record["cells"]
-    assert (cell["requests"], cell["errors"]) == (2, 1)
-    assert cell["completion_tokens"] == 2 * 4
+    assert (cell["requests"], cell["errors"]) == (2, 2)
+    assert cell["completion_tokens"] == 2 * 4  # the measured figures leave the failed out
+    refused, cut = sorted(
+        (r for r in record["passes"][0]["requests"] if "error" in r), key=lambda r: r["error"]
+    )
+    assert refused["error"].startswith("HTTP 400") and "refused by the fake" in refused["error"]
+    assert "cut off" in cut["error"]
+    assert cut["completion_tokens"] == 2  # what it was served is still recorded
     assert not record["ok"]
     assert (out / "table.md").read_text().startswith("# specdecode bench-serve")
     assert (out / "serving.png").stat().st_size > 0

@@ -186,12 +186,14 @@ class Client:
         except (httpx.HTTPError, json.JSONDecodeError) as err:
             return {**out, "error": f"{type(err).__name__}: {err}"}
         end = time.perf_counter()
+        out |= _counts(finals, chunks)
+        if "finish_reason" not in finals:  # served in part: its figures would flatter the server
+            return {**out, "error": "the stream ended without a finish_reason (cut off)"}
         return {
             **out,
-            **_counts(finals, chunks),
             "ttft_s": None if first is None else first - sent,
             "e2e_s": end - sent,
-            "finish_reason": finals.get("finish_reason"),
+            "finish_reason": finals["finish_reason"],
             "text": "".join(pieces),
         }
 
