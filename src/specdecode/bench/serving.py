@@ -545,7 +545,12 @@ def serving_table(record: dict) -> str:
         "| tokens from | failed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in sorted(record["cells"], key=lambda c: (c["mode"], c["concurrency"], c["server"])):
+    labels = [s["label"] for s in record["servers"]]
+
+    def order(c: dict) -> tuple[int, int, int]:  # as run: modes, levels, then servers
+        return cfg["modes"].index(c["mode"]), c["concurrency"], labels.index(c["server"])
+
+    for c in sorted(record["cells"], key=order):
         rate, rps = c["output_tok_per_s"], c["requests_per_s"]
         lines.append(
             f"| {c['server']} | {c['mode']} | {c['concurrency']} | {c['requests']} | "
