@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -443,7 +443,8 @@ async def _run(cfg: ServeBenchConfig, prompts: list[Prompt], log: Callable[[str]
         for server in cfg.servers:
             client, about = await _connect(http, server, cfg.max_tokens)
             text, tag = _tagged(prompts[0].text)
-            warm = await client.complete(text, prompt_id=prompts[0].id, tag=tag)
+            waking = replace(client, max_tokens=min(WARMUP_TOKENS, cfg.max_tokens))
+            warm = await waking.complete(text, prompt_id=prompts[0].id, tag=tag)
             if "error" in warm:
                 raise RuntimeError(
                     f"server {server.label!r} refused the warm-up request: {warm['error']}"
@@ -576,19 +577,30 @@ def plot_serving(record: dict, out_dir: Path) -> Path:
 
     from specdecode.bench.report import _save
 
-    lines: dict[tuple[str, str], list[dict]] = {}
-    for c in record["cells"]:
-        lines.setdefault((c["server"], c["mode"]), []).append(c)
+    labels = [s["label"] for s in record["servers"]]
+    styles = dict(zip(MODES, ("-", "--", ":"), strict=True))  # the line's style: its mode
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # its colour: its server
+    levels = sorted({c["concurrency"] for c in record["cells"]})
     fig, (ax_rate, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
-    for (server, mode), cells in sorted(lines.items()):
-        cells = sorted((c for c in cells if c["e2e_s"]), key=lambda c: c["concurrency"])
-        levels = [c["concurrency"] for c in cells]
-        ax_rate.plot(levels, [c["output_tok_per_s"] for c in cells], "o-", label=f"{server} {mode}")
-        ax_lat.plot(levels, [c["e2e_s"]["p50"] for c in cells], "o-", label=f"{server} {mode}")
+    for i, server in enumerate(labels):
+        for mode in record["config"]["modes"]:
+            cells = sorted(
+                (c for c in record["cells"] if (c["server"], c["mode"]) == (server, mode)),
+                key=lambda c: c["concurrency"],
+            )
+            cells = [c for c in cells if c["e2e_s"]]  # a level where every request failed
+            line = {"marker": "o", "ls": styles[mode], "color": colours[i % len(colours)]}
+            xs = [c["concurrency"] for c in cells]
+            ax_rate.plot(
+                xs, [c["output_tok_per_s"] for c in cells], label=f"{server} {mode}", **line
+            )
+            ax_lat.plot(xs, [c["e2e_s"]["p50"] for c in cells], label=f"{server} {mode}", **line)
     ax_rate.set(xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
     ax_lat.set(xlabel="concurrent requests", ylabel="seconds", title="End-to-end latency, p50")
     for ax in (ax_rate, ax_lat):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, out_dir / "serving.png", plt)
