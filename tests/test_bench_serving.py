@@ -309,7 +309,7 @@ def test_refused_requests_are_counted_and_fail_the_command(fake_server, prompts_
 def test_report_without_plots_writes_record_and_table(fake_server, prompts_file, tmp_path):
     fake, url = fake_server
     fake.reset()
-    record = run_serving_bench(config(url, prompts_file("x")), log=quiet)
+    record = run_serving_bench(config(url, prompts_file("x"), concurrency=(1,)), log=quiet)
     written = write_serving_report(record, tmp_path / "r", plots=False)
     assert [p.name for p in written] == ["record.json", "table.md"]
     assert json.loads(written[0].read_text())["cells"] == record["cells"]
@@ -321,7 +321,14 @@ def test_an_unreachable_server_is_named(prompts_file):
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
     with pytest.raises(RuntimeError, match="cannot reach server 'fake'"):
-        run_serving_bench(config(f"http://127.0.0.1:{port}", prompts_file("x")), log=quiet)
+        run_serving_bench(
+            config(f"http://127.0.0.1:{port}", prompts_file("x"), concurrency=(1,)), log=quiet
+        )
+
+
+def test_more_in_flight_than_prompts_is_refused(prompts_file):
+    with pytest.raises(ValueError, match="concurrency 4 needs at least as many prompts"):
+        run_serving_bench(config("http://127.0.0.1:1", prompts_file("a", "b"), concurrency=(1, 4)))
 
 
 def test_server_specs():

@@ -486,6 +486,12 @@ def run_serving_bench(cfg: ServeBenchConfig, log: Callable[[str], None] | None =
     from specdecode.bench.runner import machine_info
 
     prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
+    if max(cfg.concurrency) > len(prompts):  # a pass runs a job per prompt: fewer never reach it
+        raise ValueError(
+            f"concurrency {max(cfg.concurrency)} needs at least as many prompts, and "
+            f"{cfg.prompts!r} gives {len(prompts)} with --limit {cfg.limit} --skip {cfg.skip}; "
+            "raise --limit or lower --concurrency"
+        )
     started = datetime.now(UTC).isoformat(timespec="seconds")
     run = asyncio.run(_run(cfg, prompts, log or (lambda line: print(line, file=sys.stderr))))
     groups: dict[tuple[str, str, int], list[dict]] = {}
