@@ -334,8 +334,9 @@ def test_more_in_flight_than_prompts_is_refused(prompts_file):
 def test_server_specs():
     assert Server.parse("ours=http://127.0.0.1:8080/v1/") == Server("ours", "http://127.0.0.1:8080")
     assert Server.parse("http://localhost:8081").label == "localhost:8081"
-    with pytest.raises(ValueError, match="expected http://HOST:PORT"):
-        Server.parse("localhost:8081")
+    for bad in ("localhost:8081", "http://localhost:port", "ours=http://", "ours=ftp://x:1"):
+        with pytest.raises(ValueError, match="expected http://HOST:PORT"):
+            Server.parse(bad)
 
 
 @pytest.mark.parametrize(

@@ -65,10 +65,14 @@ class Server:
     def parse(spec: str) -> Server:
         """`label=url` or a bare url, labelled by its host and port."""
         label, sep, url = spec.partition("=")
-        if not sep:
+        if not sep or "://" in label:  # a bare url (which may hold a '=' of its own)
             label, url = "", spec
         parts = urlsplit(url.strip())
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
             raise ValueError(
                 f"server {spec!r}: expected http://HOST:PORT (optionally LABEL=http://HOST:PORT)"
             )
@@ -389,7 +393,13 @@ async def _connect(http: Any, server: Server, max_tokens: int) -> tuple[Client, 
             f"{resp.status_code} ({resp.text[:200]}); is it an OpenAI-compatible server, "
             "ready, and is --api-key right?"
         )
-    models = [m.get("id") for m in resp.json().get("data", [])]
+    try:
+        models = [m.get("id") for m in resp.json().get("data", [])]
+    except (ValueError, AttributeError):
+        raise RuntimeError(
+            f"server {server.label!r} at {server.url}: GET /v1/models did not answer the "
+            f"OpenAI model list ({resp.text[:200]!r}); is it an OpenAI-compatible server?"
+        ) from None
     model = server.model or (models[0] if models else None)
     if model is None:
         raise RuntimeError(f"server {server.label!r} at {server.url} lists no model")
