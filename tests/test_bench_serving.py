@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -153,6 +154,16 @@ def prompts_file(tmp_path: Path):
         return str(path)
 
     return write
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
 
 
 def config(url: str, prompts: str, **kwargs) -> ServeBenchConfig:
@@ -315,11 +326,8 @@ def test_report_without_plots_writes_record_and_table(fake_server, prompts_file,
     assert json.loads(written[0].read_text())["cells"] == record["cells"]
 
 
-def test_an_unreachable_server_is_named(prompts_file):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there now
+def test_an_unreachable_server_is_named(prompts_file, closed_port):
+    port = closed_port
     with pytest.raises(RuntimeError, match="cannot reach server 'fake'"):
         run_serving_bench(
             config(f"http://127.0.0.1:{port}", prompts_file("x"), concurrency=(1,)), log=quiet
@@ -362,3 +370,23 @@ def test_percentiles_are_ordered_and_within_the_values():
     assert got["p50"] == sorted(values)[3]
     assert percentiles([]) is None
     assert percentiles([0.5]) == {"p50": 0.5, "p99": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "no server to drive"),
+        (["--url", "localhost:8081"], "expected http://HOST:PORT"),
+        (["--url", "http://127.0.0.1:{port}"], "cannot reach server '127.0.0.1:"),
+        (["--url", "http://127.0.0.1:1", "--concurrency", "0"], "levels must be >= 1"),
+        (["--url", "http://127.0.0.1:1", "--modes", "old"], r"unknown mode\(s\) \['old'\]"),
+    ],
+)
+def test_cli_bad_input_is_one_named_error_exit_2(prompts_file, closed_port, capsys, extra, message):
+    port = closed_port
+    argv = ["bench-serve", "--prompts", prompts_file("a"), "--concurrency", "1", "--quiet"]
+    assert main(argv + [a.format(port=port) for a in extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("specdecode bench-serve: error: ")
+    assert re.search(message, captured.err), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
