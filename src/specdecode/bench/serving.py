@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -508,8 +509,6 @@ def run_serving_bench(cfg: ServeBenchConfig, log: Callable[[str], None] | None =
     for p in run["passes"]:
         groups.setdefault((p["server"], p["mode"], p["concurrency"]), []).append(p)
     cells = [cell_figures(group) for group in groups.values()]
-    from importlib.metadata import version
-
     return {
         "kind": "serving",
         "config": asdict(cfg) | {"api_key": "(given)" if cfg.api_key else None},
