@@ -408,7 +408,7 @@ async def _connect(http: Any, server: Server, max_tokens: int) -> tuple[Client, 
     try:  # llama-server describes its build and slots here; other servers have no such route
         props = await http.get(server.url + "/props")
         if props.status_code == 200:
-            keep = ("build_info", "total_slots", "model_path", "chat_template_caps")
+            keep = ("build_info", "total_slots", "model_path")
             about["props"] = {k: v for k, v in props.json().items() if k in keep}
     except (httpx.HTTPError, ValueError):
         pass
