@@ -12,6 +12,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from specdecode.cli import bench as bench_cli
+    from specdecode.cli import bench_serve as bench_serve_cli
     from specdecode.cli import data as data_cli
     from specdecode.cli import generate as generate_cli
     from specdecode.cli import head as head_cli
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cli.add_subcommands(subparsers)
     models_cli.add_subcommands(subparsers)
     bench_cli.add_subcommands(subparsers)
+    bench_serve_cli.add_subcommands(subparsers)
     head_cli.add_subcommands(subparsers)
     data_cli.add_subcommands(subparsers)
     seq2seq_cli.add_subcommands(subparsers)
