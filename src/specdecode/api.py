@@ -28,15 +28,12 @@ from specdecode.core.checks import (
     check_vocab_covers_tokenizer,
 )
 from specdecode.core.config import (
-    DEFAULT_BOUND,
     HEAD_POLICIES,
     LOOKUP_FIRST,
     PRICED_DRAFT_BATCH,
     PROMPT_LOOKUP,
     DecodeConfig,
-    PassPrices,
     PromptLookup,
-    RoundPrices,
     SamplingConfig,
 )
 from specdecode.core.drafters import (
@@ -49,9 +46,10 @@ from specdecode.core.drafters import (
 from specdecode.core.engine import StepEvent, decode
 from specdecode.core.length_policies import make_policy
 from specdecode.core.priced import PricedDrafter
-from specdecode.models.tokenizer import render_chat
+from specdecode.core.prices import Prices, PriceWatch
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
+from specdecode.models.tokenizer import render_chat
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 LLAMA_CPP = "llama.cpp"
@@ -164,7 +162,8 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.acceptance_head = acceptance_head
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
-        self._pass_prices: PassPrices | None = None
+        self._prices: Prices | None = None
+        self._price_watch: PriceWatch | None = None
         self.vocab_size = self._target_lm.vocab_size
         self.context = self._target_lm.context_length
 
@@ -292,16 +291,57 @@ class SpeculativeDecoder:
         draft_lm = LlamaCppModel(draft_path, role="drafter", threads=threads)
         return cls(target_lm, tokenizer, draft_lm, gguf_tokenizer(draft_path))
 
-    def pass_prices(self) -> PassPrices:
-        """This backend's pass prices here, timed once (a few seconds) and kept: what the
-        priced policy plans rounds from (`core.prices`)."""
-        if self._pass_prices is None:
-            from specdecode.core.prices import measure_pass_prices
+    def prices(
+        self, rows: int = 1, retime: bool = False, cache_dir: str | Path | None = None
+    ) -> Prices:
+        """What passes cost on this backend here, for batches of up to `rows` rows (timed at
+        `prices.timed_rows(rows)`): what the priced and head policies weigh drafting against.
 
-            self._pass_prices = measure_pass_prices(
-                self._target_lm, self._draft_lm, self.vocab_size, self.context
+        Kept for this decoder once known; read from the cache root (`prices/<key>.json`,
+        keyed by the model files, backend, threads and CPU) where an entry covers these rows,
+        else timed (seconds; a minute or more for 8 rows on a CPU) and stored there. `retime`
+        times afresh whatever is kept. A model built in memory (no files to key it by) is
+        timed once per decoder and not cached.
+        """
+        from specdecode.core import prices as pricing
+        from specdecode.models.packages import cache_root
+
+        wanted = pricing.timed_rows(rows)[-1]
+        if not retime and self._prices is not None and self._prices.rows[-1] >= wanted:
+            return self._prices
+        key = pricing.price_key(self._target_lm, self._draft_lm)
+        root = cache_root(cache_dir)
+        found = None if retime or key is None else pricing.load_prices(key, root, rows)
+        if found is None:
+            found = pricing.measure_prices(
+                self._target_lm, self._draft_lm, self.vocab_size, self.context, rows=rows
             )
-        return self._pass_prices
+            if key is not None:
+                pricing.store_prices(key, found, root)
+        self._prices, self._price_watch = found, None
+        return found
+
+    def observe_round(
+        self, rows: int, tokens: int, draft_rows: Sequence[int], seconds: float
+    ) -> bool:
+        """Feed one timed round (a target pass over `rows` rows of `tokens` tokens in all, the
+        drafter steps' row counts, its seconds) to the prices' watch (`prices.PriceWatch`).
+        Where the rounds stray from the prices, this decoder goes on with rescaled prices and
+        the cached entry is dropped, so the next load times afresh. True when they changed."""
+        if self._prices is None or self._prices.step_seconds is None:
+            return False
+        if self._price_watch is None:
+            self._price_watch = PriceWatch(self._prices)
+        if not self._price_watch.observe(rows, tokens, draft_rows, seconds):
+            return False
+        from specdecode.core import prices as pricing
+        from specdecode.models.packages import cache_root
+
+        self._prices = self._price_watch.prices
+        key = pricing.price_key(self._target_lm, self._draft_lm)
+        if key is not None:
+            pricing.forget_prices(key, cache_root())
+        return True
 
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
@@ -336,7 +376,7 @@ class SpeculativeDecoder:
         bound: tuple[int, int] | None = None,
         coupled: bool = False,
         max_draft_batch: int | None = None,
-        round_prices: RoundPrices | None = None,
+        prices: Prices | None = None,
     ) -> DecodeConfig:
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
@@ -354,17 +394,8 @@ class SpeculativeDecoder:
             max_draft_batch=PRICED_DRAFT_BATCH
             if max_draft_batch is None and length_policy == "priced"
             else max_draft_batch,
-            round_prices=round_prices,
+            prices=prices,
         )
-
-    def measure_round_prices(self, max_tokens: int = DEFAULT_BOUND[1]) -> RoundPrices:
-        """Time this pair's passes here (a few seconds): what a round of up to `max_tokens`
-        drafted tokens costs, for a head policy to weigh (`generate(..., round_prices=...)`)."""
-        if self.drafter is None:
-            raise ValueError("round prices price a drafter's tokens; this decoder has none")
-        from specdecode.core.timing import measure_round_prices
-
-        return measure_round_prices(self.target, self.drafter, max_tokens)
 
     def stream(
         self,
@@ -398,7 +429,7 @@ class SpeculativeDecoder:
         if use_drafter and cfg.length_policy == "priced":
             if lookup_first is not None:
                 raise ValueError("the priced policy looks up first by itself; drop lookup_first")
-            drafter = self._priced_drafter(cfg)
+            drafter = self._priced_drafter(cfg, len(ids))
         elif use_drafter and self._draft_lm is not None:
             policy = make_policy(cfg, self._checked_head(cfg, verification.name))
             drafter = ModelDrafter(self._draft_lm, cfg.sampling, self.vocab_size, policy)
@@ -414,10 +445,12 @@ class SpeculativeDecoder:
             drafter = wrap_drafter(drafter)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
 
-    def _priced_drafter(self, cfg: DecodeConfig) -> PricedDrafter:
+    def _priced_drafter(self, cfg: DecodeConfig, rows: int) -> PricedDrafter:
         """Lookup and the drafter model (if any), each as far as it pays at this backend's
-        prices: matches of 3-4 tokens before a drafter model, of 1-4 with no model."""
-        prices = cfg.pass_prices or self.pass_prices()
+        prices (for the rows that may draft at once): matches of 3-4 tokens before a drafter
+        model, of 1-4 with no model."""
+        drafting = min(rows, cfg.max_draft_batch or rows)
+        prices = cfg.prices or self.prices(drafting)
         model = None
         if self._draft_lm is not None:
             policy = make_policy(cfg)  # drafts what the priced plan tells it

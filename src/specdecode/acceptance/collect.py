@@ -67,9 +67,9 @@ from specdecode.backends.base import ModelBackend
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core.config import SamplingConfig
-from specdecode.training.distributed import gather_objects, main_object, process_state
 from specdecode.core.drafters import align_vocab
 from specdecode.core.sampling import logits_to_probs
+from specdecode.training.distributed import gather_objects, main_object, process_state
 
 
 @dataclass(frozen=True)

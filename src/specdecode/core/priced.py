@@ -6,7 +6,7 @@ token and the 0.5B drafter's step costs 0.62 of the target's, so model drafts lo
 whatever their acceptance, while a prompt-lookup draft (no model pass) pays where it is right
 more than half the time; at batch 8 a pass costs about a row's token each, and short drafts pay
 far more readily. A policy that drafts blindly loses to plain decoding on such a machine; this
-one plans every round from the measured `PassPrices` and the acceptance each source has had.
+one plans every round from the measured `Prices` and the acceptance each source has had.
 
 Each round, every row gets a source: lookup where its text's last n tokens occurred before
 (`PromptLookup`), else the drafter model (if any). Expected tokens of a row drafting k with
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.core.config import PassPrices, PromptLookup
+from specdecode.core.config import PromptLookup
 from specdecode.core.drafters import Draft, ModelDrafter, lookup_continuation, merge_lookup
+from specdecode.core.prices import Prices
 
 PRIOR = (3.0, 1.0)  # pseudo-counts (kept, rejected): a source starts at 0.75 and is tried
 MEMORY = 0.8  # weight of the past in each update: about the last five rounds count
@@ -61,29 +62,32 @@ class Acceptance:
 
 
 def plan_lengths(
-    rates: list[float], caps: list[int], uses_model: list[bool], prices: PassPrices
+    rates: list[float], caps: list[int], uses_model: list[bool], prices: Prices
 ) -> list[int]:
     """Tokens to draft per row this round: the allocation with the most expected committed
     tokens per unit of cost, grown a token at a time where it gains the most per its cost."""
     batch = len(rates)
-    draft = prices.draft or 0.0
+
+    def drafter_pass(rows: int) -> float:
+        return (prices.draft_cost(rows) or 0.0) if rows else 0.0
+
     k = [0] * batch
     depth_rows = [0] * (max(caps, default=0) + 2)  # model rows drafting position i (1-based)
     tokens = batch
     expected = float(batch)
-    cost = prices.pass_cost(tokens)
+    cost = prices.pass_cost(batch, tokens)
     best, best_ratio = list(k), expected / cost
     while True:
         pick, pick_score, pick_cost = -1, 0.0, 0.0
-        grown = prices.pass_cost(tokens + 1) - prices.pass_cost(tokens)  # the same for every row
+        # the same for every row
+        grown = prices.pass_cost(batch, tokens + 1) - prices.pass_cost(batch, tokens)
         for b in range(batch):
             if k[b] >= caps[b]:
                 continue
             added = grown
             if uses_model[b]:
                 rows = depth_rows[k[b] + 1]  # one more row in the drafter's pass at this depth
-                before = prices.pass_cost(rows) if rows else 0.0
-                added += draft * (prices.pass_cost(rows + 1) - before)
+                added += drafter_pass(rows + 1) - drafter_pass(rows)
             gain = rates[b] ** (k[b] + 1)
             score = gain / max(added, 1e-9)
             if score > pick_score:
@@ -111,10 +115,10 @@ class PricedDrafter:
         self,
         lookup: PromptLookup,
         model: ModelDrafter | None,
-        prices: PassPrices,
+        prices: Prices,
         max_tokens: int,
     ) -> None:
-        if model is not None and prices.draft is None:
+        if model is not None and prices.draft_cost(1) is None:
             raise ValueError("pricing a drafter model's rounds needs its step's price")
         self.lookup, self.model, self.prices, self.max_tokens = lookup, model, prices, max_tokens
         self.by_ngram = Acceptance(lookup.max_ngram + 1)  # lookup acceptance by match length
