@@ -38,13 +38,13 @@ from typing import Any, ClassVar
 import torch
 
 from specdecode.api import SpeculativeDecoder
-from specdecode.core.prices import pass_seconds
 from specdecode.backends.torch_eager import CachedModel, cache_kwargs
 from specdecode.backends.torch_static import StaticCachedModel
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels, timed_generate
 from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
 from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
 from specdecode.core.drafters import Draft, Drafter
+from specdecode.core.prices import pass_seconds
 
 CAPTURED = Registry("captured")
 DEFAULT_METHODS = ("ar", "sd", "eager-ar", "eager-sd", "hf-static", "hf-assisted", "graph-ar")

@@ -417,7 +417,7 @@ def run_llama_bench(
     sample = records[(REFERENCE, cfg.batch_sizes[0])].outputs[0][:48]
     noise = measure_noise(target, prompt_ids[0], sample) if sample else 0.0
     priced = shared.decoder("model") if "priced" in cfg.methods else None
-    prices = priced.pass_prices() if priced is not None else None
+    prices = priced.prices() if priced is not None else None
 
     def extras(row: dict, method: LlamaMethod, rec, base) -> None:
         if rec.stats is not None:
@@ -444,7 +444,7 @@ def run_llama_bench(
         noise_bound=noise,
         noise_how="twice the largest logit difference between the first prompt's ar text scored "
         "in one pass, in passes of 5 and one token at a time",
-        pass_prices=asdict(prices) if prices is not None else None,
+        prices=prices.to_json() if prices is not None else None,
     )
 
 

@@ -49,7 +49,8 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8, use_prepacked
 from specdecode.backends.torch_eager import model_device
-from specdecode.core.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup, RoundPrices
+from specdecode.core.config import HEAD_POLICIES, LOOKUP_FIRST, PromptLookup
+from specdecode.core.prices import Prices
 from specdecode.core.stats import DecodeStats
 
 
@@ -299,7 +300,7 @@ class Models(SharedModels):
     tokenizer: Any
     drafter: torch.nn.Module
     head: str | None = None  # acceptance head directory, for the `head` policy
-    round_prices: dict[str, RoundPrices] = field(default_factory=dict)  # by kind, calibrated
+    prices: dict[str, Prices] = field(default_factory=dict)  # by kind, calibrated (one row)
 
     def decoder(self, kind: str = "ar") -> SpeculativeDecoder:
         """The engine method `kind`'s decoder, built once and shared (`ar`'s encodes)."""
@@ -390,7 +391,7 @@ class EngineMethod(CausalMethod):
             stop_threshold=method.threshold,
             bound=method.bound,
             coupled=s.coupled,
-            round_prices=self.models.round_prices[method.kind] if method.priced else None,
+            prices=self.models.prices[method.kind] if method.priced else None,
             lookup_first=self.lookup_first,
         )
         # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to

@@ -41,10 +41,10 @@ from specdecode.bench.runner import (
     measure_shared,
     speed_rows,
 )
+from specdecode.core.verification import TopBetaTau
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter
 from specdecode.seq2seq.corpus import Verse
-from specdecode.core.verification import TopBetaTau
 
 SEQ2SEQ = Registry("seq2seq")
 RELAXED_ONLY = "specdec-relaxed"  # asks for specdec's relaxed runs without its exact ones
