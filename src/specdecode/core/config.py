@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the type only: prices sit above the configuration
-    from specdecode.core.prices import Prices
+from specdecode.core.prices import Prices
 
 
 @dataclass(frozen=True)
