@@ -164,6 +164,7 @@ class SpeculativeDecoder:
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
         self._prices: Prices | None = None
         self._price_watch: PriceWatch | None = None
+        self._price_entry: tuple[dict, Path] | None = None  # the cache key and root they came by
         self.vocab_size = self._target_lm.vocab_size
         self.context = self._target_lm.context_length
 
@@ -319,6 +320,7 @@ class SpeculativeDecoder:
             if key is not None:
                 pricing.store_prices(key, found, root)
         self._prices, self._price_watch = found, None
+        self._price_entry = (key, root) if key is not None else None
         return found
 
     def observe_round(
@@ -334,13 +336,11 @@ class SpeculativeDecoder:
             self._price_watch = PriceWatch(self._prices)
         if not self._price_watch.observe(rows, tokens, draft_rows, seconds):
             return False
-        from specdecode.core import prices as pricing
-        from specdecode.models.packages import cache_root
+        from specdecode.core.prices import forget_prices
 
         self._prices = self._price_watch.prices
-        key = pricing.price_key(self._target_lm, self._draft_lm)
-        if key is not None:
-            pricing.forget_prices(key, cache_root())
+        if self._price_entry is not None:
+            forget_prices(*self._price_entry)
         return True
 
     def load_head(self, path: str | Path) -> torch.nn.Module:

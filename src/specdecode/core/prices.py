@@ -372,8 +372,9 @@ def model_identity(backend: ModelBackend) -> dict[str, Any] | None:
     (prepacked or int8 layers are other kernels). None: a model with no files to name (built
     in memory), whose prices are not cached."""
     info: dict[str, Any] = {"backend": type(backend).__name__, "device": str(backend.device)}
-    if getattr(backend, "threads", None) is not None:
-        info["threads"] = int(backend.threads)
+    for name in ("threads", "compiled"):  # llama.cpp's threads; torch-static's compilation
+        if getattr(backend, name, None) is not None:
+            info[name] = getattr(backend, name)
     path = getattr(backend, "path", None)
     module = getattr(backend, "model", None)
     if path is None and isinstance(module, torch.nn.Module):
