@@ -94,15 +94,18 @@ class Prices:
         pass over m drafted tokens, `verify_curve[m - 1]` (past its end, its last entry plus
         `verify_slope` a token; with no curve, 1 + verify_slope m). What the head replay's
         options and the studies state by hand."""
-        for name, value in (("draft", draft), ("verify_slope", verify_slope), *(
-            ("verify_curve", v) for v in verify_curve)):  # fmt: skip
+        checked = [("draft", draft), ("verify_slope", verify_slope)]
+        checked += [("verify_curve", v) for v in verify_curve]
+        for name, value in checked:
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"stated {name} must be a finite number >= 0, got {value}")
         curve = [float(v) for v in verify_curve]
         last, known = (curve[-1], len(curve)) if curve else (1.0, 0)
         size = max(len(curve) + 1, STATED_TOKENS)
-        verify = [curve[m - 1] if m <= known else last + verify_slope * (m - known)
-                  for m in range(1, size)]  # fmt: skip
+        verify = [
+            curve[m - 1] if m <= known else last + verify_slope * (m - known)
+            for m in range(1, size)
+        ]
         return cls((1,), ((1.0, *verify),), (float(draft),))
 
     @property
@@ -386,8 +389,8 @@ def model_identity(backend: ModelBackend) -> dict[str, Any] | None:
     if not path:
         return None
     path = Path(path).expanduser()
-    files = [path] if path.is_file() else sorted(
-        p for p in path.glob("*") if p.suffix in (".gguf", ".safetensors", ".bin"))  # fmt: skip
+    weights = (".gguf", ".safetensors", ".bin")
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in weights)
     if not files:
         return None
     info["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
@@ -486,8 +489,8 @@ class PriceWatch:
         if not (math.isfinite(seconds) and seconds > 0):
             return False
         ratio = seconds / self.predicted_seconds(rows, tokens, draft_rows)
-        index = min(range(len(self.prices.rows)),
-                    key=lambda i: abs(math.log(self.prices.rows[i] / rows)))  # fmt: skip
+        distance = [abs(math.log(r / rows)) for r in self.prices.rows]
+        index = distance.index(min(distance))  # the nearest timed row count
         seen = self.ratios[index]
         seen.append(ratio)
         if len(seen) < self.least:
