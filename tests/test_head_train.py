@@ -244,7 +244,8 @@ def test_cli_prints_summary(data_dir: Path, tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "best epoch 1/1" in printed and "AUC" in printed and str(out) in printed
     assert "rounds of 2..6" in printed and "a drafted token 0.3" in printed
-    assert "m = 1..3 drafted tokens 1 / 1 / 1.2 steps (+0.05 a token past it)" in printed
+    # the curve, then 0.05 a token past it
+    assert "a verify pass of 1..6 drafted: 1.00 / 1.00 / 1.20 / 1.25 / 1.30 / 1.35" in printed
     assert "k=6:" in printed and "k=7:" not in printed
     config = load_head(out).config
     assert (config.num_layers, config.width) == (1, 4)
