@@ -120,7 +120,10 @@ class Shared(SharedModels):
     def decoder(self, drafter: str | None) -> SpeculativeDecoder:
         def build() -> SpeculativeDecoder:
             other = {None: None, "model": self.drafter(), "lookup": PromptLookup()}[drafter]
-            return SpeculativeDecoder(self.target(), self.tokenizer(), other)
+            decoder = SpeculativeDecoder(self.target(), self.tokenizer(), other)
+            if drafter is not None:  # a run records this machine now, not a cached timing
+                decoder.prices(retime=True)
+            return decoder
 
         return self.shared(f"decoder {drafter}", build)
 
