@@ -133,8 +133,8 @@ def test_cache_round_trip_and_keying(saved_pair, tiny_pair, tmp_path, monkeypatc
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert changed is not None and changed != key
-    assert pricing.load_prices(changed, tmp_path) is None  # a changed key times afresh
-    assert pricing.load_prices(key, tmp_path) is not None
+    assert pricing.load_prices(changed, entry.parent) is None  # a changed key times afresh
+    assert pricing.load_prices(key, entry.parent) is not None
 
 
 def test_a_corrupt_entry_is_timed_afresh(saved_pair, tmp_path, monkeypatch) -> None:
@@ -146,7 +146,7 @@ def test_a_corrupt_entry_is_timed_afresh(saved_pair, tmp_path, monkeypatch) -> N
     again = saved_pair.prices(cache_dir=tmp_path)
     assert calls == [1, 1]
     key = pricing.price_key(saved_pair.target_backend, saved_pair.drafter_backend)
-    assert pricing.load_prices(key, tmp_path) == again  # and the entry written anew
+    assert pricing.load_prices(key, entry.parent) == again  # and the entry written anew
     saved_pair.prices(retime=True, cache_dir=tmp_path)
     assert calls == [1, 1, 1]
 
@@ -198,10 +198,10 @@ def test_a_row_count_dearer_than_priced_is_rescaled_alone() -> None:
 
 
 def test_the_decoder_drops_a_disagreeing_cache_entry(saved_pair, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv(pricing.PRICES_ENV, str(tmp_path))
     counting(monkeypatch)
     known = saved_pair.prices()
-    (entry,) = (tmp_path / pricing.PRICES_DIR).glob("*.json")
+    (entry,) = tmp_path.glob("*.json")
     slow = 2.0 * known.pass_cost(1, 4) * known.step_seconds
     changed = [saved_pair.observe_round(1, 4, [], slow) for _ in range(8)]
     assert changed[-1] and not any(changed[:-1])

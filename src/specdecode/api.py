@@ -298,20 +298,20 @@ class SpeculativeDecoder:
         """What passes cost on this backend here, for batches of up to `rows` rows (timed at
         `prices.timed_rows(rows)`): what the priced and head policies weigh drafting against.
 
-        Kept for this decoder once known; read from the cache root (`prices/<key>.json`,
-        keyed by the model files, backend, threads and CPU) where an entry covers these rows,
+        Kept for this decoder once known; read from the cache (`prices.prices_folder`:
+        `<key>.json`, keyed by the model files, backend, threads and CPU) where an entry covers
+        these rows,
         else timed (seconds; a minute or more for 8 rows on a CPU) and stored there. `retime`
         times afresh whatever is kept. A model built in memory (no files to key it by) is
         timed once per decoder and not cached.
         """
         from specdecode.core import prices as pricing
-        from specdecode.models.packages import cache_root
 
         wanted = pricing.timed_rows(rows)[-1]
         if not retime and self._prices is not None and self._prices.rows[-1] >= wanted:
             return self._prices
         key = pricing.price_key(self._target_lm, self._draft_lm)
-        root = cache_root(cache_dir)
+        root = pricing.prices_folder(cache_dir)
         found = None if retime or key is None else pricing.load_prices(key, root, rows)
         if found is None:
             found = pricing.measure_prices(

@@ -36,12 +36,14 @@ import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.kernels import median_times
+from specdecode.models.packages import cache_root
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
 PRICED_TOKENS = 12  # tokens per row timed: 1..12; longer passes extrapolate (`Prices.pass_cost`)
 PRICED_ROWS = (1, 2, 4, 8)  # row counts timed, up to the batch asked for; more extrapolate
 STATED_TOKENS = 25  # a stated price table's length: rounds of up to 24 drafted tokens exactly
 PRICES_DIR = "prices"  # under the cache root
+PRICES_ENV = "SPECDECODE_PRICES"  # a folder for them elsewhere (the tests keep theirs apart)
 
 
 @dataclass(frozen=True)
@@ -412,16 +414,24 @@ def price_key(target: ModelBackend, drafter: ModelBackend | None) -> dict[str, A
     return {"target": target_id, "drafter": drafter_id, "machine": machine, "plan": plan}
 
 
-def cache_file(key: dict[str, Any], root: Path) -> Path:
+def prices_folder(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where prices are kept: `<cache_dir>/prices` when given, else `$SPECDECODE_PRICES`, else
+    `prices` under the cache root (`models.packages.cache_root`)."""
+    if cache_dir is None and os.environ.get(PRICES_ENV):
+        return Path(os.environ[PRICES_ENV]).expanduser()
+    return cache_root(cache_dir) / PRICES_DIR
+
+
+def cache_file(key: dict[str, Any], folder: Path) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return root / PRICES_DIR / f"{digest}.json"
+    return folder / f"{digest}.json"
 
 
-def load_prices(key: dict[str, Any], root: Path, rows: int = 1) -> Prices | None:
+def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | None:
     """The cached prices under `key` if they cover `timed_rows(rows)`; None where there are
     none, the file is unreadable or holds another key (then they are timed afresh)."""
     try:
-        entry = json.loads(cache_file(key, root).read_text())
+        entry = json.loads(cache_file(key, folder).read_text())
         if entry["key"] != json.loads(json.dumps(key)):
             return None
         prices = Prices.from_json(entry["prices"])
@@ -434,10 +444,10 @@ def load_prices(key: dict[str, Any], root: Path, rows: int = 1) -> Prices | None
     return prices
 
 
-def store_prices(key: dict[str, Any], prices: Prices, root: Path) -> Path:
+def store_prices(key: dict[str, Any], prices: Prices, folder: Path) -> Path:
     """Write the prices under `key` atomically (a temporary file renamed over the entry), so a
     reader never sees half a file."""
-    path = cache_file(key, root)
+    path = cache_file(key, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"key": key, "prices": prices.to_json()}, indent=1) + "\n"
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
@@ -446,9 +456,9 @@ def store_prices(key: dict[str, Any], prices: Prices, root: Path) -> Path:
     return path
 
 
-def forget_prices(key: dict[str, Any], root: Path) -> None:
+def forget_prices(key: dict[str, Any], folder: Path) -> None:
     """Drop the cached entry (the rounds disagreed with it): the next load times afresh."""
-    cache_file(key, root).unlink(missing_ok=True)
+    cache_file(key, folder).unlink(missing_ok=True)
 
 
 # ---- self-correction ----
