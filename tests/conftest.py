@@ -115,6 +115,20 @@ def _threads():
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _prices_apart(tmp_path_factory):
+    """Prices timed by tests (tiny models, a busy machine) stay out of the user's cache."""
+    import os
+
+    folder = str(tmp_path_factory.mktemp("prices"))
+    before, os.environ["SPECDECODE_PRICES"] = os.environ.get("SPECDECODE_PRICES"), folder
+    yield
+    if before is None:
+        del os.environ["SPECDECODE_PRICES"]
+    else:
+        os.environ["SPECDECODE_PRICES"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """Saved tiny target and drafter directories (EOS t0) and a 4-prompt .jsonl file."""

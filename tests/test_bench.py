@@ -21,7 +21,7 @@ from specdecode.bench.metrics import (
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.runner import measure, round_prices, speed_rows
 from specdecode.cli.main import main
-from specdecode.core.config import RoundPrices
+from specdecode.core.prices import Prices
 
 
 def test_modelled_speedup_from_counts_and_a_fitted_verify_line() -> None:
@@ -142,9 +142,14 @@ def test_priced_head_methods_and_their_prices():
     ]
     with pytest.raises(ValueError, match="only head policies are priced, not 'confidence'"):
         Method("sd", 4, policy="confidence", threshold=0.4, bound=(1, 3), priced=True)
-    costs = {"verify_cost_in_steps": {1: 1.0, 2: 1.1, 3: 1.3, 4: 1.4}, "c": {"sd": 0.3}}
+    costs = {
+        "target_step_s": 0.05,
+        "verify_cost_in_steps": {1: 1.0, 2: 1.1, 3: 1.3, 4: 1.4},
+        "c": {"sd": 0.3},
+    }
     prices = round_prices(costs, 3)
-    assert prices == {"sd": RoundPrices(0.3, (1.0, 1.1, 1.3))}
+    assert prices == {"sd": Prices((1,), ((1.0, 1.0, 1.1, 1.3),), (0.3,), 0.05)}
+    assert [prices["sd"].rounds(1).verify(m) for m in (1, 2, 3)] == [1.0, 1.1, 1.3]
     assert round_prices(costs, 0) == {}
 
 

@@ -3,8 +3,8 @@
 Skipped where no CUDA device is present (CI has none); run on a GPU machine with
 `python -m pytest -q tests/test_cuda.py`. Under greedy every policy must give the target's own
 greedy text; under coupled sampling every policy must commit one text, and thousands of seeded
-rows must follow the target's exact law; the bench's step timer must time the kernels (a GPU
-runs ahead of the host) on inputs it places on the model's device.
+rows must follow the target's exact law; the pass timer must time the kernels (a GPU runs
+ahead of the host) on inputs it places on the model's device.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.core.config import RoundPrices
-from specdecode.core.timing import step_seconds
+from specdecode.backends.torch_eager import CachedModel
+from specdecode.core.prices import Prices, pass_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"
@@ -75,10 +75,11 @@ def test_sampled_law_equals_target_on_cuda(coupled_runs) -> None:
     coupled_runs.assert_sampled_law_is_targets("head", CUDA)
 
 
-def test_step_timer_times_the_kernels_on_the_models_device(tiny_llama) -> None:
-    model = tiny_llama(seed=0, layers=4).to(CUDA)
-    seconds = step_seconds(model, list(range(5, 60)), [1, 4, 8], reps=3)
-    assert set(seconds) == {1, 4, 8} and all(0 < s < 1 for s in seconds.values())
+def test_pass_timer_times_the_kernels_on_the_models_device(tiny_llama) -> None:
+    backend = CachedModel(tiny_llama(seed=0, layers=4).to(CUDA))
+    for rows in (1, 3):
+        (seconds,) = pass_seconds([(backend, [1, 4, 8])], list(range(5, 60)), 3, rows=rows)
+        assert set(seconds) == {1, 4, 8} and all(0 < s < 1 for s in seconds.values())
 
 
 def test_priced_head_on_cuda(pair, spread_head, coupled_runs) -> None:
@@ -87,21 +88,19 @@ def test_priced_head_on_cuda(pair, spread_head, coupled_runs) -> None:
     prompts, policies = [list(p) for p in coupled_runs.prompts], coupled_runs.policies
     coupled_generate = coupled_runs.generate
     gpu = on_cuda(pair[0], pair[1], spread_head(32))
-    prices = gpu.measure_round_prices(max_tokens=6)
-    assert len(prices.verify) == 6 and prices.draft > 0
-    assert all(0 < cost < 20 for cost in prices.verify)
-    jump = RoundPrices(0.2, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5))
+    prices = gpu.prices(rows=len(prompts))
+    rounds = prices.rounds(len(prompts))
+    assert rounds.draft > 0 and all(0 < rounds.verify(m) < 20 * len(prompts) for m in range(7))
+    jump = Prices.stated(0.2, 0.0, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5))
     policy = dict(drafting="model", length_policy="head", stop_threshold=0.5, bound=(1, 6))
     plain = gpu.generate(prompts, max_new_tokens=24, use_drafter=False, stop_token_ids=[])
-    for round_prices in (prices, jump):
-        out = gpu.generate(
-            prompts, max_new_tokens=24, stop_token_ids=[], round_prices=round_prices, **policy
-        )
+    for priced in (prices, jump):
+        out = gpu.generate(prompts, max_new_tokens=24, stop_token_ids=[], prices=priced, **policy)
         assert out.new_tokens == plain.new_tokens
     coupled = on_cuda(*pair)
     texts = [
         coupled_generate(coupled, True, **policies["k=1"]).new_tokens,
-        coupled_generate(coupled, True, round_prices=jump, **policies["head"]).new_tokens,
+        coupled_generate(coupled, True, prices=jump, **policies["head"]).new_tokens,
     ]
     assert texts[0] == texts[1]
 

@@ -330,7 +330,8 @@ def test_head_for_another_drafter_is_refused_on_the_command_line(tiny_pair, tmp_
 
 def test_policy_preview_replays_decoding_like_a_direct_walk():
     """On 0/1 labels decoding is deterministic: walk each response round by round."""
-    from specdecode.acceptance.replay import PreviewCosts, preview_policies
+    from specdecode.acceptance.replay import preview_policies
+    from specdecode.core.prices import Prices
 
     gen = torch.Generator().manual_seed(0)
     label = (torch.rand(40, generator=gen) < 0.7).float()
@@ -338,7 +339,7 @@ def test_policy_preview_replays_decoding_like_a_direct_walk():
     prompt = torch.tensor([0] * 25 + [1] * 15)
     position = torch.cat([torch.arange(25), torch.arange(15)])
     shuffle = torch.randperm(40, generator=gen)  # the preview must not rely on storage order
-    costs = PreviewCosts(draft_cost=0.2, verify_slope=0.05)
+    costs = Prices.stated(draft=0.2, verify_slope=0.05)
     rows = preview_policies(
         pred[shuffle], label[shuffle], prompt[shuffle], position[shuffle], (2, 5), costs
     )
@@ -394,7 +395,8 @@ def test_policy_preview_replays_decoding_like_a_direct_walk():
 
 def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
     """Two positions, k = 1, acceptance a0 and a1: the replay's expectations by hand."""
-    from specdecode.acceptance.replay import PreviewCosts, preview_policies
+    from specdecode.acceptance.replay import preview_policies
+    from specdecode.core.prices import Prices
 
     a0, a1 = 0.3, 0.8
     rows = preview_policies(
@@ -403,7 +405,7 @@ def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
         torch.tensor([0, 0]),
         torch.tensor([0, 1]),
         (1, 1),
-        PreviewCosts(draft_cost=0.5, verify_slope=0.0),
+        Prices.stated(draft=0.5, verify_slope=0.0),
     )
     # from position 1: one round, 1 + a1 tokens; from 0: rejected (1 - a0) -> 1 token, then the
     # round at 1; accepted (a0) -> 2 tokens and the response is done
@@ -411,8 +413,8 @@ def test_policy_preview_takes_the_expectation_over_sampled_verdicts():
     tokens = (1 - a0) * (1 + 1 + a1) + a0 * 2
     assert rows["k=1"]["tokens_per_round"] == pytest.approx(tokens / rounds)
     assert rows["k=1"]["est_speed"] == pytest.approx(tokens / (1.5 * rounds))
-    with pytest.raises(ValueError, match="draft_cost must be a finite number"):
-        PreviewCosts(draft_cost=-1.0)
+    with pytest.raises(ValueError, match="draft must be a finite number"):
+        Prices.stated(draft=-1.0)
 
 
 def test_shipped_heads_are_found_for_their_exact_pair(tmp_path, monkeypatch, tiny_llama):

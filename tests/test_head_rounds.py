@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from specdecode.acceptance.collect import EXAMPLES_FILE, CollectConfig, collect
 from specdecode.acceptance.head import law_features
-from specdecode.acceptance.replay import PreviewCosts, preview_rounds, replay_heads
+from specdecode.acceptance.replay import preview_rounds, replay_heads
 from specdecode.acceptance.train import TrainConfig, train_head
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.cli.main import main
@@ -22,6 +22,7 @@ from specdecode.core.config import DecodeConfig, SamplingConfig
 from specdecode.core.drafting.model import ModelDrafter
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
+from specdecode.core.prices import Prices
 from specdecode.core.sampling import logits_to_probs
 from specdecode.core.verification import make_rule
 
@@ -211,7 +212,7 @@ def test_round_preview_replays_the_recorded_text_round_by_round():
     D is the last (no successor, left out). By hand: text A0 + correction, then B0 B1 B2 +
     bonus, C0's correction: 7 tokens, whatever the policy."""
     recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
-    costs = PreviewCosts(draft_cost=0.2, verify_slope=0.1)
+    costs = Prices.stated(draft=0.2, verify_slope=0.1)
     rows = preview_rounds(*replay_inputs(recorded), (1, 3), costs)
 
     def rounds_of(row):
@@ -244,19 +245,19 @@ def test_a_verify_curve_prices_each_round_by_its_length():
     rounds of 1 and k = 3's three rounds of 3 by its own entries."""
     recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
     inputs = replay_inputs(recorded)
-    line = preview_rounds(*inputs, (1, 3), PreviewCosts(0.2, 0.1))
-    as_line = preview_rounds(*inputs, (1, 3), PreviewCosts(0.2, 0.1, verify_curve=(1.1, 1.2)))
+    line = preview_rounds(*inputs, (1, 3), Prices.stated(0.2, 0.1))
+    as_line = preview_rounds(*inputs, (1, 3), Prices.stated(0.2, 0.1, verify_curve=(1.1, 1.2)))
     for name, row in line.items():
         assert as_line[name]["est_speed"] == pytest.approx(row["est_speed"]), name
-    dear = preview_rounds(*inputs, (1, 3), PreviewCosts(0.2, 0.0, verify_curve=(0.9, 0.9, 2.0)))
+    dear = preview_rounds(*inputs, (1, 3), Prices.stated(0.2, 0.0, verify_curve=(0.9, 0.9, 2.0)))
     assert dear["k=1"]["est_speed"] == pytest.approx(7 / (4 * (0.9 + 0.2)))
     assert dear["k=3"]["est_speed"] == pytest.approx(7 / (3 * (2.0 + 3 * 0.2)))
     assert dear["k=3"]["per_prompt"] == [[7, 3, 9, pytest.approx(7.8)]]
-    costs = PreviewCosts(0.1, 0.05, verify_curve=(0.9, 1.0))
+    costs = Prices.stated(0.1, 0.05, verify_curve=(0.9, 1.0)).rounds(1)
     assert [costs.round_cost(m) for m in (1, 2, 4)] == pytest.approx([1.0, 1.2, 1.5])
     for bad in (-0.5, float("nan")):
         with pytest.raises(ValueError, match="verify_curve must be a finite number"):
-            PreviewCosts(verify_curve=(1.0, bad))
+            Prices.stated(0.2, verify_curve=(1.0, bad))
 
 
 def test_priced_replay_rows_follow_the_prices():
@@ -266,16 +267,16 @@ def test_priced_replay_rows_follow_the_prices():
     recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
     label, _, *ints = replay_inputs(recorded)
     middling = torch.full_like(label, 0.8)  # P(all accepted): 0.8, 0.64, 0.51
-    flat = preview_rounds(middling, label, *ints, (1, 3), PreviewCosts(0.2, 0.0))
+    flat = preview_rounds(middling, label, *ints, (1, 3), Prices.stated(0.2, 0.0))
     for h in ("0.3", "0.5", "0.7", "0.9"):
         assert flat[f"priced h={h}"] == flat[f"head h={h}"], h
-    jump = PreviewCosts(0.2, 0.0, verify_curve=(1.0, 1.0, 1.6))
+    jump = Prices.stated(0.2, 0.0, verify_curve=(1.0, 1.0, 1.6))
     dear = preview_rounds(middling, label, *ints, (1, 3), jump)
     assert dear["head h=0.5"]["drafted_per_round"] == pytest.approx(3.0)  # risk 0.49 at 3
     assert dear["priced h=0.5"]["est_speed"] == pytest.approx(dear["k=2"]["est_speed"])
     assert dear["priced h=0.5"]["est_speed"] > dear["head h=0.5"]["est_speed"]
-    assert jump.round_prices(3).verify == pytest.approx((1.0, 1.0, 1.6))
-    assert "priced h=0.5" not in preview_rounds(middling, label, *ints, (1, 3), PreviewCosts(0.0))
+    assert [jump.rounds(1).verify(m) for m in (1, 2, 3)] == pytest.approx([1.0, 1.0, 1.6])
+    assert "priced h=0.5" not in preview_rounds(middling, label, *ints, (1, 3), Prices.stated(0.0))
 
 
 def test_a_rounds_first_token_can_be_predicted_apart():
@@ -285,7 +286,7 @@ def test_a_rounds_first_token_can_be_predicted_apart():
     recorded = [(0, [1.0, 0.0, 1.0]), (2, [1.0, 1.0, 1.0]), (6, [0.0, 1.0, 1.0]), (7, [1.0])]
     label, _, *ints = replay_inputs(recorded)
     sure = torch.ones_like(label)
-    costs = PreviewCosts(0.2, 0.1)
+    costs = Prices.stated(0.2, 0.1)
     doomed = preview_rounds(sure, label, *ints, (1, 3), costs, first_pred=torch.zeros_like(label))
     safe = preview_rounds(sure, label, *ints, (1, 3), costs, first_pred=sure)
     for h in ("0.1", "0.5", "0.9"):
@@ -308,7 +309,7 @@ def test_every_policy_commits_the_recorded_text(shape):
         start += a + 1
     label, _, *ints = replay_inputs(recorded)
     pred = torch.rand(len(label), generator=gen)
-    rows = preview_rounds(pred, label, *ints, (1, 4), PreviewCosts(0.1, 0.0))
+    rows = preview_rounds(pred, label, *ints, (1, 4), Prices.stated(0.1, 0.0))
     text = sum(min(a, n) + 1 for n, a in shape[:-1])
     for name, row in rows.items():
         rounds = text / row["tokens_per_round"]

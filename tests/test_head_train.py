@@ -27,7 +27,6 @@ from specdecode.acceptance.metrics import (
     reliability_bins,
     weighted_bce,
 )
-from specdecode.acceptance.replay import PreviewCosts
 from specdecode.acceptance.train import TrainConfig, train_head
 from specdecode.cli.head import (
     add_calibrate_arguments,
@@ -35,6 +34,7 @@ from specdecode.cli.head import (
     cmd_calibrate,
     cmd_train,
 )
+from specdecode.core.prices import Prices
 
 FAST = dict(epochs=4, batch_size=32, lr=1e-2, val_fraction=0.25, num_layers=1)
 
@@ -199,7 +199,7 @@ def test_clear_errors(tmp_path: Path, data_dir: Path, head_data) -> None:
     with pytest.raises(ValueError, match="preview_bound"):
         TrainConfig(preview_bound=(3, 2))
     with pytest.raises(ValueError, match="verify_slope must be a finite number"):
-        TrainConfig(preview_costs=PreviewCosts(verify_slope=float("nan")))
+        TrainConfig(preview_prices=Prices.stated(0.2, verify_slope=float("nan")))
     with pytest.raises(FileNotFoundError, match=r"examples\.safetensors"):
         (tmp_path / "empty").mkdir()
         train_head(tmp_path / "empty", tmp_path / "out", progress=False)
@@ -244,7 +244,8 @@ def test_cli_prints_summary(data_dir: Path, tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "best epoch 1/1" in printed and "AUC" in printed and str(out) in printed
     assert "rounds of 2..6" in printed and "a drafted token 0.3" in printed
-    assert "m = 1..3 drafted tokens 1 / 1 / 1.2 steps (+0.05 a token past it)" in printed
+    # the curve, then 0.05 a token past it
+    assert "a verify pass of 1..6 drafted: 1.00 / 1.00 / 1.20 / 1.25 / 1.30 / 1.35" in printed
     assert "k=6:" in printed and "k=7:" not in printed
     config = load_head(out).config
     assert (config.num_layers, config.width) == (1, 4)

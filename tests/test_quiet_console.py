@@ -12,8 +12,9 @@ import warnings
 import pytest
 from transformers.utils import logging as hf_logging
 
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.cli.main import main
-from specdecode.core.timing import step_seconds
+from specdecode.core.prices import pass_seconds
 
 
 def run_quietly(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[str, str]:
@@ -52,10 +53,11 @@ def test_generate_with_a_drafter_model_prints_no_warning(tiny_pair, capfd) -> No
 
 
 def test_round_timing_warns_nothing(tiny_llama) -> None:
-    """The step timer calls the model with a cache of its own (`core.timing`)."""
+    """The pass timer calls the model through its backend (`core.prices`)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        seconds = step_seconds(tiny_llama(seed=0), list(range(5, 30)), [1, 3], reps=2)
+        backend = CachedModel(tiny_llama(seed=0))
+        (seconds,) = pass_seconds([(backend, [1, 3])], list(range(5, 30)), reps=2, rows=2)
     assert set(seconds) == {1, 3}
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
 

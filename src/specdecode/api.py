@@ -32,20 +32,17 @@ from specdecode.core.checks import (
     check_vocab_covers_tokenizer,
 )
 from specdecode.core.config import (
-    DEFAULT_BOUND,
     DEFAULT_DRAFTING,
     HEAD_POLICIES,
     PROMPT_LOOKUP,
     DecodeConfig,
-    PassPrices,
     PromptLookup,
-    RoundPrices,
     SamplingConfig,
 )
 from specdecode.core.drafting.base import Drafter
 from specdecode.core.drafting.factory import Sources, make_drafter
-from specdecode.core.drafting.planners import OneRowPassPrices
 from specdecode.core.engine import DecodeLoop, StepEvent, decode
+from specdecode.core.prices import Prices, PriceWatch
 from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
@@ -166,7 +163,9 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.acceptance_head = acceptance_head
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
-        self._pass_prices: PassPrices | None = None
+        self._prices: Prices | None = None
+        self._price_watch: PriceWatch | None = None
+        self._price_entry: tuple[dict, Path] | None = None  # the cache key and root they came by
         self.vocab_size = self._target_lm.vocab_size
         self.context = self._target_lm.context_length
 
@@ -294,16 +293,56 @@ class SpeculativeDecoder:
         draft_lm = LlamaCppModel(draft_path, role="drafter", threads=threads)
         return cls(target_lm, tokenizer, draft_lm, gguf_tokenizer(draft_path))
 
-    def pass_prices(self) -> PassPrices:
-        """This backend's pass prices here, timed once (a few seconds) and kept: what the
-        drafting `auto` plans rounds from (`core.prices`)."""
-        if self._pass_prices is None:
-            from specdecode.core.prices import measure_pass_prices
+    def prices(
+        self, rows: int = 1, retime: bool = False, cache_dir: str | Path | None = None
+    ) -> Prices:
+        """What passes cost on this backend here, for batches of up to `rows` rows (timed at
+        `prices.timed_rows(rows)`): what the priced and head policies weigh drafting against.
 
-            self._pass_prices = measure_pass_prices(
-                self._target_lm, self._draft_lm, self.vocab_size, self.context
+        Kept for this decoder once known; read from the cache (`prices.prices_folder`:
+        `<key>.json`, keyed by the model files, backend, threads and CPU) where an entry covers
+        these rows,
+        else timed (seconds; a minute or more for 8 rows on a CPU) and stored there. `retime`
+        times afresh whatever is kept. A model built in memory (no files to key it by) is
+        timed once per decoder and not cached.
+        """
+        from specdecode.core import prices as pricing
+
+        wanted = pricing.timed_rows(rows)[-1]
+        if not retime and self._prices is not None and self._prices.rows[-1] >= wanted:
+            return self._prices
+        key = pricing.price_key(self._target_lm, self._draft_lm)
+        root = pricing.prices_folder(cache_dir)
+        found = None if retime or key is None else pricing.load_prices(key, root, rows)
+        if found is None:
+            found = pricing.measure_prices(
+                self._target_lm, self._draft_lm, self.vocab_size, self.context, rows=rows
             )
-        return self._pass_prices
+            if key is not None:
+                pricing.store_prices(key, found, root)
+        self._prices, self._price_watch = found, None
+        self._price_entry = (key, root) if key is not None else None
+        return found
+
+    def observe_round(
+        self, rows: int, tokens: int, draft_rows: Sequence[int], seconds: float
+    ) -> bool:
+        """Feed one timed round (a target pass over `rows` rows of `tokens` tokens in all, the
+        drafter steps' row counts, its seconds) to the prices' watch (`prices.PriceWatch`).
+        Where the rounds stray from the prices, this decoder goes on with rescaled prices and
+        the cached entry is dropped, so the next load times afresh. True when they changed."""
+        if self._prices is None or self._prices.step_seconds is None:
+            return False
+        if self._price_watch is None:
+            self._price_watch = PriceWatch(self._prices)
+        if not self._price_watch.observe(rows, tokens, draft_rows, seconds):
+            return False
+        from specdecode.core.prices import forget_prices
+
+        self._prices = self._price_watch.prices
+        if self._price_entry is not None:
+            forget_prices(*self._price_entry)
+        return True
 
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
@@ -339,7 +378,7 @@ class SpeculativeDecoder:
         bound: tuple[int, int] | None = None,
         coupled: bool = False,
         max_draft_batch: int | None = None,
-        round_prices: RoundPrices | None = None,
+        prices: Prices | None = None,
         **unknown,
     ) -> DecodeConfig:
         """The call's `DecodeConfig`; an argument it does not know is refused by name (with the
@@ -362,17 +401,8 @@ class SpeculativeDecoder:
             bound=tuple(bound) if bound is not None else None,
             coupled=coupled,
             max_draft_batch=max_draft_batch,
-            round_prices=round_prices,
+            prices=prices,
         )
-
-    def measure_round_prices(self, max_tokens: int = DEFAULT_BOUND[1]) -> RoundPrices:
-        """Time this pair's passes here (a few seconds): what a round of up to `max_tokens`
-        drafted tokens costs, for a head policy to weigh (`generate(..., round_prices=...)`)."""
-        if self.drafter is None:
-            raise ValueError("round prices price a drafter's tokens; this decoder has none")
-        from specdecode.core.timing import measure_round_prices
-
-        return measure_round_prices(self.target, self.drafter, max_tokens)
 
     def stream(
         self,
@@ -398,7 +428,7 @@ class SpeculativeDecoder:
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         verification = make_rule(rule, cfg.sampling)
-        drafter = self._drafter(cfg, use_drafter, verification.name, lookup)
+        drafter = self._drafter(cfg, use_drafter, verification.name, lookup, len(ids))
         if wrap_drafter is not None and drafter is not None:
             drafter = wrap_drafter(drafter)
         return decode(self._target_lm, drafter, verification, ids, cfg, stats)
@@ -422,7 +452,7 @@ class SpeculativeDecoder:
                 "a head policy reads a head trained for one verification rule; a loop's rows "
                 "mix greedy and sampled laws: use another length policy"
             )
-        drafter = self._drafter(cfg, use_drafter, None, None)
+        drafter = self._drafter(cfg, use_drafter, None, None, max_rows)
         capacity = (self.context or 1 << 16) + cfg.max_draft_tokens + 2
         return DecodeLoop(
             self._target_lm, drafter, cfg, sampling=sampling, max_rows=max_rows,
@@ -435,6 +465,7 @@ class SpeculativeDecoder:
         use_drafter: bool,
         rule: str | None,
         lookup: PromptLookup | None,
+        rows: int,
     ) -> Drafter | None:
         """The drafter `cfg.drafting` asks for (`drafting.factory`); None: plain decoding."""
         if not use_drafter:
@@ -445,7 +476,7 @@ class SpeculativeDecoder:
             vocab_size=self.vocab_size,
             device=self._target_lm.device,
             head=lambda: self._checked_head(cfg, rule),
-            prices=lambda: OneRowPassPrices(cfg.pass_prices or self.pass_prices()),
+            prices=lambda: cfg.prices or self.prices(min(rows, cfg.max_draft_batch or rows)),
         )
         return make_drafter(cfg.drafting, cfg, sources)
 

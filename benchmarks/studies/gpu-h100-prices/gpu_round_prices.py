@@ -31,8 +31,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdecode import SpeculativeDecoder
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.bench.runner import machine_info
-from specdecode.core.timing import step_seconds
+from specdecode.core.prices import pass_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "round-cost-parts"))
 from round_cost_parts import instrument, measure, print_parts
@@ -127,8 +128,9 @@ def main() -> None:
     context = torch.randint(100, vocab - 1000, (args.context,)).tolist()
     counts = list(range(1, LONGEST + 2))
     for _ in range(2):  # the first call of each shape pays for the kernels' set-up
-        seconds = step_seconds(target, context, counts, reps=9)
-        draft = step_seconds(drafter, context, [1], reps=9)[1]
+        jobs = [(CachedModel(target), counts), (CachedModel(drafter), [1])]
+        seconds, drafted = pass_seconds(jobs, context, reps=9)
+        draft = drafted[1]
     step = seconds[1]
     curve = [seconds[k + 1] / step for k in range(1, LONGEST + 1)]
     print(f"{machine_info().get('cuda')}, {args.dtype}, context {args.context}, batch 1")

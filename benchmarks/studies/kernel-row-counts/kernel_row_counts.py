@@ -38,8 +38,9 @@ from specdecode.backends.kernels import (
     product_candidates,
     timed_samples,
 )
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.bench.prompts import load_prompts
-from specdecode.core.timing import step_seconds
+from specdecode.core.prices import pass_seconds
 
 ROWS = list(range(1, 14))
 ROUNDS = 12
@@ -128,7 +129,8 @@ def main(n_prompts: int, new_tokens: int) -> None:
     for _ in range(3):
         for label in plans:
             install(label)
-            curves[label].append(step_seconds(decoder.target, context, ROWS, reps=5))
+            backend = CachedModel(decoder.target)
+            curves[label].append(pass_seconds([(backend, ROWS)], context, reps=5)[0])
     print("forward after 256 cached tokens (median of 3 alternating runs of 5 each):")
     for label, runs in curves.items():
         seconds = {n: statistics.median(run[n] for run in runs) for n in ROWS}

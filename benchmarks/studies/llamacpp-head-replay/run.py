@@ -36,7 +36,8 @@ from pathlib import Path
 from specdecode.acceptance.examples import load_examples
 from specdecode.acceptance.head import load_head
 from specdecode.acceptance.metrics import auc
-from specdecode.acceptance.replay import PreviewCosts, replay_heads
+from specdecode.acceptance.replay import replay_heads
+from specdecode.core.prices import Prices
 from specdecode.models.packages import cache_root
 
 HERE = Path(__file__).resolve().parent
@@ -64,9 +65,9 @@ def measured_curve() -> tuple[float, ...]:
     return tuple(round(v, 2) for v in curve)
 
 
-def priced(draft: float, scale: float) -> PreviewCosts:
+def priced(draft: float, scale: float) -> Prices:
     curve = tuple(round(1 + scale * (v - 1), 4) for v in measured_curve())
-    return PreviewCosts(draft, SLOPE * scale, curve)
+    return Prices.stated(draft, SLOPE * scale, curve)
 
 
 def best(rows: dict, prefix: str) -> tuple[str, dict]:
@@ -125,7 +126,8 @@ def main() -> None:
     costs = priced(DRAFT_COST, 1.0)
     result = replay_heads(data_dir, heads, BOUND, costs)
     record["measured"] = result
-    out += ["", f"At the measured prices ({costs.describe()}), est. speed vs plain decoding:", ""]
+    shown_prices = costs.rounds(1).describe(BOUND[1])
+    out += ["", f"At the measured prices ({shown_prices}), est. speed vs plain decoding:", ""]
     shown = [f"h={h}" for h in ("0.3", "0.5", "0.7", "0.9")]
     out.append("| k | " + " | ".join(f"k={k}" for k in range(1, 13)) + " |")
     out.append("|---|" + "---|" * 12)

@@ -20,13 +20,13 @@ import statistics
 from pathlib import Path
 
 import torch
+from specdecode.core.drafting.lookup import lookup_continuation
 
-from specdecode.acceptance.replay import PreviewCosts
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8
 from specdecode.bench.prompts import load_prompts
 from specdecode.core.config import PromptLookup
-from specdecode.core.drafters import lookup_continuation
+from specdecode.core.prices import Prices
 from specdecode.models.store import load_causal_lm
 
 CACHE = Path.home() / ".cache" / "specdecode" / "lookup-replay.json"
@@ -35,7 +35,7 @@ PROMPTS, NEW_TOKENS = 8, 128
 # per-count row plans)
 DRAFT_PRICE = 0.15
 VERIFY = (1.00, 0.97, 0.96, 0.93, 0.92, 1.13, 1.21, 1.22, 1.26, 1.26, 1.37, 1.50)
-COSTS = PreviewCosts(draft_cost=DRAFT_PRICE, verify_slope=0.0, verify_curve=VERIFY)
+COSTS = Prices.stated(draft=DRAFT_PRICE, verify_slope=0.0, verify_curve=VERIFY).rounds(1)
 
 
 def texts_and_drafter_hits() -> list[dict]:

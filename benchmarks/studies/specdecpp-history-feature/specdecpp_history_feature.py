@@ -19,11 +19,12 @@ import torch
 
 from specdecode.acceptance.examples import load_examples
 from specdecode.acceptance.head import load_head
-from specdecode.acceptance.replay import PreviewCosts, preview_rounds, rounds_by_prompt
+from specdecode.acceptance.replay import preview_rounds, rounds_by_prompt
+from specdecode.core.prices import Prices
 
 CACHE = Path.home() / ".cache" / "specdecode" / "heads"
 HEAD = Path(__file__).parents[1] / "src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling"
-COSTS = PreviewCosts(draft_cost=0.1375, verify_slope=0.056)
+COSTS = Prices.stated(draft=0.1375, verify_slope=0.056)
 
 
 def with_history(name: str, head, window: int):

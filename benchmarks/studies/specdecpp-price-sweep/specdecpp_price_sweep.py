@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from specdecode.acceptance.head import number_logit
-from specdecode.acceptance.replay import PreviewCosts, preview_rounds
+from specdecode.acceptance.replay import preview_rounds
+from specdecode.core.prices import Prices
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "specdecpp-uniform-feature"))
 from specdecpp_uniform_feature import fitted_head, numbers, scored, verdicts
@@ -69,12 +70,12 @@ def main() -> None:
             "knew verdicts": (torch.where(known, verdict.double(), (u < r).double()), None),
         }
         for bound, slope, curve in SETTINGS:
-            verify = PreviewCosts(0, slope, curve).describe().removesuffix(", a drafted token 0")
+            verify = Prices.stated(0, slope, curve).rounds(1).describe(bound[1])
             print(f"\n{path.name}, rounds {bound[0]}..{bound[1]}, {verify}")
             print("| drafted token costs | best constant | " + " | ".join(preds) + " |")
             print("|---|---|" + "---|" * len(preds))
             for cost in DRAFT_COSTS:
-                costs = PreviewCosts(draft_cost=cost, verify_slope=slope, verify_curve=curve)
+                costs = Prices.stated(draft=cost, verify_slope=slope, verify_curve=curve)
                 cells, best = [], ""
                 for pred, first in preds.values():
                     best, gain, h = best_over_constant(data, pred, first, bound, costs)

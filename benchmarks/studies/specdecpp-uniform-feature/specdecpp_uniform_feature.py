@@ -32,12 +32,13 @@ import torch
 from specdecode.acceptance.calibration import NUMBER_DRAWS, fit_number_calibration
 from specdecode.acceptance.examples import load_examples
 from specdecode.acceptance.head import load_head, number_logit
-from specdecode.acceptance.replay import PreviewCosts, preview_rounds, rounds_by_prompt
+from specdecode.acceptance.replay import preview_rounds, rounds_by_prompt
+from specdecode.core.prices import Prices
 
 CACHE = Path.home() / ".cache" / "specdecode" / "heads"
 HEAD = Path(__file__).parents[1] / "src/specdecode/heads/qwen2.5-coder-0.5b-for-1.5b-sampling"
 REJECT_WEIGHT = float(os.environ.get("REJECT_WEIGHT", 6.0))  # the head's own loss weight
-COSTS = PreviewCosts(draft_cost=0.1375, verify_slope=0.056)
+COSTS = Prices.stated(draft=0.1375, verify_slope=0.056)
 
 
 def verdicts(data) -> torch.Tensor:

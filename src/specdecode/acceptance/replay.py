@@ -1,6 +1,6 @@
 """Replaying length policies on recorded data: what a head would gain, before decoding with it.
 
-Two replays, both priced in target steps by `PreviewCosts`:
+Two replays, both priced in target steps by a `Prices` (one row's rounds, `Prices.rounds`):
 * `preview_policies`, along the mixed sequences of a collection: a round starts where the last
   one ended and accepts its tokens with the labels' probabilities, and a backward recursion
   gives the exact expected rounds, tokens and cost;
@@ -15,73 +15,23 @@ method writes its own text.
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdecode.acceptance.examples import HeadData, load_examples
-from specdecode.core.config import RoundPrices
 from specdecode.core.length_policies import going_on_prices, worth_drafting_on
+from specdecode.core.prices import Prices, RoundCosts
 
-
-@dataclass(frozen=True)
-class PreviewCosts:
-    """How the preview prices a round, in target decoding steps.
-
-    A round that drafts m tokens costs one verify pass plus m drafter passes of `draft_cost`.
-    The verify pass costs `verify_curve[m - 1]` steps when the curve is given (the bench's
-    calibrated "verify pass of k+1 tokens", k = 1, 2, ...; past its end, the last entry plus
-    `verify_slope` a token), else `1 + verify_slope * m`. A curve matters where the machine's
-    cost is not a line: on the 2-core AMD EPYC, with padded products, a pass of 1 to 6 drafted
-    tokens costs about one step and 7 or 8 cost 1.2-1.3, so a line either overprices short
-    passes or underprices long ones, and the replayed gain of a head swings with it. The
-    defaults are the default pair's on a 2-core Intel Xeon (the int8 0.5B drafter against the
-    1.5B target, from `specdecode bench`'s calibration: c = 0.23, verify cost 1.04 + 0.07 k).
-    """
-
-    draft_cost: float = 0.23
-    verify_slope: float = 0.07
-    verify_curve: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name, value in (
-            ("draft_cost", self.draft_cost),
-            ("verify_slope", self.verify_slope),
-            *(("verify_curve", v) for v in self.verify_curve),
-        ):
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"preview {name} must be a finite number >= 0, got {value}")
-        object.__setattr__(self, "verify_curve", tuple(float(v) for v in self.verify_curve))
-
-    def round_cost(self, drafted: int) -> float:
-        """Target steps of a round that drafts `drafted` tokens (its verify pass and drafts)."""
-        curve = self.verify_curve
-        if not curve or drafted < 1:
-            verify = 1 + self.verify_slope * drafted
-        elif drafted <= len(curve):
-            verify = curve[drafted - 1]
-        else:
-            verify = curve[-1] + self.verify_slope * (drafted - len(curve))
-        return verify + self.draft_cost * drafted
-
-    def round_prices(self, most_drafted: int) -> RoundPrices:
-        """These prices as a priced head reads them, for rounds of 1..most_drafted tokens."""
-        verify = (self.round_cost(m) - self.draft_cost * m for m in range(1, most_drafted + 1))
-        return RoundPrices(self.draft_cost, tuple(verify))
-
-    def describe(self) -> str:
-        if not self.verify_curve:
-            verify = f"a verify pass 1 + {self.verify_slope:g} m steps"
-        else:
-            steps = " / ".join(f"{v:g}" for v in self.verify_curve)
-            m = f"m = 1..{len(self.verify_curve)}"
-            verify = f"a verify pass of {m} drafted tokens {steps} steps"
-            if self.verify_slope:
-                verify += f" (+{self.verify_slope:g} a token past it)"
-        return f"{verify}, a drafted token {self.draft_cost:g}"
+# The preview's prices when none are given: the default pair's on a 2-core Intel Xeon (the int8
+# 0.5B drafter against the 1.5B target, from `specdecode bench`'s calibration: a drafted token
+# 0.23 steps, a verify pass 1.04 + 0.07 k). A curve matters where the machine's cost is not a
+# line (`Prices.stated`): on the 2-core AMD EPYC, with padded products, a pass of 1 to 6 drafted
+# tokens costs about one step and 7 or 8 cost 1.2-1.3, so a line either overprices short
+# passes or underprices long ones, and the replayed gain of a head swings with it.
+PREVIEW_COSTS = (0.23, 0.07)  # a drafted token, and each position a verify pass adds
+PREVIEW_PRICES = Prices.stated(*PREVIEW_COSTS)
 
 
 PREVIEW_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -97,7 +47,7 @@ def _stop_lengths(keep: torch.Tensor, low: int, h: float) -> torch.Tensor:
 
 
 def _run_rounds(
-    label: torch.Tensor, starts: list[int], drafted: torch.Tensor, costs: PreviewCosts
+    label: torch.Tensor, starts: list[int], drafted: torch.Tensor, costs: RoundCosts
 ) -> dict[str, float]:
     """Expected totals when rounds follow one another along each response.
 
@@ -141,7 +91,7 @@ def preview_policies(
     prompt_index: torch.Tensor,
     position: torch.Tensor,
     bound: tuple[int, int] = (1, 12),
-    costs: PreviewCosts | None = None,
+    costs: Prices | None = None,
 ) -> dict[str, dict[str, float]]:
     """What each stop threshold (and each constant k) would do on held-out responses.
 
@@ -157,7 +107,7 @@ def preview_policies(
     most any head could get from these responses.
     """
     # pred, label, prompt_index, position: [N]
-    costs = costs or PreviewCosts()
+    at = (costs or PREVIEW_PRICES).rounds(1)
     order = torch.argsort(prompt_index * (int(position.max()) + 1) + position)
     pred, label, prompt = pred[order].double(), label[order].double(), prompt_index[order]
     low, high = bound
@@ -172,7 +122,7 @@ def preview_policies(
     available = inside.sum(1)  # [N]
 
     def replay(drafted: torch.Tensor) -> dict[str, float]:
-        return _run_rounds(label, starts, torch.minimum(drafted, available), costs)
+        return _run_rounds(label, starts, torch.minimum(drafted, available), at)
 
     rows = {f"k={k}": replay(torch.full((n,), k)) for k in range(1, high + 1)}
     rows |= {f"head h={h:g}": replay(_stop_lengths(keep_p, low, h)) for h in PREVIEW_THRESHOLDS}
@@ -242,7 +192,7 @@ def preview_rounds(
     round_id: torch.Tensor,
     slot: torch.Tensor,
     bound: tuple[int, int] = (1, 12),
-    costs: PreviewCosts | None = None,
+    costs: Prices | None = None,
     first_pred: torch.Tensor | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Each policy replayed on the recorded responses themselves, with the recorded verdicts.
@@ -266,11 +216,12 @@ def preview_rounds(
     `oracle h=...` feeds the rule the acceptance labels; `head h=...` the head's predictions,
     or `first_pred` [N] for a round's first drafted token when given (what a policy knowing more
     where a round starts would predict there, e.g. from the target's state at that point).
-    A round of m drafted tokens costs `costs.round_cost(m)` target steps. Each row also lists,
-    per prompt (in prompt order), the committed tokens, rounds, drafted tokens and steps.
+    A round of m drafted tokens costs `costs.rounds(1).round_cost(m)` target steps. Each row
+    also lists, per prompt (in prompt order), the committed tokens, rounds, drafted tokens and
+    steps.
     """
     # pred, label, prompt_index, position, round_id, slot: [N]
-    costs = costs or PreviewCosts()
+    rounds_at = (costs or PREVIEW_PRICES).rounds(1)
     chained = _chained_rounds(prompt_index, position, round_id, slot)
     low, high = bound
     pred_l, label_l = pred.double().tolist() + [1.0], label.double().tolist() + [1.0]  # BONUS
@@ -283,7 +234,7 @@ def preview_rounds(
             s = 0
             while s <= accepted and s < len(rows):
                 m = stop_after(rows[s : s + high])
-                rounds, drafted, steps = rounds + 1, drafted + m, steps + costs.round_cost(m)
+                rounds, drafted, steps = rounds + 1, drafted + m, steps + rounds_at.round_cost(m)
                 if s + m <= accepted:  # all m accepted: commit them and the coupled next token
                     committed += m + 1
                     s += m + 1
@@ -292,7 +243,7 @@ def preview_rounds(
                     s = accepted + 1
             if s == len(rows) == accepted:  # a chain cut by the data ends in a bonus token
                 rounds, drafted, committed = rounds + 1, drafted + 1, committed + 1
-                steps += costs.round_cost(1)
+                steps += rounds_at.round_cost(1)
             totals = per_prompt.setdefault(prompt, [0, 0, 0, 0.0])
             for j, x in enumerate((committed, rounds, drafted, steps)):
                 totals[j] += x
@@ -320,7 +271,7 @@ def preview_rounds(
         return stop_after
 
     def priced(values: list[float], h: float):
-        bar = going_on_prices(costs.round_prices(high), h, high)  # [high, high]
+        bar = going_on_prices(rounds_at, h, high)  # [high, high]
 
         def stop_after(rows: list[int]) -> int:
             keep = 1.0
@@ -336,7 +287,7 @@ def preview_rounds(
 
     out = {f"k={k}": replay(lambda rows, k=k: min(k, len(rows))) for k in range(1, high + 1)}
     out |= {f"head h={h:g}": replay(threshold(pred_l, h, first_l)) for h in PREVIEW_THRESHOLDS}
-    if costs.draft_cost > 0 and first_l is None:  # the head told these prices (`--priced`)
+    if rounds_at.draft > 0 and first_l is None:  # the head told these prices (`--priced`)
         out |= {f"priced h={h:g}": replay(priced(pred_l, h)) for h in PREVIEW_THRESHOLDS}
     out |= {f"oracle h={h:g}": replay(threshold(label_l, h)) for h in PREVIEW_THRESHOLDS}
     return out
@@ -367,7 +318,7 @@ def replay_heads(
     data_dir: str | Path,
     heads: list[str | Path],
     bound: tuple[int, int] = (1, 12),
-    costs: PreviewCosts | None = None,
+    costs: Prices | None = None,
 ) -> dict[str, Any]:
     """Replay saved heads (and every constant k, and a perfect head) on a collection made
     inside rounds, e.g. on evaluation prompts: the paired comparison the bench cannot make

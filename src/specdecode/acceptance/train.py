@@ -46,7 +46,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,8 @@ from specdecode.acceptance.metrics import (
     weighted_bce,
     weighted_bce_terms,
 )
-from specdecode.acceptance.replay import PreviewCosts, preview_policies, preview_rounds
+from specdecode.acceptance.replay import PREVIEW_PRICES, preview_policies, preview_rounds
+from specdecode.core.prices import Prices
 from specdecode.training.distributed import (
     StepCallback,
     StepRecord,
@@ -101,9 +102,9 @@ class TrainConfig:
     seed: int = 0
     warmup_ratio: float = 0.03  # linear warm-up over this fraction of steps, then cosine decay
     half: bool = False  # save fp16 weights: half the size of a head that ships with a project
-    # the held-out preview: rounds of MIN..MAX tokens, priced by `PreviewCosts`
+    # the held-out preview: rounds of MIN..MAX tokens, priced by these (`Prices.stated`)
     preview_bound: tuple[int, int] = (1, 12)
-    preview_costs: PreviewCosts = field(default_factory=PreviewCosts)  # checks its own values
+    preview_prices: Prices = PREVIEW_PRICES
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -533,7 +534,7 @@ def _preview(
 ) -> dict[str, dict[str, Any]] | None:
     """The held-out preview: round by round for a collection inside rounds, else replayed
     along each response."""
-    bound, costs = config.preview_bound, config.preview_costs
+    bound, costs = config.preview_bound, config.preview_prices
     if data.round is not None and data.slot is not None:
         return preview_rounds(
             pred.cpu(),

@@ -127,7 +127,10 @@ class Shared(SharedModels):
     def decoder(self, drafter: str | None) -> SpeculativeDecoder:
         def build() -> SpeculativeDecoder:
             other = {None: None, "model": self.drafter(), "lookup": PromptLookup()}[drafter]
-            return SpeculativeDecoder(self.target(), self.tokenizer(), other)
+            decoder = SpeculativeDecoder(self.target(), self.tokenizer(), other)
+            if drafter is not None:  # a run records this machine now, not a cached timing
+                decoder.prices(retime=True)
+            return decoder
 
         return self.shared(f"decoder {drafter}", build)
 
@@ -426,7 +429,7 @@ def run_llama_bench(
     sample = records[(REFERENCE, cfg.batch_sizes[0])].outputs[0][:48]
     noise = measure_noise(target, prompt_ids[0], sample) if sample else 0.0
     default = shared.decoder("model") if DefaultOnLlama.name in cfg.methods else None
-    prices = default.pass_prices() if default is not None else None
+    prices = default.prices() if default is not None else None
 
     def extras(row: dict, method: LlamaMethod, rec, base) -> None:
         if rec.stats is not None:
@@ -453,7 +456,7 @@ def run_llama_bench(
         noise_bound=noise,
         noise_how="twice the largest logit difference between the first prompt's ar text scored "
         "in one pass, in passes of 5 and one token at a time",
-        pass_prices=asdict(prices) if prices is not None else None,
+        prices=prices.to_json() if prices is not None else None,
     )
 
 

@@ -51,7 +51,8 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8, use_prepacked
 from specdecode.backends.torch_eager import model_device
-from specdecode.core.config import DEFAULT_DRAFTING, HEAD_POLICIES, PromptLookup, RoundPrices
+from specdecode.core.config import DEFAULT_DRAFTING, HEAD_POLICIES, PromptLookup
+from specdecode.core.prices import Prices
 from specdecode.core.stats import DecodeStats
 
 
@@ -305,7 +306,7 @@ class Models(SharedModels):
     tokenizer: Any
     drafter: torch.nn.Module
     head: str | None = None  # acceptance head directory, for the `head` policy
-    round_prices: dict[str, RoundPrices] = field(default_factory=dict)  # by kind, calibrated
+    prices: dict[str, Prices] = field(default_factory=dict)  # by kind, calibrated (one row)
 
     def decoder(self, kind: str = "ar") -> SpeculativeDecoder:
         """The engine method `kind`'s decoder, built once and shared (`ar`'s encodes)."""
@@ -397,7 +398,7 @@ class EngineMethod(CausalMethod):
             stop_threshold=method.threshold,
             bound=method.bound,
             coupled=s.coupled,
-            round_prices=self.models.round_prices[method.kind] if method.priced else None,
+            prices=self.models.prices[method.kind] if method.priced else None,
         )
         # A coupled run's extra drafter passes (bonus tokens drawn via the drafter) belong to
         # the pairing, not to the method: the time they took, measured on their own, is left out.

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdecode.backends.kernels import cpu_fp32, model_bytes
+from specdecode.backends.torch_eager import CachedModel
 from specdecode.bench.methods import (
     CAUSAL,
     BenchMethod,
@@ -49,9 +50,8 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
-from specdecode.core.config import RoundPrices
+from specdecode.core.prices import Prices, pass_seconds
 from specdecode.core.stats import CostFigures, DecodeStats, RowStats
-from specdecode.core.timing import step_seconds
 
 REFERENCE = "ar"  # the baseline of every ratio and the text exact methods must reproduce
 
@@ -428,22 +428,28 @@ def calibrate(
     `longest_round` adds every round length up to it (adaptive policies draft 1..MAX tokens).
     """
     ks = {m.spec.k for m in methods if m.spec.k is not None} | set(range(1, longest_round + 1))
-    seconds = step_seconds(models.target, context, [1] + [k + 1 for k in sorted(ks)])
-    step = seconds[1]
+    drafters = sorted(drafter_kinds(methods).items())
+    # every pass through a cache of its own (`prices.pass_seconds`), target and drafters
+    # interleaved; the methods' decoders keep theirs
+    jobs = [(CachedModel(models.target, "target"), [1] + [k + 1 for k in sorted(ks)])]
+    jobs += [(CachedModel(drafter, "drafter"), [1]) for _, drafter in drafters]
+    seconds = pass_seconds(jobs, context, reps=7)
+    step = seconds[0][1]
     costs = {"target_step_s": step, "verify_cost_in_steps": {}, "c": {}}
     for k in sorted(ks):
-        costs["verify_cost_in_steps"][k] = seconds[k + 1] / step
-    for kind, drafter in sorted(drafter_kinds(methods).items()):
-        costs["c"][kind] = step_seconds(drafter, context, [1])[1] / step
+        costs["verify_cost_in_steps"][k] = seconds[0][k + 1] / step
+    for (kind, _), drafted in zip(drafters, seconds[1:], strict=True):
+        costs["c"][kind] = drafted[1] / step
     return costs
 
 
-def round_prices(costs: dict, longest_round: int) -> dict[str, RoundPrices]:
-    """The calibration as each drafter kind's round prices (rounds of 1..longest_round)."""
+def round_prices(costs: dict, longest_round: int) -> dict[str, Prices]:
+    """The calibration as each drafter kind's one-row prices (rounds of 1..longest_round)."""
     if longest_round < 1:
         return {}
     verify = tuple(costs["verify_cost_in_steps"][k] for k in range(1, longest_round + 1))
-    return {kind: RoundPrices(c, verify) for kind, c in costs["c"].items()}
+    step = costs["target_step_s"]
+    return {kind: Prices((1,), ((1.0, *verify),), (c,), step) for kind, c in costs["c"].items()}
 
 
 def run_bench(
@@ -461,7 +467,7 @@ def run_bench(
     methods = build_causal(cfg.method_list(), models, settings)
     longest = max((m.spec.bound[1] for m in methods if m.spec.bound is not None), default=0)
     costs = calibrate(models, methods, prompt_ids[0], longest)
-    models.round_prices = round_prices(costs, longest)
+    models.prices = round_prices(costs, longest)
     records, skipped, main = measure_shared(
         methods, prompt_ids, cfg.batch_sizes, cfg.repeats, progress
     )

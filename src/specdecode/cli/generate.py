@@ -49,8 +49,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         threads=args.threads,
         compile=args.compile,
     )
-    if args.drafting == "auto" and not args.no_draft and not args.json:
-        print(f"[{decoder.backend} prices] {decoder.pass_prices().describe()}", file=sys.stderr)
+    if args.retime_prices or (args.drafting == "auto" and not args.no_draft):
+        known = decoder.prices(retime=args.retime_prices)  # cached, or timed and kept
+        if not args.json:
+            print(f"[{decoder.backend} prices] {known.describe()}", file=sys.stderr)
     if args.head is not None:
         decoder.load_head(args.head)
     prices = None
@@ -59,8 +61,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError("--priced prices the head policies' rounds: use --length-policy head")
         if decoder.drafter is None:
             raise ValueError("--priced prices drafted tokens; it needs a drafter model (--draft)")
-        prices = decoder.measure_round_prices(args.bound[1] if args.bound else DEFAULT_BOUND[1])
-        print(f"[round prices] {prices.describe()}", file=sys.stderr)
+        prices = decoder.prices()
+        most = args.bound[1] if args.bound else DEFAULT_BOUND[1]
+        print(f"[round prices] {prices.rounds(1).describe(most)}", file=sys.stderr)
     settings = dict(
         use_drafter=not args.no_draft,
         drafting=args.drafting,
@@ -75,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bound=tuple(args.bound) if args.bound else None,
         coupled=args.coupled,
         max_draft_batch=max_draft_batch_option(args.max_draft_batch),
-        round_prices=prices,
+        prices=prices,
     )
     records = []
     for start in range(0, len(prompts), args.batch_size):
@@ -147,5 +150,11 @@ def add_subcommands(subparsers) -> None:
     )
     add_drafting_arguments(p)
     p.add_argument("--json", action="store_true", help="print completions and stats as JSON")
+    p.add_argument(
+        "--retime-prices",
+        action="store_true",
+        help="time this machine's pass prices afresh rather than read them from the cache "
+        "(after a change the cache key does not see, or a timing a busy machine skewed)",
+    )
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_generate)

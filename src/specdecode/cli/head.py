@@ -24,8 +24,9 @@ import math
 from pathlib import Path
 
 from specdecode.acceptance.head import RULES
-from specdecode.acceptance.replay import PreviewCosts
+from specdecode.acceptance.replay import PREVIEW_COSTS
 from specdecode.acceptance.train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
+from specdecode.core.prices import Prices
 
 _DEFAULTS = TrainConfig()
 
@@ -110,7 +111,7 @@ def add_replay_prices(parser: argparse.ArgumentParser, prefix: str) -> None:
         f"{prefix}costs",
         nargs=2,
         type=float,
-        default=(_DEFAULTS.preview_costs.draft_cost, _DEFAULTS.preview_costs.verify_slope),
+        default=(PREVIEW_COSTS[0], PREVIEW_COSTS[1]),
         metavar=("DRAFT", "VERIFY_SLOPE"),
         help="the replay's prices, in target steps: a drafted token, and each extra position "
         "a verify pass scores (`specdecode bench` prints your machine's: c and the verify "
@@ -128,11 +129,12 @@ def add_replay_prices(parser: argparse.ArgumentParser, prefix: str) -> None:
     )
 
 
-def replay_costs(args: argparse.Namespace, prefix: str) -> PreviewCosts:
-    """The `PreviewCosts` of the options `add_replay_prices` added under `prefix`."""
+def replay_costs(args: argparse.Namespace, prefix: str) -> Prices:
+    """The prices of the options `add_replay_prices` added under `prefix`."""
     name = prefix.lstrip("-").replace("-", "_")
     curve = getattr(args, f"{name}verify_curve")
-    return PreviewCosts(*getattr(args, f"{name}costs"), verify_curve=tuple(curve))
+    draft, slope = getattr(args, f"{name}costs")
+    return Prices.stated(draft, slope, tuple(curve))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -153,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         half=args.half,
         preview_bound=tuple(args.preview_bound),
-        preview_costs=replay_costs(args, "--preview-"),
+        preview_prices=replay_costs(args, "--preview-"),
     )
     result = train_head(
         args.data_dir, args.out, config, progress=not args.no_progress, max_steps=args.max_steps
@@ -192,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         print(
             f"held-out preview ({where}, rounds of "
-            f"{low}..{high}; {config.preview_costs.describe()}):"
+            f"{low}..{high}; {config.preview_prices.rounds(1).describe(high)}):"
         )
         for name, row in preview.items():
             print(
@@ -366,7 +368,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     best = result["best_constant"]
     print(
         f"{result['examples']} recorded drafts in {args.data_dir}; rounds of "
-        f"{args.bound[0]}..{args.bound[1]}, {costs.describe()}; best constant {best}"
+        f"{args.bound[0]}..{args.bound[1]}, {costs.rounds(1).describe(args.bound[1])}; "
+        f"best constant {best}"
     )
 
     def line(name: str, row: dict) -> str:

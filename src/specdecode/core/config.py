@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specdecode.core.prices import Prices
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -86,94 +88,6 @@ PLANNED_DRAFTINGS = ("auto",)  # settings that plan each round's length themselv
 
 
 @dataclass(frozen=True)
-class RoundPrices:
-    """What a round costs on this machine, in steps of plain decoding (one target pass of one
-    token): `draft` a drafted token, `verify[m - 1]` the verify pass over m drafted tokens.
-
-    The SpecDec++ threshold rule is the optimal stop when every verify pass costs the same. A
-    real pass does not: on a 2-core CPU one of 1 to 6 drafted tokens costs about one step and
-    one of 6 or more about 1.1 to 1.35, as its products turn compute-bound; on a GPU the same
-    happens at a tile boundary or a larger batch. A head policy given prices weighs each
-    further token against what it adds to the round's cost (`length_policies.HeadLength`).
-    `SpeculativeDecoder.measure_round_prices` times them; the bench uses its calibration.
-    """
-
-    draft: float
-    verify: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "verify", tuple(float(v) for v in self.verify))
-        if not (math.isfinite(self.draft) and self.draft > 0):
-            raise ValueError(f"a drafted token's price must be finite and > 0, got {self.draft}")
-        if not self.verify:
-            raise ValueError("round prices need the verify pass's price for at least 1 token")
-        bad = [v for v in self.verify if not (math.isfinite(v) and v > 0)]
-        if bad:
-            raise ValueError(f"verify prices must be finite numbers > 0, got {bad}")
-
-    def describe(self) -> str:
-        verify = " / ".join(f"{v:.2f}" for v in self.verify)
-        return f"a drafted token {self.draft:.3f} steps; a verify pass of 1.. drafted: {verify}"
-
-    def added_cost(self, drafted: int, more: int) -> float:
-        """Steps that drafting `more` tokens after `drafted` adds to the round (drafts and the
-        verify pass's growth); drafted = 0 is the round's start (no verify pass priced yet)."""
-        if drafted + more > len(self.verify):
-            raise ValueError(
-                f"round prices cover rounds of up to {len(self.verify)} drafted tokens, not "
-                f"{drafted + more}"
-            )
-        grown = self.verify[drafted + more - 1] - (self.verify[drafted - 1] if drafted else 0.0)
-        return more * self.draft + grown
-
-
-@dataclass(frozen=True)
-class PassPrices:
-    """What passes cost on this backend and machine, in plain steps (a one-token target pass):
-    `target[t - 1]` a target pass over t tokens in all (the rows of a batch together), `draft`
-    a one-token drafter step (None: no drafter model).
-
-    Drafting `auto` plans every round from these. A pass's cost is
-    read as a function of the tokens it holds in all: on llama.cpp a batch of 8 rows of one
-    token costs about what one row of 8 tokens does (121 against 106 ms on the 1.5B target, 2
-    cores), and a verify pass grows about half a step per token, so whether drafting pays
-    depends on the batch and the machine, not only on the drafter.
-    """
-
-    target: tuple[float, ...]
-    draft: float | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target", tuple(float(v) for v in self.target))
-        if not self.target or any(not (math.isfinite(v) and v > 0) for v in self.target):
-            raise ValueError(f"pass prices must be finite numbers > 0, got {self.target}")
-        if self.draft is not None and not (math.isfinite(self.draft) and self.draft > 0):
-            raise ValueError(f"a drafter step's price must be finite and > 0, got {self.draft}")
-
-    def pass_cost(self, tokens: int) -> float:
-        """A target pass over `tokens` tokens; beyond the measured range, the line through the
-        upper half of the measured passes. Not the last step's slope: two neighbouring timings
-        are as noisy as their difference, and a flat last step once priced a batch of 8 rows
-        of 9 tokens at the cost of 12 tokens, which made priced drafting draft at batch 8
-        where it lost 40% to plain decoding."""
-        known = len(self.target)
-        if tokens <= known:
-            return self.target[max(tokens, 1) - 1]
-        half = max(known // 2, 1)
-        if known - half >= 1 and known > 1:
-            slope = (self.target[-1] - self.target[half - 1]) / (known - half)
-        else:
-            slope = self.target[-1]
-        slope = max(slope, (self.target[-1] - 1.0) / max(known - 1, 1), 0.0)
-        return self.target[-1] + slope * (tokens - known)
-
-    def describe(self) -> str:
-        passes = " / ".join(f"{v:.2f}" for v in self.target)
-        drafter = f"; a drafter step {self.draft:.2f}" if self.draft is not None else ""
-        return f"a target pass of 1.. tokens: {passes} steps{drafter}"
-
-
-@dataclass(frozen=True)
 class DecodeConfig:
     """One generation call: budget, stopping, speculation length and randomness.
 
@@ -198,10 +112,9 @@ class DecodeConfig:
     # choice of the user's: above it a round is a plain step of every row. Rows that finish
     # shrink the batch and drafting resumes. Drafting `auto` needs none: its plan prices rows.
     max_draft_batch: int | None = None
-    # head policies: what a round costs here; None prices every verify pass alike (SpecDec++)
-    round_prices: RoundPrices | None = None
-    # drafting auto: this backend's pass prices (`PassPrices`); None: measured at first use
-    pass_prices: PassPrices | None = None
+    # what passes cost here (`prices.Prices`), read by the head policies (None: every verify
+    # pass alike, SpecDec++) and the priced policy (None: timed or cached at first use)
+    prices: Prices | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -247,8 +160,15 @@ class DecodeConfig:
                 )
             if not (math.isfinite(self.stop_threshold) and 0.0 < self.stop_threshold < 1.0):
                 raise ValueError(f"stop_threshold must be in (0, 1), got {self.stop_threshold}")
-        if self.pass_prices is not None and self.drafting not in PLANNED_DRAFTINGS:
-            raise ValueError(f"pass_prices are read by drafting auto, not {self.drafting!r}")
+        if (
+            self.prices is not None
+            and self.drafting not in PLANNED_DRAFTINGS
+            and self.length_policy not in HEAD_POLICIES
+        ):
+            raise ValueError(
+                f"prices are read by drafting auto and the head policies, not drafting "
+                f"{self.drafting!r} with length policy {self.length_policy!r}"
+            )
         if self.bound is not None:
             if not self.plans_lengths and self.length_policy == "constant":
                 raise ValueError(
@@ -258,17 +178,6 @@ class DecodeConfig:
             low, high = self.bound
             if not (1 <= low <= high):
                 raise ValueError(f"bound must be MIN MAX with 1 <= MIN <= MAX, got {low} {high}")
-
-        if self.round_prices is not None:
-            if self.length_policy not in HEAD_POLICIES:
-                raise ValueError(
-                    f"round_prices are read by the head policies, not {self.length_policy!r}"
-                )
-            if len(self.round_prices.verify) < self.draft_bound[1]:
-                raise ValueError(
-                    f"round_prices cover rounds of up to {len(self.round_prices.verify)} drafted "
-                    f"tokens; the bound allows {self.draft_bound[1]}"
-                )
 
     @property
     def policy_threshold(self) -> float:

@@ -20,7 +20,7 @@ rounds' lengths from the machine's prices instead of reading a policy.
   least as much as the drafter. The head's logit z and log u are combined by a logistic
   calibration fitted on the head's data (`AcceptanceHead.with_number`).
 
-Priced heads (`DecodeConfig.round_prices`): the threshold rule is optimal when a verify pass
+Priced heads (`DecodeConfig.prices`): the threshold rule is optimal when a verify pass
 costs the same whatever its length. Where it does not (a CPU's products turn compute-bound past
 6 rows, a GPU's at a tile edge), a head given the machine's prices drafts on while some further
 stretch of tokens is worth its price: see `HeadLength`.
@@ -40,7 +40,8 @@ from typing import Protocol
 import torch
 
 from specdecode.acceptance.head import law_features
-from specdecode.core.config import POLICIES, DecodeConfig, RoundPrices
+from specdecode.core.config import POLICIES, DecodeConfig
+from specdecode.core.prices import Prices, RoundCosts
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class ConfidenceLength(_StopRule):
         return probs.max(-1).values < self.threshold  # [batch]
 
 
-def going_on_prices(prices: RoundPrices, threshold: float, max_tokens: int) -> torch.Tensor:
+def going_on_prices(prices: RoundCosts, threshold: float, max_tokens: int) -> torch.Tensor:
     """[max_tokens, max_tokens] the bar `HeadLength` sets: entry [n - 1, m - 1] is what drafting
     m more tokens after n must earn, (1 - h) x its added cost in drafted tokens' prices; inf
     where n + m passes `max_tokens`."""
@@ -216,11 +217,12 @@ def worth_drafting_on(
 class HeadLength(_StopRule):
     """SpecDec++: stop once P(some token of this round is rejected) > threshold.
 
-    Given the machine's `RoundPrices`, the rule looks past the next token: a round goes on if
+    Given the machine's `Prices`, the rule looks past the next token: a round goes on if
     some stretch of m more tokens earns what it adds to the round's cost, at the rate the
     threshold sets for one drafted token (`worth_drafting_on`). Where the verify pass is flat
     that is the threshold rule itself; where it jumps (7 positions on a 2-core CPU), a round
-    crosses the jump only if it is likely to go far enough beyond it to pay for it.
+    crosses the jump only if it is likely to go far enough beyond it to pay for it. The
+    prices are read at the batch's row count, again whenever it changes.
     """
 
     name = "head"
@@ -233,18 +235,25 @@ class HeadLength(_StopRule):
         min_tokens: int,
         max_tokens: int,
         reads_number: bool = False,
-        prices: RoundPrices | None = None,
+        prices: Prices | None = None,
     ):
         super().__init__(threshold, min_tokens, max_tokens)
+        if prices is not None and not prices.draft_cost(1):
+            raise ValueError(
+                "a priced head weighs drafted tokens: its prices need a drafter step's price"
+            )
         self.head, self.needs_number = head, reads_number
         self.name = "head-u" if reads_number else "head"
         self.log_all_accepted = torch.zeros(0)
-        self.bar = None if prices is None else going_on_prices(prices, threshold, max_tokens)
+        self.prices = prices
+        self.bar: torch.Tensor | None = None
+        self.bar_rows = 0  # the row count the bar was read at
 
     def begin_round(self, batch_size: int, device: torch.device) -> None:
         self.log_all_accepted = torch.zeros(batch_size, device=device)  # [batch]
-        if self.bar is not None:  # moved once, not at every drafted token (a no-op after)
-            self.bar = self.bar.to(device)
+        if self.prices is not None and batch_size != self.bar_rows:  # built once per row count
+            bar = going_on_prices(self.prices.rounds(batch_size), self.threshold, self.max_tokens)
+            self.bar, self.bar_rows = bar.to(device), batch_size
 
     def should_stop(self, position: DraftedPosition) -> torch.Tensor:
         if position.hidden is None:
@@ -285,7 +294,7 @@ def _head_policy(cfg: DecodeConfig, head: torch.nn.Module | None) -> HeadLength:
             "one has none (heads trained before it existed, or greedy heads): add it with "
             "`specdecode head calibrate HEAD DATA`, or use 'head'"
         )
-    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound, reads_number, cfg.round_prices)
+    return HeadLength(head, cfg.policy_threshold, *cfg.draft_bound, reads_number, cfg.prices)
 
 
 BUILDERS = {

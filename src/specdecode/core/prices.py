@@ -1,48 +1,299 @@
-"""What a pass costs on a backend, measured through the model interface at load.
+"""What passes cost on this machine: one price model, timed through the model interface.
 
-Drafting `auto` (`drafting.planners`) plans rounds from these prices rather than from a
-rule of thumb, because they differ by an order of magnitude between machines and backends: on
-a 2-core CPU a 4-bit target on llama.cpp pays about half a step per extra token in a pass, an
-fp32 target on prepacked PyTorch kernels almost nothing up to 4-5 tokens, a GPU nothing up to
-a tile. Timing goes through `ModelBackend` only, so every backend is priced the same way.
+Every policy that weighs drafting against its cost reads the same `Prices`: the priced plan
+(`pass_cost`, `draft_cost`), the head policies (`Prices.rounds`, a round of m drafted tokens at
+a row count) and the head replay (the same view, from prices stated by hand). They are timed
+rather than assumed because they differ by an order of magnitude between machines and
+backends: on a 2-core CPU a 4-bit target on llama.cpp pays about half a step per extra token in
+a pass, an fp32 target on prepacked PyTorch kernels almost nothing up to a few tokens, a GPU
+nothing up to a tile; and a pass of several rows is not the one-row pass of as many tokens.
+Timing goes through `ModelBackend` only, so every backend is priced the same way.
+
+Timing takes seconds to minutes (more rows, longer), so measured prices are kept in the cache
+root under a key naming what they depend on (`price_key`): the model files, the backend, its
+threads and the CPU. A process of another user can skew a timing; `PriceWatch` compares the
+rounds decoding actually takes with the prediction and corrects the prices where they stray.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.kernels import median_times
-from specdecode.core.config import PassPrices
+from specdecode.models.packages import cache_root
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
-PRICED_PASS_TOKENS = 12  # passes timed: 1..12 tokens; longer ones extrapolate the last slope
+PRICED_TOKENS = 12  # tokens per row timed: 1..12; longer passes extrapolate (`Prices.pass_cost`)
+PRICED_ROWS = (1, 2, 4, 8)  # row counts timed, up to the batch asked for; more extrapolate
+STATED_TOKENS = 25  # a stated price table's length: rounds of up to 24 drafted tokens exactly
+PRICES_DIR = "prices"  # under the cache root
+PRICES_ENV = "SPECDECODE_PRICES"  # a folder for them elsewhere (the tests keep theirs apart)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What a target pass and a drafter step cost here, in steps: one step is a target pass of
+    one row and one token, `step_seconds` long (None where the prices were stated, not timed).
+
+    `passes[i][t - 1]` is a target pass over `rows[i]` rows of t tokens each; `drafts[i]` a
+    drafter step over `rows[i]` rows (None: no drafter model priced). Between the measured row
+    counts and tokens per row the cost is read linearly; beyond them it is extrapolated so as
+    not to undersell a pass (`pass_cost`).
+    """
+
+    rows: tuple[int, ...]
+    passes: tuple[tuple[float, ...], ...]
+    drafts: tuple[float, ...] | None = None
+    step_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
+        object.__setattr__(self, "passes", tuple(tuple(map(float, p)) for p in self.passes))
+        if self.drafts is not None:
+            object.__setattr__(self, "drafts", tuple(float(d) for d in self.drafts))
+        if (
+            not self.rows
+            or self.rows[0] != 1
+            or any(a >= b for a, b in itertools.pairwise(self.rows))
+        ):
+            raise ValueError(f"prices need row counts rising from 1, got {self.rows}")
+        if len(self.passes) != len(self.rows) or len({len(p) for p in self.passes}) != 1:
+            raise ValueError("prices need one pass curve per row count, all of one length")
+        if not self.passes[0] or any(not _positive(v) for p in self.passes for v in p):
+            raise ValueError(f"target pass prices must be finite numbers > 0, got {self.passes}")
+        if self.drafts is not None and (
+            len(self.drafts) != len(self.rows)
+            or any(not (math.isfinite(d) and d >= 0) for d in self.drafts)
+        ):
+            raise ValueError(
+                f"drafter step prices must be finite numbers >= 0, one per row count, got "
+                f"{self.drafts}"
+            )
+        if self.step_seconds is not None and not _positive(self.step_seconds):
+            raise ValueError(f"a step's seconds must be finite and > 0, got {self.step_seconds}")
+
+    @classmethod
+    def stated(
+        cls, draft: float, verify_slope: float = 0.0, verify_curve: Sequence[float] = ()
+    ) -> Prices:
+        """One-row prices given as a round's parts, in steps: a drafted token, and the verify
+        pass over m drafted tokens, `verify_curve[m - 1]` (past its end, its last entry plus
+        `verify_slope` a token; with no curve, 1 + verify_slope m). What the head replay's
+        options and the studies state by hand."""
+        checked = [("draft", draft), ("verify_slope", verify_slope)]
+        checked += [("verify_curve", v) for v in verify_curve]
+        for name, value in checked:
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"stated {name} must be a finite number >= 0, got {value}")
+        curve = [float(v) for v in verify_curve]
+        last, known = (curve[-1], len(curve)) if curve else (1.0, 0)
+        size = max(len(curve) + 1, STATED_TOKENS)
+        verify = [
+            curve[m - 1] if m <= known else last + verify_slope * (m - known)
+            for m in range(1, size)
+        ]
+        return cls((1,), ((1.0, *verify),), (float(draft),))
+
+    @property
+    def most_tokens(self) -> int:
+        """Tokens per row timed (or stated); longer passes are extrapolated."""
+        return len(self.passes[0])
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        """A target pass over `rows` rows holding `tokens` tokens in all, in steps.
+
+        Rows of a pass are priced as holding the mean tokens per row (a ragged pass as the even
+        one of as many tokens). Between measured row counts the cost is linear in the rows;
+        past the largest, R, a pass of n rows costs n / R passes of R rows: no gain from
+        batching is assumed that was not measured.
+        """
+        if rows < 1 or tokens < 1:
+            raise ValueError(f"a pass holds at least one row and one token, got {rows}, {tokens}")
+        per_row = max(tokens / rows, 1.0)
+        return self._by_rows(rows, [_along(curve, per_row) for curve in self.passes])
+
+    def draft_cost(self, rows: int) -> float | None:
+        """A drafter step over `rows` rows, in steps (None: no drafter model priced)."""
+        if self.drafts is None:
+            return None
+        if rows < 1:
+            raise ValueError(f"a drafter step holds at least one row, got {rows}")
+        return self._by_rows(rows, list(self.drafts))
+
+    def _by_rows(self, rows: int, values: list[float]) -> float:
+        known = self.rows
+        if rows >= known[-1]:
+            return values[-1] * rows / known[-1]
+        upper = next(i for i, r in enumerate(known) if r > rows)
+        low, high = known[upper - 1], known[upper]
+        share = (rows - low) / (high - low)
+        return values[upper - 1] + share * (values[upper] - values[upper - 1])
+
+    def rounds(self, rows: int = 1) -> RoundCosts:
+        """These prices as a round's parts at `rows` rows: what head policies weigh."""
+        return RoundCosts(self, rows)
+
+    def scaled(self, row_index: int, factor: float) -> Prices:
+        """The prices with the target passes and the drafter step of `rows[row_index]` rows
+        times `factor`; index 0 (the unit's own row count) rescales the step's seconds."""
+        if not _positive(factor):
+            raise ValueError(f"a price factor must be finite and > 0, got {factor}")
+        if row_index == 0:
+            if self.step_seconds is None:
+                raise ValueError("stated prices have no seconds to rescale")
+            return replace(self, step_seconds=self.step_seconds * factor)
+        passes = list(self.passes)
+        passes[row_index] = tuple(v * factor for v in passes[row_index])
+        drafts = None
+        if self.drafts is not None:
+            drafts = tuple(d * factor if i == row_index else d for i, d in enumerate(self.drafts))
+        return replace(self, passes=tuple(passes), drafts=drafts)
+
+    def describe(self) -> str:
+        seconds = f"a step {self.step_seconds * 1e3:.1f} ms; " if self.step_seconds else ""
+        parts = []
+        for i, rows in enumerate(self.rows):
+            passes = " / ".join(f"{v:.2f}" for v in self.passes[i])
+            drafter = f"; a drafter step {self.drafts[i]:.2f}" if self.drafts is not None else ""
+            parts.append(f"{rows} row(s), 1.. tokens each: {passes}{drafter}")
+        return seconds + " | ".join(parts) + " (steps)"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Prices:
+        drafts = data.get("drafts")
+        return cls(
+            tuple(data["rows"]),
+            tuple(tuple(p) for p in data["passes"]),
+            tuple(drafts) if drafts is not None else None,
+            data.get("step_seconds"),
+        )
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """A round at `rows` rows, each drafting m tokens, in steps: `draft` a drafted token (a
+    drafter step over the rows), `verify(m)` the target's pass over the m + 1 positions of
+    every row.
+
+    The SpecDec++ threshold rule is the optimal stop when every verify pass costs the same. A
+    real pass does not: on a CPU its products turn compute-bound past a few tokens, on a GPU at
+    a tile boundary or a larger batch. A head policy given these weighs each further token
+    against what it adds to the round's cost (`length_policies.HeadLength`); the head replay
+    counts rounds at `round_cost`.
+    """
+
+    prices: Prices
+    rows: int = 1
+
+    @property
+    def draft(self) -> float:
+        return self.prices.draft_cost(self.rows) or 0.0
+
+    def verify(self, drafted: int) -> float:
+        return self.prices.pass_cost(self.rows, self.rows * (drafted + 1))
+
+    def round_cost(self, drafted: int) -> float:
+        """A round that drafts `drafted` tokens: its verify pass and its drafter steps."""
+        return self.verify(drafted) + self.draft * drafted
+
+    def added_cost(self, drafted: int, more: int) -> float:
+        """Steps that drafting `more` tokens after `drafted` adds to the round (drafts and the
+        verify pass's growth); drafted = 0 is the round's start (no verify pass priced yet)."""
+        grown = self.verify(drafted + more) - (self.verify(drafted) if drafted else 0.0)
+        return more * self.draft + grown
+
+    def describe(self, most_drafted: int = 8) -> str:
+        verify = " / ".join(f"{self.verify(m):.2f}" for m in range(1, most_drafted + 1))
+        return (
+            f"a drafted token {self.draft:.3f} steps; a verify pass of 1..{most_drafted} "
+            f"drafted: {verify}"
+        )
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _along(curve: tuple[float, ...], per_row: float) -> float:
+    """The curve (entry t - 1: t tokens) at `per_row` tokens: linear between its points; past
+    its end, the line through its upper half. Not the last step's slope: two neighbouring
+    timings are as noisy as their difference, and a flat last step once priced a batch of 8
+    rows of 9 tokens at the cost of 12 tokens, which made the priced policy draft where it lost
+    to plain decoding. Never under the mean growth per token over the whole curve."""
+    known = len(curve)
+    if per_row <= known:
+        low = math.floor(per_row)
+        if low >= known:
+            return curve[-1]
+        share = per_row - low
+        return curve[low - 1] + share * (curve[low] - curve[low - 1])
+    if known == 1:
+        return curve[0] * per_row
+    half = max(known // 2, 1)
+    slope = (curve[-1] - curve[half - 1]) / (known - half)
+    slope = max(slope, (curve[-1] - curve[0]) / (known - 1), 0.0)
+    return curve[-1] + slope * (per_row - known)
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares; pooling adjacent violators): a pass
+    of more tokens never costs less, and a timing that says so is noise, spread over its
+    neighbours rather than kept."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+# ---- the timer ----
 
 
 def pass_seconds(
-    jobs: Sequence[tuple[ModelBackend, list[int]]], context: list[int], reps: int
+    jobs: Sequence[tuple[ModelBackend, Sequence[int]]],
+    context: list[int],
+    reps: int,
+    rows: int = 1,
 ) -> list[dict[int, float]]:
-    """Median seconds of one pass of n tokens (one row) after `context`, for each backend and
-    each n of its counts. Every round times every pass of every backend, interleaved, so a
-    stall of the machine (a neighbour's burst; on two cores llama.cpp's spinning threads lose
-    whole time slices to any other process) lands on one sample of each rather than on every
-    sample of the one timed while it lasted: timed apart (three steps, 0.1 s), a drafter step
-    read 17.9 target steps in one bench run (0.64 on a quiet machine). Each pass is rolled
-    back after it, so every one sees the same cache."""
+    """Median seconds of one pass of n tokens per row over `rows` rows, each after `context`,
+    for each backend and each n of its counts. Every round times every pass of every backend,
+    interleaved, so a stall of the machine (a neighbour's burst; on two cores llama.cpp's
+    spinning threads lose whole time slices to any other process) lands on one sample of each
+    rather than on every sample of the one timed while it lasted. Each pass is rolled back
+    after it, so every one sees the same cache."""
     device = jobs[0][0].device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
-    def clock() -> float:
+    def clock() -> float:  # a GPU runs ahead of the host: time the kernels, not their launches
         sync()
         return time.perf_counter()
 
-    prefix = torch.tensor([context], device=device)  # [1, context]
+    prefix = torch.tensor([context] * rows)  # [rows, context]
 
     def timed(backend: ModelBackend, start: torch.Tensor, held: torch.Tensor, n: int):
-        tokens = start[:, -n:] if len(context) >= n else start[:, -1:].repeat(1, n)
+        tokens = start[:, -n:] if len(context) >= n else start[:, -1:].repeat(1, n)  # [rows, n]
         valid = torch.ones_like(tokens, dtype=torch.bool)
 
         def run() -> None:
@@ -53,8 +304,8 @@ def pass_seconds(
 
     candidates = {}
     for j, (backend, counts) in enumerate(jobs):
-        start = prefix.to(backend.device)  # [1, context], on the backend's device
-        backend.reset(1)
+        start = prefix.to(backend.device)  # [rows, context], moved once, outside the timing
+        backend.reset(rows)
         backend.forward(start, torch.ones_like(start, dtype=torch.bool))
         held = backend.lengths.clone()
         candidates.update({(j, n): timed(backend, start, held, n) for n in counts})
@@ -66,24 +317,200 @@ def pass_seconds(
     return [{n: seconds[j, n] for n in counts} for j, (_, counts) in enumerate(jobs)]
 
 
-def measure_pass_prices(
+def timed_rows(rows: int) -> tuple[int, ...]:
+    """The row counts timed for a batch of `rows`: `PRICED_ROWS` up to it, and it itself while
+    it is within their range."""
+    most = min(max(rows, 1), PRICED_ROWS[-1])
+    return tuple(sorted({r for r in PRICED_ROWS if r <= most} | {most}))
+
+
+def measure_prices(
     target: ModelBackend,
     drafter: ModelBackend | None,
     vocab_size: int,
     context_length: int | None,
     *,
-    max_tokens: int = PRICED_PASS_TOKENS,
+    rows: int = 1,
+    max_tokens: int = PRICED_TOKENS,
     reps: int = 3,
-) -> PassPrices:
-    """Target passes of 1..max_tokens tokens and a drafter step, in target steps (seconds)."""
+) -> Prices:
+    """Time target passes of 1..max_tokens tokens per row and a drafter step, at each row count
+    of `timed_rows(rows)`; every curve is made non-decreasing in tokens (`monotone`)."""
     room = (context_length or 1 << 30) - max_tokens - 1
     if room < 1:
         raise ValueError(f"passes of {max_tokens} tokens do not fit the context")
     context = [(1000 + i) % vocab_size for i in range(min(PRICE_CONTEXT_TOKENS, room))]
-    jobs = [(target, list(range(1, max_tokens + 1)))]
-    if drafter is not None:
-        jobs.append((drafter, [1]))
-    seconds = pass_seconds(jobs, context, reps)
-    step = seconds[0][1]
-    draft = seconds[1][1] / step if drafter is not None else None
-    return PassPrices(tuple(seconds[0][n] / step for n in range(1, max_tokens + 1)), draft)
+    counts = list(range(1, max_tokens + 1))
+    measured, drafts = [], []
+    for r in timed_rows(rows):
+        jobs = [(target, counts)] + ([(drafter, [1])] if drafter is not None else [])
+        seconds = pass_seconds(jobs, context, reps, rows=r)
+        measured.append(monotone([seconds[0][n] for n in counts]))
+        if drafter is not None:
+            drafts.append(seconds[1][1])
+    step = measured[0][0]
+    return Prices(
+        timed_rows(rows),
+        tuple(tuple(v / step for v in curve) for curve in measured),
+        tuple(d / step for d in drafts) if drafter is not None else None,
+        step,
+    )
+
+
+# ---- the cache ----
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, `platform.processor()` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_identity(backend: ModelBackend) -> dict[str, Any] | None:
+    """What a backend's prices depend on besides the machine: its kind, threads, device, its
+    files (path, size, modification time) and, on PyTorch, the dtype and the module classes
+    (prepacked or int8 layers are other kernels). None: a model with no files to name (built
+    in memory), whose prices are not cached."""
+    info: dict[str, Any] = {"backend": type(backend).__name__, "device": str(backend.device)}
+    for name in ("threads", "compiled"):  # llama.cpp's threads; torch-static's compilation
+        if getattr(backend, name, None) is not None:
+            info[name] = getattr(backend, name)
+    path = getattr(backend, "path", None)
+    module = getattr(backend, "model", None)
+    if path is None and isinstance(module, torch.nn.Module):
+        path = getattr(getattr(module, "config", None), "_name_or_path", None) or None
+        first = next(module.parameters(), None)
+        info["dtype"] = str(first.dtype) if first is not None else None
+        info["modules"] = sorted({type(m).__name__ for m in module.modules()})
+        info["threads"] = torch.get_num_threads()
+    if not path:
+        return None
+    path = Path(path).expanduser()
+    weights = (".gguf", ".safetensors", ".bin")
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in weights)
+    if not files:
+        return None
+    info["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    return info
+
+
+def price_key(target: ModelBackend, drafter: ModelBackend | None) -> dict[str, Any] | None:
+    """The cache key of a pair's prices (None: not cacheable), with the timing plan, so that
+    a changed plan times afresh."""
+    target_id = model_identity(target)
+    drafter_id = model_identity(drafter) if drafter is not None else None
+    if target_id is None or (drafter is not None and drafter_id is None):
+        return None
+    if target.device.type == "cuda":
+        machine = torch.cuda.get_device_name(target.device)
+    else:
+        machine = cpu_name()
+    plan = {"context": PRICE_CONTEXT_TOKENS, "tokens": PRICED_TOKENS}
+    return {"target": target_id, "drafter": drafter_id, "machine": machine, "plan": plan}
+
+
+def prices_folder(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where prices are kept: `<cache_dir>/prices` when given, else `$SPECDECODE_PRICES`, else
+    `prices` under the cache root (`models.packages.cache_root`)."""
+    if cache_dir is None and os.environ.get(PRICES_ENV):
+        return Path(os.environ[PRICES_ENV]).expanduser()
+    return cache_root(cache_dir) / PRICES_DIR
+
+
+def cache_file(key: dict[str, Any], folder: Path) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return folder / f"{digest}.json"
+
+
+def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | None:
+    """The cached prices under `key` if they cover `timed_rows(rows)`; None where there are
+    none, the file is unreadable or holds another key (then they are timed afresh)."""
+    try:
+        entry = json.loads(cache_file(key, folder).read_text())
+        if entry["key"] != json.loads(json.dumps(key)):
+            return None
+        prices = Prices.from_json(entry["prices"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if prices.step_seconds is None or prices.rows[-1] < timed_rows(rows)[-1]:
+        return None
+    if (prices.drafts is None) != (key["drafter"] is None):
+        return None
+    return prices
+
+
+def store_prices(key: dict[str, Any], prices: Prices, folder: Path) -> Path:
+    """Write the prices under `key` atomically (a temporary file renamed over the entry), so a
+    reader never sees half a file."""
+    path = cache_file(key, folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"key": key, "prices": prices.to_json()}, indent=1) + "\n"
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+    return path
+
+
+def forget_prices(key: dict[str, Any], folder: Path) -> None:
+    """Drop the cached entry (the rounds disagreed with it): the next load times afresh."""
+    cache_file(key, folder).unlink(missing_ok=True)
+
+
+# ---- self-correction ----
+
+
+class PriceWatch:
+    """Checks the prices against the rounds decoding takes, and corrects them where they stray.
+
+    Each observed round (a target pass over `rows` rows of `tokens` tokens in all, drafter
+    steps over the given row counts, the seconds it took) is compared with what the prices
+    predict. Ratios are kept per measured row count (the nearest to the round's); once
+    `least` rounds of one have been seen and the median of the last `window` strays from 1 by
+    more than `tolerance`, that row count's prices are rescaled by the median of its last
+    `least` rounds (the first row count's rescales the step's seconds, the unit of them all)
+    and `changed` is set. Medians, not means: one round stalled by another process moves
+    nothing. The tolerance leaves room for what a round costs besides its passes (sampling,
+    the engine's bookkeeping), which the prices do not hold.
+    """
+
+    def __init__(
+        self, prices: Prices, window: int = 16, least: int = 8, tolerance: float = 0.15
+    ) -> None:
+        if prices.step_seconds is None:
+            raise ValueError("watching prices needs timed prices (with a step's seconds)")
+        if not 1 <= least <= window:
+            raise ValueError(f"need 1 <= least <= window, got {least}, {window}")
+        self.prices, self.least, self.tolerance = prices, least, tolerance
+        self.ratios = [deque(maxlen=window) for _ in prices.rows]
+        self.changed = False
+
+    def predicted_seconds(self, rows: int, tokens: int, draft_rows: Sequence[int] = ()) -> float:
+        p = self.prices
+        steps = p.pass_cost(rows, tokens) + sum(p.draft_cost(r) or 0.0 for r in draft_rows)
+        return steps * p.step_seconds
+
+    def observe(self, rows: int, tokens: int, draft_rows: Sequence[int], seconds: float) -> bool:
+        """Record one round; True when it led to rescaled prices."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return False
+        ratio = seconds / self.predicted_seconds(rows, tokens, draft_rows)
+        distance = [abs(math.log(r / rows)) for r in self.prices.rows]
+        index = distance.index(min(distance))  # the nearest timed row count
+        seen = self.ratios[index]
+        seen.append(ratio)
+        if len(seen) < self.least:
+            return False
+        if abs(statistics.median(seen) - 1.0) <= self.tolerance:
+            return False
+        # rescaled by the latest rounds': the window's median, over a change, is a mixture
+        latest = statistics.median(list(seen)[-self.least :])
+        self.prices = self.prices.scaled(index, latest)
+        for other in self.ratios if index == 0 else [seen]:  # judged against the old prices
+            other.clear()
+        self.changed = True
+        return True

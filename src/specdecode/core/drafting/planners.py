@@ -36,7 +36,6 @@ from typing import Protocol
 
 import torch
 
-from specdecode.core.config import PassPrices
 from specdecode.core.length_policies import LengthPolicy
 
 PRIOR = (3.0, 1.0)  # pseudo-counts (kept, rejected): a source starts at 0.75 and is tried
@@ -53,23 +52,6 @@ class PriceModel(Protocol):
     def draft_cost(self, rows: int) -> float | None:
         """One drafter step over `rows` rows (None: no drafter model priced)."""
         ...
-
-
-class OneRowPassPrices:
-    """`PassPrices` (timed on one row) read as a `PriceModel`: a pass of r rows holding t tokens
-    is priced as one row of t tokens, and a drafter step over r rows as the drafter's step
-    scaled as a target pass of r tokens grows."""
-
-    def __init__(self, prices: PassPrices) -> None:
-        self.prices = prices
-
-    def pass_cost(self, rows: int, tokens: int) -> float:
-        return self.prices.pass_cost(tokens)
-
-    def draft_cost(self, rows: int) -> float | None:
-        if self.prices.draft is None:
-            return None
-        return self.prices.draft * self.prices.pass_cost(rows)
 
 
 class Planner(Protocol):

@@ -1,0 +1,254 @@
+"""The one price model: interpolation by rows and tokens, the cache, the watch, the timer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdecode import SpeculativeDecoder
+from specdecode.backends.torch_eager import CachedModel
+from specdecode.core import prices as pricing
+from specdecode.core.prices import Prices, PriceWatch, monotone
+
+# one row: 1..4 tokens; two rows: a pass a fifth dearer than one row of as many tokens;
+# four rows dearer again. A drafter step: 0.5, 0.6, 0.8 steps.
+ONE = (1.0, 1.2, 1.5, 2.0)
+TWO = (1.3, 1.8, 2.4, 3.2)
+FOUR = (1.8, 2.9, 4.0, 5.5)
+TABLE = Prices((1, 2, 4), (ONE, TWO, FOUR), (0.5, 0.6, 0.8), step_seconds=0.05)
+
+
+def test_exact_at_the_measured_points() -> None:
+    for rows, curve in zip(TABLE.rows, TABLE.passes, strict=True):
+        for per_row, cost in enumerate(curve, 1):
+            assert TABLE.pass_cost(rows, rows * per_row) == pytest.approx(cost)
+    assert [TABLE.draft_cost(r) for r in (1, 2, 4)] == pytest.approx([0.5, 0.6, 0.8])
+
+
+def test_interpolated_between_rows_and_tokens() -> None:
+    # 3 rows of 2 tokens: halfway between 2 rows (1.8) and 4 rows (2.9) of 2 tokens each
+    assert TABLE.pass_cost(3, 6) == pytest.approx((1.8 + 2.9) / 2)
+    # one row, a ragged 1.5 tokens a row (2 rows holding 3): between 1 and 2 tokens
+    assert TABLE.pass_cost(2, 3) == pytest.approx((1.3 + 1.8) / 2)
+    assert TABLE.draft_cost(3) == pytest.approx(0.7)
+    # beyond the largest row count: as many passes of 4 rows as it takes, no gain assumed
+    assert TABLE.pass_cost(8, 16) == pytest.approx(2 * 2.9)
+    assert TABLE.draft_cost(8) == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="at least one row and one token"):
+        TABLE.pass_cost(0, 3)
+
+
+@given(rows=st.integers(1, 12), tokens=st.integers(1, 60))
+@settings(max_examples=80, deadline=None)
+def test_monotone_in_tokens(rows: int, tokens: int) -> None:
+    """A measured table (non-decreasing curves) prices one more token never below the pass
+    without it, within and beyond the measured tokens and rows."""
+    assert TABLE.pass_cost(rows, tokens + 1) >= TABLE.pass_cost(rows, tokens) - 1e-12
+
+
+def test_extrapolated_tokens_never_sell_below_the_measured_growth() -> None:
+    """Beyond the timed tokens a pass grows at least as fast as it did on average."""
+    mean_growth = (ONE[-1] - ONE[0]) / (len(ONE) - 1)
+    assert TABLE.pass_cost(1, 10) >= ONE[-1] + 6 * mean_growth - 1e-12
+
+
+def test_monotone_pools_violations() -> None:
+    assert monotone([1.0, 1.5, 1.3, 2.0]) == pytest.approx([1.0, 1.4, 1.4, 2.0])
+    rising = [1.0, 1.1, 1.3]
+    assert monotone(rising) == rising
+
+
+def test_stated_prices_as_a_round_view() -> None:
+    """What the replay's options state: a verify pass by drafted count, a line past it."""
+    rounds = Prices.stated(0.1, 0.05, (0.9, 1.0)).rounds(1)
+    assert [rounds.round_cost(m) for m in (1, 2, 4)] == pytest.approx([1.0, 1.2, 1.5])
+    assert rounds.added_cost(0, 1) == pytest.approx(1.0)  # a round's start: its verify pass
+    assert rounds.added_cost(2, 2) == pytest.approx(0.2 + 0.1)
+    at_two = TABLE.rounds(2)  # every row drafts m: a pass of 2 rows of m + 1 tokens
+    assert at_two.verify(1) == pytest.approx(1.8) and at_two.draft == pytest.approx(0.6)
+
+
+def test_refusals_name_what_is_wrong() -> None:
+    for kwargs, message in [
+        (dict(rows=(2, 4), passes=(ONE, ONE)), "row counts rising from 1"),
+        (dict(rows=(1, 2), passes=(ONE,)), "one pass curve per row count"),
+        (dict(rows=(1,), passes=((1.0, float("nan")),)), "finite numbers > 0"),
+        (dict(rows=(1,), passes=(ONE,), drafts=(0.5, 0.6)), "one per row count"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Prices(**kwargs)
+
+
+# ---- the cache ----
+
+
+@pytest.fixture
+def saved_pair(tiny_pair):
+    """The tiny saved pair as a decoder whose models have files to key prices by."""
+    target_dir, drafter_dir, _ = tiny_pair
+    return SpeculativeDecoder.from_pretrained(str(target_dir), str(drafter_dir), prepack=False)
+
+
+def counting(monkeypatch) -> list[int]:
+    """Counts the timings (rows asked for) while they still run."""
+    calls: list[int] = []
+    real = pricing.measure_prices
+
+    def measure(*args, **kwargs):
+        calls.append(kwargs.get("rows", 1))
+        return real(*args, **kwargs, reps=1)
+
+    monkeypatch.setattr(pricing, "measure_prices", measure)
+    return calls
+
+
+def test_cache_round_trip_and_keying(saved_pair, tiny_pair, tmp_path, monkeypatch) -> None:
+    calls = counting(monkeypatch)
+    timed = saved_pair.prices(cache_dir=tmp_path)
+    assert calls == [1]
+    (entry,) = (tmp_path / pricing.PRICES_DIR).glob("*.json")
+    assert Prices.from_json(json.loads(entry.read_text())["prices"]) == timed
+    assert not list(entry.parent.glob("*.tmp"))  # written atomically: no leftover
+
+    target_dir, drafter_dir, _ = tiny_pair
+    fresh = SpeculativeDecoder.from_pretrained(str(target_dir), str(drafter_dir), prepack=False)
+    assert fresh.prices(cache_dir=tmp_path) == timed and calls == [1]  # read, not timed
+    fresh.prices(rows=2, cache_dir=tmp_path)  # the entry covers 1 row: 2 are timed
+    assert calls == [1, 2]
+    assert fresh.prices(cache_dir=tmp_path).rows == (1, 2)
+
+    key = pricing.price_key(fresh.target_backend, fresh.drafter_backend)
+    assert key is not None and key["machine"] == pricing.cpu_name()
+    assert key["target"]["threads"] == torch.get_num_threads()
+    weights = next(target_dir.glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the model changed
+    try:
+        changed = pricing.price_key(fresh.target_backend, fresh.drafter_backend)
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert changed is not None and changed != key
+    assert pricing.load_prices(changed, entry.parent) is None  # a changed key times afresh
+    assert pricing.load_prices(key, entry.parent) is not None
+
+
+def test_a_corrupt_entry_is_timed_afresh(saved_pair, tmp_path, monkeypatch) -> None:
+    calls = counting(monkeypatch)
+    saved_pair.prices(cache_dir=tmp_path)
+    (entry,) = (tmp_path / pricing.PRICES_DIR).glob("*.json")
+    entry.write_text('{"key": {"half a file"')
+    saved_pair._prices = None  # as a new decoder would
+    again = saved_pair.prices(cache_dir=tmp_path)
+    assert calls == [1, 1]
+    key = pricing.price_key(saved_pair.target_backend, saved_pair.drafter_backend)
+    assert pricing.load_prices(key, entry.parent) == again  # and the entry written anew
+    saved_pair.prices(retime=True, cache_dir=tmp_path)
+    assert calls == [1, 1, 1]
+
+
+def test_models_built_in_memory_are_not_cached(tiny_llama, tmp_path) -> None:
+    decoder = SpeculativeDecoder(tiny_llama(seed=0), drafter=tiny_llama(seed=1))
+    assert pricing.price_key(decoder.target_backend, decoder.drafter_backend) is None
+    decoder.prices(cache_dir=tmp_path)
+    assert not (tmp_path / pricing.PRICES_DIR).exists()
+
+
+# ---- self-correction ----
+
+
+def rounds(watch: PriceWatch, slower: float, count: int, rows: int = 1) -> list[bool]:
+    """`count` rounds of `rows` rows of 3 tokens with 2 drafter steps, `slower` times what
+    `TABLE` predicts."""
+    seconds = slower * PriceWatch(TABLE).predicted_seconds(rows, 3 * rows, [rows, rows])
+    return [watch.observe(rows, 3 * rows, [rows, rows], seconds) for _ in range(count)]
+
+
+def test_a_sustained_slowdown_rescales_the_prices() -> None:
+    watch = PriceWatch(TABLE, window=16, least=8)
+    assert rounds(watch, 1.05, 12) == [False] * 12  # within the tolerance
+    assert not watch.changed
+    changed = rounds(watch, 1.3, 16)
+    assert any(changed) and watch.changed
+    assert watch.prices.step_seconds == pytest.approx(0.05 * 1.3, rel=0.05)
+    assert watch.prices.passes == TABLE.passes  # one row's rounds: the unit itself was slower
+    assert not any(rounds(watch, 1.3, 8))  # predicted right again
+
+
+def test_a_single_outlier_does_not() -> None:
+    watch = PriceWatch(TABLE, window=16, least=8)
+    rounds(watch, 1.0, 8)
+    assert rounds(watch, 20.0, 1) == [False]  # a stall of one round
+    assert rounds(watch, 1.0, 8) == [False] * 8
+    assert not watch.changed and watch.prices == TABLE
+
+
+def test_a_row_count_dearer_than_priced_is_rescaled_alone() -> None:
+    """Passes of 4 rows a fifth dearer than timed: their curve grows, the unit stays."""
+    watch = PriceWatch(TABLE, window=16, least=8)
+    rounds(watch, 1.0, 8, rows=1)
+    assert any(rounds(watch, 1.2, 12, rows=4))
+    assert watch.prices.step_seconds == TABLE.step_seconds
+    assert watch.prices.passes[2] == pytest.approx(tuple(1.2 * v for v in FOUR), rel=0.02)
+    assert watch.prices.passes[:2] == TABLE.passes[:2]
+
+
+def test_the_decoder_drops_a_disagreeing_cache_entry(saved_pair, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(pricing.PRICES_ENV, str(tmp_path))
+    counting(monkeypatch)
+    known = saved_pair.prices()
+    (entry,) = tmp_path.glob("*.json")
+    slow = 2.0 * known.pass_cost(1, 4) * known.step_seconds
+    changed = [saved_pair.observe_round(1, 4, [], slow) for _ in range(8)]
+    assert changed[-1] and not any(changed[:-1])
+    assert not entry.exists()  # the next load times afresh
+    assert saved_pair.prices().step_seconds == pytest.approx(2 * known.step_seconds)
+
+
+# ---- the timer ----
+
+
+def test_timer_through_the_backend_gives_steps(tiny_llama) -> None:
+    target, drafter = CachedModel(tiny_llama(seed=0)), CachedModel(tiny_llama(seed=1, layers=1))
+    vocab = target.vocab_size
+    prices = pricing.measure_prices(target, drafter, vocab, None, rows=3, max_tokens=4, reps=1)
+    assert prices.rows == (1, 2, 3)
+    assert all(len(curve) == 4 for curve in prices.passes)
+    assert prices.passes[0][0] == pytest.approx(1.0)  # the unit: one row, one token
+    assert prices.step_seconds is not None and prices.step_seconds > 0
+    assert prices.drafts is not None and len(prices.drafts) == 3
+    for curve in prices.passes:
+        assert list(curve) == sorted(curve)  # made non-decreasing
+    assert target.lengths.numel() == 0 and drafter.lengths.numel() == 0  # left empty
+    alone = pricing.measure_prices(target, None, vocab, None, max_tokens=2, reps=1)
+    assert alone.drafts is None and alone.draft_cost(1) is None
+    with pytest.raises(ValueError, match="do not fit the context"):
+        pricing.measure_prices(target, None, vocab, 5, max_tokens=12, reps=1)
+
+
+def test_timed_rows_follow_the_batch() -> None:
+    assert pricing.timed_rows(1) == (1,)
+    assert pricing.timed_rows(3) == (1, 2, 3)
+    assert pricing.timed_rows(8) == (1, 2, 4, 8)
+    assert pricing.timed_rows(32) == (1, 2, 4, 8)
+
+
+def test_timer_rolls_each_pass_back(tiny_llama) -> None:
+    """Every pass sees the same cache: the timed passes leave it as the prefill did."""
+    backend = CachedModel(tiny_llama(seed=0))
+    seen: list[list[int]] = []
+    real = backend.forward
+
+    def forward(tokens, valid, **kwargs):
+        seen.append(backend.lengths.tolist())
+        return real(tokens, valid, **kwargs)
+
+    backend.forward = forward
+    (seconds,) = pricing.pass_seconds([(backend, [1, 3])], list(range(5, 25)), reps=2, rows=2)
+    assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
+    assert seen[0] == [0, 0] and all(lengths == [20, 20] for lengths in seen[1:])
+    assert torch.is_tensor(backend.lengths)
