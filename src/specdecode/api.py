@@ -120,6 +120,19 @@ def gguf_path(name_or_path: str) -> Path:
     return path
 
 
+class LivePrices:
+    """A decoder's current prices, read anew at every call (a `PriceModel`)."""
+
+    def __init__(self, decoder: SpeculativeDecoder) -> None:
+        self.decoder = decoder
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        return self.decoder._prices.pass_cost(rows, tokens)
+
+    def draft_cost(self, rows: int) -> float | None:
+        return self.decoder._prices.draft_cost(rows)
+
+
 @dataclass
 class GenerationOutput:
     sequences: list[list[int]]  # prompt + generated ids, per prompt, in input order
@@ -324,6 +337,12 @@ class SpeculativeDecoder:
         self._price_entry = (key, root) if key is not None else None
         return found
 
+    def _live_prices(self, rows: int) -> LivePrices:
+        """This decoder's prices as they stand at each reading: a plan made after the watch
+        rescaled them (`observe_round`) reads the rescaled ones."""
+        self.prices(rows)
+        return LivePrices(self)
+
     def observe_round(
         self, rows: int, tokens: int, draft_rows: Sequence[int], seconds: float
     ) -> bool:
@@ -431,7 +450,8 @@ class SpeculativeDecoder:
         drafter = self._drafter(cfg, use_drafter, verification.name, lookup, len(ids))
         if wrap_drafter is not None and drafter is not None:
             drafter = wrap_drafter(drafter)
-        return decode(self._target_lm, drafter, verification, ids, cfg, stats)
+        return decode(self._target_lm, drafter, verification, ids, cfg, stats,
+                      observe=self._watch(drafter))  # fmt: skip
 
     def loop(
         self,
@@ -457,7 +477,13 @@ class SpeculativeDecoder:
         return DecodeLoop(
             self._target_lm, drafter, cfg, sampling=sampling, max_rows=max_rows,
             capacity=capacity, joins=True, prefill_chunk=prefill_chunk,
+            observe=self._watch(drafter),
         )  # fmt: skip
+
+    def _watch(self, drafter: Drafter | None):
+        """Timed rounds go to the prices' watch where a drafter plans from measured prices."""
+        planned = drafter is not None and self._prices is not None
+        return self.observe_round if planned else None
 
     def _drafter(
         self,
@@ -476,7 +502,7 @@ class SpeculativeDecoder:
             vocab_size=self.vocab_size,
             device=self._target_lm.device,
             head=lambda: self._checked_head(cfg, rule),
-            prices=lambda: cfg.prices or self.prices(min(rows, cfg.max_draft_batch or rows)),
+            prices=lambda: cfg.prices or self._live_prices(min(rows, cfg.max_draft_batch or rows)),
         )
         return make_drafter(cfg.drafting, cfg, sources)
 

@@ -10,7 +10,7 @@ no drafter: same cache, same sampling code, so every speedup is measured against
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -154,19 +154,22 @@ class Round:
     passes: torch.Tensor  # drafter passes spent on the row
     done: torch.Tensor  # the row ended
     ready: torch.Tensor  # the row's prompt was all in the target's cache (it took part)
+    fed: torch.Tensor  # tokens the target's pass took for the row
     invalid: torch.Tensor  # [] a model's logits were unusable
 
     def to_host(self) -> HostRound:
         """Everything the loop reads, in the round's one copy to the host."""
         width = self.block.shape[1]
-        columns = [self.counts, self.accepted, self.drafted, self.passes, self.done, self.ready]
-        figures = torch.stack([c.long() for c in columns], 1)  # [batch, 6]
+        columns = [
+            self.counts, self.accepted, self.drafted, self.passes, self.done, self.ready, self.fed
+        ]  # fmt: skip
+        figures = torch.stack([c.long() for c in columns], 1)  # [batch, 7]
         invalid = torch.as_tensor(self.invalid, device=figures.device).long()
         host = torch.cat([self.block, figures, invalid.expand(len(figures), 1)], 1).tolist()
-        cols = list(zip(*(row[width:] for row in host), strict=True)) or [()] * 7
+        cols = list(zip(*(row[width:] for row in host), strict=True)) or [()] * 8
         return HostRound(
             [row[:width] for row in host],
-            *(list(c) for c in cols[:6]),
+            *(list(c) for c in cols[:7]),
             invalid=bool(host[0][-1]) if host else False,
         )
 
@@ -182,6 +185,7 @@ class HostRound:
     passes: list[int]
     done: list[int]
     ready: list[int]
+    fed: list[int]
     invalid: bool
 
 
@@ -252,7 +256,8 @@ def speculative_step(
     stats.drafter_forwards += draft.forwards
     passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
     accepted = torch.minimum(verdict.num_accepted, draft.lengths)
-    return Round(block, counts, accepted, draft.lengths, passes, done & ready, ready, invalid)
+    fed = pending_valid.sum(1) + draft.lengths  # [batch]
+    return Round(block, counts, accepted, draft.lengths, passes, done & ready, ready, fed, invalid)
 
 
 def check_finite(invalid: bool) -> None:
@@ -337,6 +342,7 @@ class DecodeLoop:
         capacity: int | None = None,
         joins: bool = False,
         prefill_chunk: int | None = None,
+        observe: Callable[[int, int, list[int], float], object] | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -348,7 +354,7 @@ class DecodeLoop:
             raise ValueError("coupled randomness runs fixed batches: use joins=False")
         self.target, self.drafter, self.cfg, self.rule = target, drafter, cfg, rule
         self.sampling, self.max_rows, self.joins = sampling, max_rows, joins
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.observe = prefill_chunk, observe
         self.stats = stats if stats is not None else DecodeStats([])
         self.capacity = capacity
         self.waiting: list[tuple[int, RowRequest]] = []
@@ -463,6 +469,7 @@ class DecodeLoop:
         start = time.perf_counter()
         before = self.stats.cost_figures()
         rng = None if self.sampling.greedy else self.rng
+        was_first = self.first_round
         try:
             result = speculative_step(
                 self.target, self.drafter, rule, self.batch, self.cfg, rng, self.stats,
@@ -471,7 +478,13 @@ class DecodeLoop:
             host = result.to_host()
         finally:
             self.stats.wall_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
         check_finite(host.invalid)
+        if self.observe is not None and not was_first and all(host.ready) and not reused:
+            # a decoding round (no prompt in it): what it took, for the prices' watch
+            deepest = max(host.passes, default=0)
+            steps = [sum(p > i for p in host.passes) for i in range(deepest)]
+            self.observe(len(host.fed), sum(host.fed), steps, seconds)
         if self.first_round and any(host.ready):  # it holds the prefills
             self.stats.end_first_round(before, time.perf_counter() - start, sum(host.counts))
             self.first_round = False
@@ -510,6 +523,7 @@ def decode(
     cfg: DecodeConfig,
     stats: DecodeStats | None = None,
     sampling: RowSampling | None = None,
+    observe: Callable[[int, int, list[int], float], object] | None = None,
 ) -> Iterator[StepEvent]:
     """Run a fixed batch to completion on `DecodeLoop`, yielding what each round commits.
 
@@ -524,7 +538,7 @@ def decode(
     )
     loop = DecodeLoop(
         target, drafter, cfg, sampling=sampling or RowSampling(), rule=rule,
-        stats=DecodeStats([]), max_rows=max(len(prompts), 1),
+        stats=DecodeStats([]), max_rows=max(len(prompts), 1), observe=observe,
     )  # fmt: skip
     loop.stats = stats
     loop.next_key = 0
