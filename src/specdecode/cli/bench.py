@@ -118,6 +118,11 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.coupled and sampling.greedy:
+        raise ValueError(
+            "--coupled pairs sampled text; greedy methods commit the same text already (give "
+            "--temperature > 0 or leave --coupled out)"
+        )
     for t in args.confidence_threshold:
         if not 0.0 < t < 1.0:
             raise ValueError(f"--confidence-threshold values must be in (0, 1), got {t}")

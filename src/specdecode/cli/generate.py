@@ -124,8 +124,11 @@ def fitted_tokenizer(
         from specdecode.models.store import resolve_model
 
         folder = str(resolve_model(args.target))
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError):
+            return None  # the load says what is wrong with the folder, in its own words
         context = context_length(SimpleNamespace(config=config))  # reads the config alone
     check_prompts(encode_prompts(tokenizer, prompts, args.chat), max_new_tokens, context)
     return tokenizer
