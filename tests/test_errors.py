@@ -235,3 +235,185 @@ def test_cli_prompt_slice_left_empty_is_an_error(cli_inputs, capsys):
     argv = ["generate", "--target", cli_inputs["target"], "--draft", cli_inputs["draft"]]
     argv += ["--no-prepack", "--prompts", str(cli_inputs["root"] / "one.jsonl"), "--limit", "0"]
     assert main(argv) == 2
+
+
+# --------------------------------------------------------------- checked before any model loads
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Every way a command reads weights fails the test: a setting that gets past its check
+    to a model load is caught, whatever the time it would have taken."""
+    from specdecode.api import SpeculativeDecoder as Decoder
+    from specdecode.backends import llamacpp
+    from specdecode.models import store
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad setting was refused")
+
+    monkeypatch.setattr(Decoder, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(store, "load_causal_lm", refuse)
+    monkeypatch.setattr(llamacpp.LlamaCppModel, "__init__", refuse)
+
+
+# each bad setting of `generate` on the tiny pair: the arguments and what the error must say;
+# all but the last group need no model at all, the last the tokenizer and context only
+EARLY_BAD_INPUTS = {
+    "temperature-nan": (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+    "temperature--1": (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    "top-p-0": ([*SAMPLED, "--top-p", "0"], r"top_p must be in \(0, 1\], got 0.0"),
+    "top-p-1.5": ([*SAMPLED, "--top-p", "1.5"], r"top_p must be in \(0, 1\], got 1.5"),
+    "top-k--1": ([*SAMPLED, "--top-k", "-1"], r"top_k must be an integer >= 0"),
+    "max-new-tokens-0": (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    "batch-size-0": (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    "bound-3-2": (["--length-policy", "heuristic", "--bound", "3", "2"], "1 <= MIN <= MAX"),
+    "bound-with-constant": (["--length-policy", "constant", "--bound", "1", "4"], "adaptive"),
+    "k-0": (["--num-draft-tokens", "0"], "num_draft_tokens must be >= 1"),
+    "threshold-1": (["--length-policy", "head", "--stop-threshold", "1"], "stop_threshold"),
+    "threads-0": (["--threads", "0"], "--threads must be >= 1"),
+    "seed-too-large": (["--seed", str(2**64)], "--seed must be a 64-bit integer"),
+    "coupled-greedy": (["--coupled"], "coupled randomness pairs sampled text"),
+    "priced-not-head": (["--priced"], "--priced prices the head policies' rounds"),
+    "lookup-first-no-model": (["--no-draft", "--lookup-first"], "--lookup-first looks up"),
+    "compile-not-static": (["--compile"], "--compile is an option of the torch-static"),
+    "head-on-llama": (["--backend", "llama.cpp", "--length-policy", "head"], "PyTorch backends"),
+    "llama-dtype": (["--backend", "llama.cpp", "--dtype", "float16"], "options of the torch"),
+    "missing-head": (["--length-policy", "head", "--head", "{root}/no-head"], "no acceptance head"),
+    "empty-prompt": (["--prompt", ""], "prompt 0 is empty"),
+    "missing-prompt-file": (["--prompts", "{root}/missing.jsonl"], "nor an existing .jsonl"),
+    "empty-prompt-file": (["--prompts", "{root}/empty.jsonl"], r"empty\.jsonl: no prompts in"),
+    "limit-0": (["--prompts", "{root}/one.jsonl", "--limit", "0"], "--limit takes the first N"),
+    # past the tokenizer, before the weights
+    "max-new-tokens-100000": (["--max-new-tokens", "100000"], "exceeds the target's context of"),
+    "prompt-over-context": (["--prompt", " ".join(["t5"] * 300)], "longer than the target's"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EARLY_BAD_INPUTS))
+def test_cli_bad_setting_refused_before_any_model_loads(cli_inputs, capsys, no_model_loads, case):
+    from specdecode.cli.main import main
+
+    extra, match = EARLY_BAD_INPUTS[case]
+    extra = [a.format(root=cli_inputs["root"]) for a in extra]
+    if "--prompt" not in extra and "--prompts" not in extra:
+        extra = [*PROMPT, *extra]
+    argv = ["generate", "--target", cli_inputs["target"], "--draft", cli_inputs["draft"], *extra]
+    capsys.readouterr()
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("specdecode generate: error: ")
+    assert re.search(match, last), last
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_cli_context_read_from_the_gguf_before_its_weights(
+    tmp_path, capsys, monkeypatch, no_model_loads, word_tokenizer
+):
+    """On llama.cpp the context comes from the GGUF's metadata and the tokenizer from its
+    cached copy: a prompt and budget that cannot fit fail with no llama.cpp model built."""
+    gguf = pytest.importorskip("gguf")
+    from specdecode.cli.main import main
+    from specdecode.models import tokenizer as tokenizers
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(500)])
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_context_length(128)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    monkeypatch.setattr(tokenizers, "gguf_tokenizer", lambda p: word_tokenizer())
+    argv = ["generate", "--target", str(path), "--draft", "prompt-lookup", *PROMPT]
+    assert main([*argv, "--max-new-tokens", "126"]) == 2
+    err = capsys.readouterr().err
+    assert "3 tokens and max_new_tokens is 126: 129 exceeds the target's context of 128" in err
+
+
+def _write_gguf(path, gguf, context: int | None, arch: str = "qwen2") -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_array("tokenizer.ggml.merges", ["a b", "c d"] * 100)
+    writer.add_uint32("some.count", 7)
+    if context is not None:
+        writer.add_context_length(context)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("trained,expected", [(128, 128), (32768, 4096), (None, 4096)])
+def test_gguf_context_from_metadata_alone(tmp_path, trained, expected):
+    """What `LlamaCppModel` will allow per row: the trained context, capped at the backend's
+    default, read past strings and arrays of other keys (written by the gguf package)."""
+    gguf = pytest.importorskip("gguf")
+    from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppLoadError, gguf_context
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, gguf, trained)
+    assert DEFAULT_CONTEXT == 4096
+    assert gguf_context(path) == expected
+    (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(LlamaCppLoadError, match="not a GGUF file"):
+        gguf_context(tmp_path / "not.gguf")
+
+
+BENCH_BAD_INPUTS = {
+    "temperature-nan": (["--temperature", "nan"], "temperature must be a finite number"),
+    "batch-sizes-0": (["--batch-sizes", "1", "0"], "--batch-sizes must all be >= 1"),
+    "limit-0": (["--limit", "0"], "--limit takes the first N >= 1"),
+    "repeats-0": (["--repeats", "0"], "--repeats must be >= 1"),
+    "k-0": (["--num-draft-tokens", "4", "0"], "num_draft_tokens must be >= 1, got 0"),
+    "bound-5-2": (["--length-policy", "heuristic", "--bound", "1", "4", "5", "2"], "got 5 2"),
+    "odd-bound": (["--length-policy", "heuristic", "--bound", "1", "4", "5"], "MIN MAX pairs"),
+    "head-u-greedy": (["--length-policy", "head-u"], "only sampling draws"),
+    "confidence-1.5": (["--confidence-threshold", "1.5"], r"must be in \(0, 1\), got 1.5"),
+    "max-new-tokens-0": (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BENCH_BAD_INPUTS))
+def test_cli_bench_bad_setting_refused_before_any_model_loads(
+    cli_inputs, capsys, no_model_loads, case
+):
+    from specdecode.cli.main import main
+
+    extra, match = BENCH_BAD_INPUTS[case]
+    argv = ["bench", "--target", cli_inputs["target"], "--draft", cli_inputs["draft"]]
+    argv += ["--prompts", str(cli_inputs["root"] / "one.jsonl"), *extra]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("specdecode bench: error: ") and re.search(match, last), last
+
+
+def test_cli_refuses_a_bad_setting_without_importing_torch():
+    """The checks that need no model run before anything imports torch or transformers (in a
+    fresh process: this one has imported both)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from specdecode.cli.main import main; "
+        "rc = main(['generate', '--prompt', 'x', '--temperature', 'nan']); "
+        "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["2", "False", "False"], run.stderr
+    assert "temperature must be a finite number" in run.stderr
+
+
+def test_cli_light_copies_agree_with_their_sources():
+    """The command line lists backends and draft precisions and picks the default backend
+    without importing torch; these are the API's and the kernels' own."""
+    from specdecode import api
+    from specdecode.backends import kernels
+    from specdecode.cli import common
+
+    assert common.BACKENDS == api.BACKENDS
+    assert common.DRAFT_PRECISIONS == kernels.DRAFT_PRECISIONS
+    for target in ("qwen2.5-coder-1.5b", "./m.gguf", "./model-dir"):
+        for device in ("cpu", "cuda"):
+            assert common.decoding_backend(target, device, None) == api.default_backend(
+                target, device
+            )
+    assert common.decoding_backend("qwen2.5-coder-1.5b", "cpu", "torch") == "torch"

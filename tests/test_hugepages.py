@@ -1,10 +1,12 @@
 """Moving a process's fresh anonymous memory to 2 MiB pages: what the llama.cpp backend does
-to its weights. The bytes must not change; where the kernel allows it, the pages must."""
+to its weights. The bytes must not change; where the kernel allows it, the pages must. Whether
+to move them is measured once per machine and model file and remembered."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import re
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from specdecode.backends import hugepages
 
-pytestmark = pytest.mark.skipif(
+needs_thp = pytest.mark.skipif(
     not hugepages.available(), reason="no transparent huge pages (Linux 6.1+, THP not 'never')"
 )
 
@@ -29,6 +31,7 @@ def huge_bytes_in(start: int, end: int) -> int:
     raise AssertionError("mapping not found")
 
 
+@needs_thp
 def test_collapse_moves_new_regions_and_keeps_their_bytes():
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -49,5 +52,90 @@ def test_collapse_moves_new_regions_and_keeps_their_bytes():
         libc.munmap(address, SIZE)
 
 
+@needs_thp
 def test_old_regions_are_left_alone():
     assert hugepages.collapse_new_regions(hugepages.anonymous_regions()) == 0
+
+
+# ------------------------------------------------------------------ the verdict, kept
+
+
+class Timer:
+    """A stand-in for timing a model's steps: returns the given (4 KiB, 2 MiB) step seconds
+    and counts its calls."""
+
+    def __init__(self, step_4k: float, step_2m: float) -> None:
+        self.times = (step_4k, step_2m)
+        self.calls = 0
+
+    def __call__(self) -> tuple[float, float]:
+        self.calls += 1
+        return self.times
+
+
+@pytest.fixture
+def weights(tmp_path, monkeypatch):
+    """A model file and an empty cache root, on a kernel that can move pages."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hugepages, "available", lambda: True)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    return path
+
+
+@pytest.mark.parametrize("times,huge", [((1.2, 1.0), True), ((1.0, 1.0), False)])
+def test_decided_once_and_reused(weights, times, huge):
+    timer = Timer(*times)
+    assert hugepages.decide(weights, timer) is huge
+    assert hugepages.decide(weights, timer) is huge
+    assert timer.calls == 1  # the second call read the record
+    record = json.loads((weights.parent / "cache" / hugepages.DECISIONS_FILE).read_text())
+    (entry,) = record.values()
+    assert entry["huge_pages"] is huge and (entry["step_s_4k"], entry["step_s_2m"]) == times
+
+
+def test_each_model_file_measured_apart(weights):
+    other = weights.with_name("drafter.gguf")
+    other.write_bytes(b"GGUF" + bytes(30))
+    gains, flat = Timer(1.3, 1.0), Timer(1.0, 1.0)
+    assert hugepages.decide(weights, gains) and not hugepages.decide(other, flat)
+    assert hugepages.decide(weights, flat) and not hugepages.decide(other, gains)
+    assert (gains.calls, flat.calls) == (1, 1)
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"KEY": {"huge_pages": "yes"}}'])
+def test_damaged_record_measured_again(weights, damage):
+    key = hugepages.decision_key(weights)
+    file = weights.parent / "cache" / hugepages.DECISIONS_FILE
+    file.parent.mkdir(parents=True)
+    file.write_text(damage.replace("KEY", key))
+    timer = Timer(1.5, 1.0)
+    assert hugepages.decide(weights, timer) is True and timer.calls == 1
+    assert json.loads(file.read_text())[key]["huge_pages"] is True  # rewritten whole
+
+
+def test_no_measurement_where_pages_cannot_move(weights, monkeypatch):
+    monkeypatch.setattr(hugepages, "available", lambda: False)
+    timer = Timer(2.0, 1.0)
+    assert hugepages.decide(weights, timer) is False and timer.calls == 0
+
+
+def test_explicit_setting_wins_over_the_verdict(weights, monkeypatch):
+    """huge_pages=True/False loads as told without consulting the verdict; None consults it
+    (llama.cpp then fails on this file that is no model, after the decision)."""
+    llamacpp = pytest.importorskip("specdecode.backends.llamacpp")
+    pytest.importorskip("llama_cpp")
+    asked = []
+
+    def decide(path, measure):
+        asked.append(path)
+        return False
+
+    monkeypatch.setattr(hugepages, "decide", decide)
+    for setting in (True, False):
+        with pytest.raises(llamacpp.LlamaCppLoadError, match="cannot load"):
+            llamacpp.LlamaCppModel(weights, huge_pages=setting)
+    assert asked == []
+    with pytest.raises(llamacpp.LlamaCppLoadError, match="cannot load"):
+        llamacpp.LlamaCppModel(weights)
+    assert asked == [weights]

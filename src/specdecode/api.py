@@ -212,6 +212,7 @@ class SpeculativeDecoder:
         backend: str | None = None,
         threads: int | None = None,
         compile: bool | None = None,
+        tokenizer=None,
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
@@ -221,7 +222,9 @@ class SpeculativeDecoder:
         fp32 safetensors once); "torch-static" runs them over a static per-row cache in fixed
         shapes (`backends.torch_static`), `compile`d (CUDA graphs on a GPU; default: on CUDA
         only). None: llama.cpp for known models and `.gguf` files on the CPU, torch otherwise.
-        `threads`: llama.cpp's threads (default: the physical cores).
+        `threads`: llama.cpp's threads (default: the physical cores). `tokenizer`: the
+        target GGUF's tokenizer where the caller loaded it already (the command line does, to
+        check the prompts against the context before the weights load).
 
         torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
         products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
@@ -244,7 +247,7 @@ class SpeculativeDecoder:
                     "the llama.cpp backend runs a GGUF's own weights on the CPU: dtype, device, "
                     "prepack and int8 drafting are options of the torch backend (--backend torch)"
                 )
-            return cls._from_gguf(target, drafter, threads)
+            return cls._from_gguf(target, drafter, threads, tokenizer)
         from specdecode.backends.kernels import (
             cpu_fp32,
             prepack_available,
@@ -290,13 +293,13 @@ class SpeculativeDecoder:
 
     @classmethod
     def _from_gguf(
-        cls, target: str, drafter: str | None, threads: int | None
+        cls, target: str, drafter: str | None, threads: int | None, tokenizer=None
     ) -> SpeculativeDecoder:
         from specdecode.backends.llamacpp import LlamaCppModel
         from specdecode.models.tokenizer import gguf_tokenizer
 
         path = gguf_path(target)
-        tokenizer = gguf_tokenizer(path)
+        tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(path)
         target_lm = LlamaCppModel(path, role="target", threads=threads)
         if drafter is None:
             return cls(target_lm, tokenizer)

@@ -14,10 +14,16 @@ it managed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+from specdecode.models.packages import cache_root
 
 HUGE_PAGE = 2 * 1024 * 1024
 MADV_HUGEPAGE = 14
@@ -87,3 +93,95 @@ def collapse_new_regions(before: set[Region]) -> int:
             if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
                 collapsed += HUGE_PAGE
     return collapsed
+
+
+# ------------------------------------------------------------------ whether they pay, here
+# The gain is the machine's: where the TLB covers more (or page walks are cheaper) a step gains
+# nothing, and the move still costs seconds at every load (the weights are read and copied
+# instead of mapped). `decide` measures it once per CPU model, THP setting and model file and
+# keeps the verdict in the cache root.
+
+DECISIONS_FILE = "hugepages.json"  # in the cache root: one verdict per machine and model file
+# the least step-time ratio (4 KiB pages over 2 MiB pages) that pays for moving the weights:
+# below it, the seconds the move adds to every load outweigh what the steps gain
+MIN_GAIN = 1.05
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+# (seconds of a one-token step with the weights in 4 KiB pages, the same in 2 MiB pages)
+StepTimes = tuple[float, float]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the machine type where there is none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    return os.uname().machine
+
+
+def decision_key(model: str | os.PathLike[str]) -> str:
+    """What a verdict depends on: the CPU model, the kernel's THP setting and the model file
+    (its full path and size: the same weights elsewhere are measured again)."""
+    path = Path(model).resolve()
+    try:
+        thp = THP_SETTING.read_text().strip()
+    except OSError:
+        thp = "none"
+    size = path.stat().st_size if path.is_file() else 0
+    return f"{cpu_model()} | thp {thp} | {path} ({size} bytes)"
+
+
+def _read_decisions(file: Path) -> dict:
+    """The verdicts recorded so far; none where the file is missing, unreadable or damaged (a
+    damaged file is measured again and rewritten, never trusted)."""
+    try:
+        table = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _valid(entry: object) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("huge_pages"), bool)
+        and all(isinstance(entry.get(k), (int, float)) for k in ("step_s_4k", "step_s_2m"))
+    )
+
+
+def decide(
+    model: str | os.PathLike[str],
+    measure: Callable[[], StepTimes],
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> bool:
+    """Whether to move `model`'s weights to 2 MiB pages on this machine: the recorded verdict,
+    else `measure()` once (a one-token step timed with and without) and the verdict recorded.
+
+    False without measuring where the kernel cannot move pages (`available`). The record is
+    written to a temporary file and renamed; where the cache cannot be written, the verdict
+    still holds for this process and the next one measures again.
+    """
+    if not available():
+        return False
+    file = cache_root(cache_dir) / DECISIONS_FILE
+    key = decision_key(model)
+    entry = _read_decisions(file).get(key)
+    if _valid(entry):
+        return entry["huge_pages"]
+    step_4k, step_2m = measure()
+    huge = step_4k >= MIN_GAIN * step_2m
+    table = _read_decisions(file)  # another process may have added its own meanwhile
+    table[key] = {"huge_pages": huge, "step_s_4k": step_4k, "step_s_2m": step_2m}
+    with contextlib.suppress(OSError):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handle, scratch = tempfile.mkstemp(prefix=".hugepages-", dir=file.parent)
+        try:
+            with os.fdopen(handle, "w") as out:
+                json.dump(table, out, indent=1, sort_keys=True)
+            os.replace(scratch, file)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(scratch)
+    return huge

@@ -26,10 +26,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import statistics
+import struct
+import time
 from pathlib import Path
 
 import torch
 
+from specdecode.backends import hugepages
 from specdecode.backends.base import pending_block
 from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
 
@@ -91,6 +95,102 @@ def physical_cores() -> int:
     return max(1, min(len(cores) or len(allowed), len(allowed)))
 
 
+def time_huge_pages(path: Path, threads: int | None = None, steps: int = 8) -> tuple[float, float]:
+    """Median seconds of a one-token step of the GGUF at `path`: its weights in llama.cpp's
+    file mapping (4 KiB pages), and read into memory moved to 2 MiB pages.
+
+    Both copies are loaded at once and stepped in turn, so a burst of other work on the
+    machine slows both alike. Where the kernel moves nothing, the two are the same pages and
+    the times are returned as equal (no gain), without timing.
+    """
+    plain = LlamaCppModel(path, role="4 KiB pages", context=64, threads=threads, huge_pages=False)
+    huge = None
+    try:
+        huge = LlamaCppModel(path, role="2 MiB pages", context=64, threads=threads, huge_pages=True)
+        token = torch.zeros(1, 1, dtype=torch.long)  # [1, 1]
+        valid = torch.ones(1, 1, dtype=torch.bool)
+        if huge.huge_page_bytes == 0:
+            return 1.0, 1.0
+        times: dict[int, list[float]] = {0: [], 1: []}
+        models = (plain, huge)
+        for model in models:
+            model.reset(1)
+            model.forward(token, valid)  # faults the file mapping in; not timed
+        for step in range(steps):
+            for which in (0, 1) if step % 2 == 0 else (1, 0):
+                start = time.perf_counter()
+                models[which].forward(token, valid)
+                times[which].append(time.perf_counter() - start)
+        return statistics.median(times[0]), statistics.median(times[1])
+    finally:
+        plain.close()
+        if huge is not None:
+            huge.close()
+
+
+# GGUF metadata value types (the GGUF specification): fixed sizes in bytes; 8 is a string,
+# 9 an array
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -> int:
+    """The context per row `LlamaCppModel(path, context=context)` will have, read from the
+    file's metadata alone (no llama.cpp, no weights): a prompt that cannot fit is refused
+    before gigabytes are read. The trained context where the GGUF names none smaller."""
+    trained = _gguf_trained_context(Path(path))
+    return min(context, trained) if trained is not None else context
+
+
+def _gguf_trained_context(path: Path) -> int | None:
+    """`{architecture}.context_length` of a GGUF (v2, v3), stopping as soon as it is read (it
+    comes before the tokenizer's long arrays in files llama.cpp writes)."""
+    try:
+        with path.open("rb") as f:
+            magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
+            if magic != b"GGUF" or version < 2:
+                raise LlamaCppLoadError(f"{path} is not a GGUF file of version 2 or later")
+            _, n_kv = struct.unpack("<QQ", f.read(16))
+            values: dict[str, int | str] = {}
+            for _ in range(n_kv):
+                key = _gguf_string(f)
+                kind = struct.unpack("<I", f.read(4))[0]
+                if kind == 8:
+                    values[key] = _gguf_string(f)
+                elif kind in _GGUF_INTS:
+                    values[key] = struct.unpack(_GGUF_INTS[kind], f.read(_GGUF_SIZES[kind]))[0]
+                else:
+                    _gguf_skip(f, kind)
+                arch = values.get("general.architecture")
+                if isinstance(arch, str) and f"{arch}.context_length" in values:
+                    return int(values[f"{arch}.context_length"])
+    except (OSError, struct.error, UnicodeDecodeError) as error:
+        raise LlamaCppLoadError(f"cannot read the metadata of {path}: {error}") from error
+    return None
+
+
+def _gguf_string(f) -> str:
+    (length,) = struct.unpack("<Q", f.read(8))
+    return f.read(length).decode("utf-8")
+
+
+def _gguf_skip(f, kind: int) -> None:
+    if kind in _GGUF_SIZES:
+        f.seek(_GGUF_SIZES[kind], os.SEEK_CUR)
+    elif kind == 8:
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.seek(length, os.SEEK_CUR)
+    elif kind == 9:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _GGUF_SIZES:
+            f.seek(_GGUF_SIZES[item] * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _gguf_skip(f, item)
+    else:
+        raise struct.error(f"unknown GGUF value type {kind}")
+
+
 class LlamaCppModel:
     """A GGUF decoder on llama.cpp with one sequence per batch row (a `ModelBackend`)."""
 
@@ -102,8 +202,11 @@ class LlamaCppModel:
         context: int = DEFAULT_CONTEXT,
         threads: int | None = None,
         max_rows: int = 1,
-        huge_pages: bool = True,
+        huge_pages: bool | None = None,
     ) -> None:
+        """`huge_pages`: move the weights to 2 MiB pages (True), leave them in llama.cpp's
+        file mapping (False), or None: as measured once on this machine for this file
+        (`hugepages.decide`, a few one-token steps timed both ways on the first load)."""
         lib = _llama()
         _init_once(lib)
         self.lib = lib
@@ -112,11 +215,13 @@ class LlamaCppModel:
         self.device = torch.device("cpu")
         if not self.path.is_file():
             raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
+        if huge_pages is None:
+            huge_pages = hugepages.decide(self.path, lambda: time_huge_pages(self.path, threads))
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         before = anonymous_regions() if huge_pages else set()
         if huge_pages:  # weights read into memory that can be moved to 2 MiB pages (a file
-            # mapping cannot, here), then moved below: a step ~15% faster (`hugepages`)
+            # mapping cannot, here), then moved below (`hugepages`)
             params.load_mode = lib.LLAMA_LOAD_MODE_NONE
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.model:

@@ -7,8 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET, set_threads
-from specdecode.core.config import HEAD_POLICIES
+from specdecode.cli.common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    check_decoding_arguments,
+    set_threads,
+    torch_dtype,
+)
+from specdecode.core.config import HEAD_POLICIES, DecodeConfig, SamplingConfig
 
 
 def model_identity(name_or_path: str) -> dict:
@@ -28,10 +34,9 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
     """`bench --pair`: an encoder-decoder verifier with its block drafter (SpecDec)."""
     from specdecode.backends.kernels import cpu_fp32
     from specdecode.bench.seq2seq import Seq2SeqBenchConfig, run_seq2seq_bench
-    from specdecode.cli.common import DTYPES
     from specdecode.cli.seq2seq import SHIPPED_PAIR
 
-    if not cpu_fp32(args.device, DTYPES[args.dtype]):
+    if not cpu_fp32(args.device, torch_dtype(args.dtype)):
         raise ValueError(
             "bench --pair runs the seq2seq pair in float32 on the CPU; --device and --dtype "
             "apply to causal pairs (--target/--draft)"
@@ -98,7 +103,51 @@ def cmd_rederive(out: Path, plots: bool) -> int:
     return 0
 
 
+def check_bench_arguments(args: argparse.Namespace) -> None:
+    """What a bench run can check without a model or torch: the shared decoding settings,
+    the sweeps (every length policy with every k, bound and threshold it will run with) and
+    the run's shape. The bench configs check their own method names once their registries
+    load; these fail first, in a fraction of a second."""
+    check_decoding_arguments(args, args.backend)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit takes the first N >= 1 prompts, got {args.limit}")
+    if args.skip < 0:
+        raise ValueError(f"--skip drops the set's first N >= 0 prompts, got {args.skip}")
+    if any(b < 1 for b in args.batch_sizes):
+        raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.coupled and sampling.greedy:
+        raise ValueError(
+            "--coupled pairs sampled text; greedy methods commit the same text already (give "
+            "--temperature > 0 or leave --coupled out)"
+        )
+    for t in args.confidence_threshold:
+        if not 0.0 < t < 1.0:
+            raise ValueError(f"--confidence-threshold values must be in (0, 1), got {t}")
+    for policy in args.length_policy:
+        thresholds = {"confidence": args.confidence_threshold}.get(policy)
+        if policy in HEAD_POLICIES:
+            thresholds = args.stop_threshold
+        for k in args.num_draft_tokens:
+            for bound in _bounds(args.bound) if policy != "constant" else [None]:
+                for threshold in thresholds or [None]:
+                    DecodeConfig(
+                        max_new_tokens=args.max_new_tokens,
+                        num_draft_tokens=k,
+                        sampling=sampling,
+                        seed=args.seed,
+                        length_policy=policy,
+                        stop_threshold=threshold,
+                        bound=bound,
+                        coupled=args.coupled,
+                    )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.pair is not None or args.rederive is None:  # a rederived run measures nothing
+        check_bench_arguments(args)
     if args.pair is not None:
         return cmd_bench_seq2seq(args)
     if args.rederive is not None:
@@ -110,19 +159,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "--max-draft-batch is a --pair (seq2seq) bench option; for a causal pair, "
             "`specdecode generate --max-draft-batch N` gates drafting by batch"
         )
+    from specdecode.bench.prompts import require_prompts
+
+    # prompts before models: a bad slice fails in a second, not after loading gigabytes
+    prompts = require_prompts(args.prompts, limit=args.limit, skip=args.skip)
     from specdecode.api import default_backend
 
     if (args.backend or _default_bench_backend(args, default_backend)) == "llama.cpp":
-        return cmd_bench_llama(args)
+        return cmd_bench_llama(args, prompts)
     from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
     from specdecode.bench.prompts import require_prompts
     from specdecode.bench.runner import BenchConfig, run_bench
-    from specdecode.cli.common import DTYPES
     from specdecode.models.store import load_causal_lm
 
     set_threads(args.threads)
-    fits = cpu_fp32(args.device, DTYPES[args.dtype])  # where the CPU kernels apply
+    fits = cpu_fp32(args.device, torch_dtype(args.dtype))  # where the CPU kernels apply
     default_methods = ["ar", "hf", "hf-assisted", "sd"] + (["sd-int8"] if fits else [])
     cfg = BenchConfig(
         **_run_settings(args),
@@ -138,10 +190,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
-    # prompts before models: a bad slice fails in a second, not after loading gigabytes
-    prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
-    target, tokenizer = load_causal_lm(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
-    drafter, _ = load_causal_lm(cfg.draft, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    target, tokenizer = load_causal_lm(cfg.target, dtype=torch_dtype(cfg.dtype), device=cfg.device)
+    drafter, _ = load_causal_lm(cfg.draft, dtype=torch_dtype(cfg.dtype), device=cfg.device)
     if cfg.prepack:  # the fp32 drafter too (sd, hf-assisted); sd-int8 quantizes its dense weights
         prepack_linears(target)
         prepack_linears(drafter)
@@ -158,10 +208,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _report(record, args)
 
 
-def cmd_bench_llama(args: argparse.Namespace) -> int:
+def cmd_bench_llama(args: argparse.Namespace, prompts: list) -> int:
     """The bench on llama.cpp (`bench.llamacpp`): GGUF files as shipped, the peers beside."""
     from specdecode.bench.llamacpp import DEFAULT_METHODS, LlamaBenchConfig, run_llama_bench
-    from specdecode.bench.prompts import require_prompts
 
     if args.device != "cpu" or args.dtype != "float32" or args.length_policy != ["constant"]:
         raise ValueError(
@@ -172,12 +221,14 @@ def cmd_bench_llama(args: argparse.Namespace) -> int:
     cfg = LlamaBenchConfig(
         **_run_settings(args), methods=tuple(args.methods or DEFAULT_METHODS), rss=args.rss
     )
-    prompts = require_prompts(cfg.prompts, limit=cfg.limit, skip=cfg.skip)
     from specdecode.api import encode_prompts, gguf_path
+    from specdecode.backends.llamacpp import gguf_context
+    from specdecode.core.checks import check_prompts
     from specdecode.models.tokenizer import gguf_tokenizer
 
-    tokenizer = gguf_tokenizer(gguf_path(cfg.target))
-    ids = encode_prompts(tokenizer, [p.text for p in prompts], chat=cfg.chat)
+    path = gguf_path(cfg.target)
+    ids = encode_prompts(gguf_tokenizer(path), [p.text for p in prompts], chat=cfg.chat)
+    check_prompts(ids, cfg.max_new_tokens, gguf_context(path))  # before any weights load
     record = run_llama_bench(cfg, ids, progress=not args.quiet)
     if record is None:  # a launched process other than the main one
         return 0

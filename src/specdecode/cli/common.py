@@ -1,19 +1,34 @@
-"""What every command family shares: default models, dtypes, decoding arguments, threads.
+"""What every command family shares: default models, dtypes, decoding arguments, threads, and
+the checks of those arguments that need no model.
 
-The bottom of the `cli` package: the other modules import it, it imports none of them.
+The bottom of the `cli` package: the other modules import it, it imports none of them. It
+imports neither torch nor transformers: a command checks its arguments here first, so a bad
+setting fails in a fraction of a second instead of after the models load.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Any
 
-import torch
-
-from specdecode.core.config import DEFAULT_DRAFTING, DRAFTINGS, POLICIES, RETIRED_POLICIES
+from specdecode.core.config import (
+    DEFAULT_DRAFTING,
+    DRAFTINGS,
+    POLICIES,
+    RETIRED_POLICIES,
+    SamplingConfig,
+)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")  # torch dtypes by name (`torch_dtype`)
+# the choices of `backends.kernels.int8_draft_wanted`, here so that listing them imports no torch
+# (a test keeps the two equal)
+DRAFT_PRECISIONS = ("auto", "int8", "fp32")
+LLAMA_CPP = "llama.cpp"
+TORCH_STATIC = "torch-static"
+BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)  # `api.BACKENDS`, here for the same reason
 
 
 def length_policy_option(name: str) -> str:
@@ -90,7 +105,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "extra drafter pass after a fully accepted round, timed apart)",
     )
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--threads",
@@ -100,7 +115,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=("torch", "torch-static", "llama.cpp"),
+        choices=BACKENDS,
         default=None,
         help="llama.cpp runs known models' GGUF files as shipped (the default on the CPU); "
         "torch runs transformers models (known models converted to fp32 once); torch-static "
@@ -115,8 +130,15 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a `--dtype` choice (imports torch: call it after the checks)."""
+    import torch
+
+    return getattr(torch, name)
+
+
 def set_threads(threads: int | None) -> None:
-    import os
+    import torch
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
 
@@ -127,3 +149,54 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     from specdecode.bench.prompts import require_prompts
 
     return [p.text for p in require_prompts(args.prompts, limit=args.limit)]
+
+
+# --------------------------------------------------------------------------- checks, no model
+
+
+def decoding_backend(target: str, device: str, backend: str | None) -> str:
+    """The backend a run will use: `--backend`, else `api.default_backend`'s rule (llama.cpp
+    for a known model or a .gguf file on the CPU, torch otherwise), decided without importing
+    the API (a test keeps the two equal)."""
+    if backend is not None:
+        return backend
+    from specdecode.models.catalogue import MODELS
+
+    is_gguf = target in MODELS or str(target).endswith(".gguf")
+    return LLAMA_CPP if is_gguf and str(device) == "cpu" else "torch"
+
+
+def check_decoding_arguments(args: argparse.Namespace, backend: str | None) -> None:
+    """What `add_decoding_arguments` parsed, checked before any model or torch loads: the
+    sampling settings, the token budget, threads, seed, and (where the backend is known) the
+    dtype and device it takes. The errors name the setting and what to give instead."""
+    SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1 (or left out: all cores), got {args.threads}")
+    if args.seed is not None and not -(2**63) <= args.seed < 2**64:  # a torch generator's range
+        raise ValueError(f"--seed must be a 64-bit integer, got {args.seed}")
+    if backend == LLAMA_CPP and (args.device != "cpu" or args.dtype != "float32"):
+        raise ValueError(
+            "the llama.cpp backend runs a GGUF's own weights on the CPU: --dtype and --device "
+            "are options of the torch backends (--backend torch)"
+        )
+
+
+def check_device(device: str) -> None:
+    """The device names one that this torch build and machine have (imports torch: after the
+    other checks, before any model loads)."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"--device {device!r} is not a device name (cpu, cuda, cuda:1, ...): {error}"
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch finds no CUDA device here (a CPU-only build or no GPU); "
+            "use --device cpu"
+        )

@@ -1,40 +1,148 @@
-"""`specdecode generate`: decode prompts with the engine and stream the text to the terminal."""
+"""`specdecode generate`: decode prompts with the engine and stream the text to the terminal.
+
+The arguments are checked in two stages before anything heavy happens: what needs no model at
+once, before torch is imported (`checked_arguments`); what needs the target's tokenizer and
+context right after the tokenizer loads and before its weights are read (`fitted_tokenizer`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
-from specdecode.backends.kernels import DRAFT_PRECISIONS, int8_draft_wanted
 from specdecode.cli.common import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
-    DTYPES,
+    DRAFT_PRECISIONS,
+    LLAMA_CPP,
+    TORCH_STATIC,
     add_decoding_arguments,
     add_drafting_arguments,
+    check_decoding_arguments,
+    check_device,
+    decoding_backend,
     read_prompts,
     set_threads,
+    torch_dtype,
 )
 from specdecode.core.config import (
     DEFAULT_BOUND,
     HEAD_POLICIES,
     PROMPT_LOOKUP,
+    DecodeConfig,
+    SamplingConfig,
     max_draft_batch_option,
 )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.api import TORCH_BACKENDS, SpeculativeDecoder, default_backend
-
-    set_threads(args.threads)
+def checked_arguments(args: argparse.Namespace) -> tuple[str, list[str], dict[str, Any]]:
+    """The backend, the prompts and the decoding settings (`SpeculativeDecoder.generate`'s
+    keywords), checked without a model: everything here fails in a fraction of a second."""
+    draft = None if args.no_draft else args.draft
+    backend = decoding_backend(args.target, args.device, args.backend)
+    check_decoding_arguments(args, backend)
+    if args.compile is not None and backend != TORCH_STATIC:
+        raise ValueError(
+            "--compile is an option of the torch-static backend (--backend torch-static)"
+        )
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit takes the first N >= 1 prompts of --prompts, got {args.limit}")
+    if args.priced:
+        if args.length_policy not in HEAD_POLICIES:
+            raise ValueError("--priced prices the head policies' rounds: use --length-policy head")
+        if draft is None:
+            raise ValueError("--priced prices drafted tokens; it needs a drafter (no --no-draft)")
+    if args.head is not None and not Path(args.head).is_dir():
+        raise FileNotFoundError(
+            f"no acceptance head at {args.head} (not a directory); give one written by "
+            "`specdecode head train`, or leave --head out for the shipped heads"
+        )
+    if args.length_policy in HEAD_POLICIES and backend == LLAMA_CPP:
+        raise ValueError(
+            f"length policy {args.length_policy!r} decodes with an acceptance head on the "
+            "PyTorch backends only; use drafting auto (the default), or --backend torch"
+        )
+    settings: dict[str, Any] = dict(
+        drafting=args.drafting,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+        length_policy=args.length_policy,
+        stop_threshold=args.stop_threshold,
+        bound=tuple(args.bound) if args.bound else None,
+        coupled=args.coupled,
+        max_draft_batch=max_draft_batch_option(args.max_draft_batch),
+    )
+    DecodeConfig(  # what the API builds from these settings, refused here if it would be
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
+        **{k: v for k, v in settings.items() if k not in ("temperature", "top_k", "top_p")},
+    )
+    settings["use_drafter"] = not args.no_draft
     prompts = read_prompts(args)
+    for i, prompt in enumerate(prompts):
+        if not prompt and not args.chat:  # a chat template gives an empty turn its tokens
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+    return backend, prompts, settings
+
+
+def fitted_tokenizer(
+    args: argparse.Namespace, backend: str, prompts: list[str], max_new_tokens: int
+) -> Any:
+    """The target's tokenizer, loaded before its weights, with every prompt and its new tokens
+    checked against the target's context: a prompt that cannot fit fails before gigabytes are
+    read. None where the tokenizer comes only with the weights (a known model on torch, which
+    is checked once loaded)."""
+    from specdecode.api import encode_prompts
+    from specdecode.core.checks import check_prompts
+
+    if backend == LLAMA_CPP:
+        from specdecode.api import gguf_path
+        from specdecode.backends.llamacpp import gguf_context
+        from specdecode.models.tokenizer import gguf_tokenizer
+
+        path = gguf_path(args.target)
+        tokenizer, context = gguf_tokenizer(path), gguf_context(path)
+    else:
+        from specdecode.backends.torch_eager import context_length
+        from specdecode.models.catalogue import MODELS
+
+        if args.target in MODELS:
+            return None
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specdecode.models.store import resolve_model
+
+        folder = str(resolve_model(args.target))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError):
+            return None  # the load says what is wrong with the folder, in its own words
+        context = context_length(SimpleNamespace(config=config))  # reads the config alone
+    check_prompts(encode_prompts(tokenizer, prompts, args.chat), max_new_tokens, context)
+    return tokenizer
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    backend, prompts, settings = checked_arguments(args)
+    check_device(args.device)
+    set_threads(args.threads)
+    tokenizer = fitted_tokenizer(args, backend, prompts, args.max_new_tokens)
+    from specdecode.api import TORCH_BACKENDS, SpeculativeDecoder
+    from specdecode.backends.kernels import int8_draft_wanted
+
     # lookup drafts with no model: none is loaded for it
     draft = None if args.no_draft or args.drafting == "lookup" else args.draft
-    dtype = DTYPES[args.dtype]
-    backend = args.backend or default_backend(args.target, args.device)
+    dtype = torch_dtype(args.dtype)
     torch_only = backend in TORCH_BACKENDS
     decoder = SpeculativeDecoder.from_pretrained(
         args.target,
@@ -48,6 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         backend=backend,
         threads=args.threads,
         compile=args.compile,
+        tokenizer=tokenizer if backend == LLAMA_CPP else None,
     )
     if args.retime_prices or (args.drafting == "auto" and not args.no_draft):
         known = decoder.prices(retime=args.retime_prices)  # cached, or timed and kept
@@ -55,31 +164,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{decoder.backend} prices] {known.describe()}", file=sys.stderr)
     if args.head is not None:
         decoder.load_head(args.head)
-    prices = None
     if args.priced:
-        if args.length_policy not in HEAD_POLICIES:
-            raise ValueError("--priced prices the head policies' rounds: use --length-policy head")
         if decoder.drafter is None:
             raise ValueError("--priced prices drafted tokens; it needs a drafter model (--draft)")
         prices = decoder.prices()
         most = args.bound[1] if args.bound else DEFAULT_BOUND[1]
         print(f"[round prices] {prices.rounds(1).describe(most)}", file=sys.stderr)
-    settings = dict(
-        use_drafter=not args.no_draft,
-        drafting=args.drafting,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        num_draft_tokens=args.num_draft_tokens,
-        seed=args.seed,
-        length_policy=args.length_policy,
-        stop_threshold=args.stop_threshold,
-        bound=tuple(args.bound) if args.bound else None,
-        coupled=args.coupled,
-        max_draft_batch=max_draft_batch_option(args.max_draft_batch),
-        prices=prices,
-    )
+        settings["prices"] = prices
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]

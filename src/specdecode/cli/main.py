@@ -8,35 +8,38 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
+
+# the module of each command: a command builds only its own family's parser, so that
+# `specdecode generate` checks its arguments before anything imports torch
+FAMILIES = {
+    "generate": "generate",
+    "models": "models",
+    "bench": "bench",
+    "head": "head",
+    "data": "data",
+    "seq2seq": "seq2seq",
+    "translate": "seq2seq",
+    "serve": "serve",
+    "bench-serve": "bench_serve",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from specdecode.cli import bench as bench_cli
-    from specdecode.cli import bench_serve as bench_serve_cli
-    from specdecode.cli import data as data_cli
-    from specdecode.cli import generate as generate_cli
-    from specdecode.cli import head as head_cli
-    from specdecode.cli import models as models_cli
-    from specdecode.cli import seq2seq as seq2seq_cli
-    from specdecode.cli import serve as serve_cli
-
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `command`'s family, or of every family (help, a mistyped command)."""
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Speculative decoding for Hugging Face models."
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    generate_cli.add_subcommands(subparsers)
-    models_cli.add_subcommands(subparsers)
-    bench_cli.add_subcommands(subparsers)
-    bench_serve_cli.add_subcommands(subparsers)
-    head_cli.add_subcommands(subparsers)
-    data_cli.add_subcommands(subparsers)
-    seq2seq_cli.add_subcommands(subparsers)
-    serve_cli.add_subcommands(subparsers)
+    every = list(dict.fromkeys(FAMILIES.values()))
+    for family in [FAMILIES[command]] if command in FAMILIES else every:
+        import_module(f"specdecode.cli.{family}").add_subcommands(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as error:
