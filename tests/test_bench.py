@@ -496,19 +496,19 @@ def test_bench_runs_the_pair_in_the_dtype_asked(tiny_pair, tmp_path):
 
 def test_bench_prompt_lookup_methods(tiny_pair, tmp_path):
     """sd-lookup (this engine) and hf-lookup (transformers) draft by n-gram lookup: no drafter
-    model, greedy output equal to plain decoding, hf-lookup at batch 1 only; sd-int8-lookup
+    model, greedy output equal to plain decoding, hf-lookup at batch 1 only; sd-int8-lookup-first
     looks up before its int8 drafter."""
     target, draft, prompts = tiny_pair
     out = tmp_path / "bench"
     args = ["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
     args += ["--limit", "3", "--max-new-tokens", "16", "--methods", "ar", "sd-lookup"]
-    args += ["hf-lookup", "sd-int8-lookup", "--num-draft-tokens", "3", "--batch-sizes", "1", "2"]
+    args += ["hf-lookup", "sd-int8-lookup-first", "--num-draft-tokens", "3", "--batch-sizes", "1", "2"]
     assert main([*args, "--out", str(out), "--quiet"]) == 0
     record = json.loads((out / "record.json").read_text())
     assert record["ok"]
     rows = {(r["method"], r["batch_size"]): r for r in record["methods"]}
     assert {("sd-lookup[k=3]", 1), ("sd-lookup[k=3]", 2), ("hf-lookup[k=3]", 1)} <= set(rows)
-    assert ("hf-lookup[k=3]", 2) not in rows and ("sd-int8-lookup[k=3]", 2) in rows
+    assert ("hf-lookup[k=3]", 2) not in rows and ("sd-int8-lookup-first[k=3]", 2) in rows
     lookup = rows[("sd-lookup[k=3]", 1)]
     assert lookup["drafter_forwards_per_token"] == 0 and lookup["drafted_per_round"] > 0
     assert all(not r["mismatches"] for r in record["methods"])
