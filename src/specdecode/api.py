@@ -29,6 +29,7 @@ from specdecode.core.checks import (
 )
 from specdecode.core.config import (
     DEFAULT_BOUND,
+    DEFAULT_MAX_NEW_TOKENS,
     HEAD_POLICIES,
     LOOKUP_FIRST,
     PRICED_DRAFT_BATCH,
@@ -323,7 +324,7 @@ class SpeculativeDecoder:
 
     def config(
         self,
-        max_new_tokens: int = 64,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,

@@ -32,54 +32,26 @@ import torch
 from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
 from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
+from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchConfig
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels
-from specdecode.bench.runner import (
-    REFERENCE,
-    bench_record,
-    check_run,
-    measure_shared,
-    speed_rows,
-)
+from specdecode.bench.runner import bench_record, measure_shared, speed_rows
 from specdecode.core.config import LOOKUP_FIRST, PromptLookup
 
 LLAMA = Registry("llama.cpp")
-DEFAULT_METHODS = (
-    "ar",
-    "priced",
-    "sd-lookup",
-    "llama-cpp-python",
-    "llama-cpp-python-huge",
-    "llama-cpp-python-lookup",
-)
 
 
-@dataclass(frozen=True)
-class LlamaBenchConfig:
-    target: str
-    draft: str
-    prompts: str
-    limit: int | None = 20
-    skip: int = 0
-    methods: tuple[str, ...] = DEFAULT_METHODS
-    num_draft_tokens: tuple[int, ...] = (4,)
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    chat: bool = False
-    threads: int | None = None
-    repeats: int = 1
+@dataclass(frozen=True, kw_only=True)
+class LlamaBenchConfig(PromptBenchConfig):
+    """The causal bench on llama.cpp: the shared settings, and peak memory per method."""
+
+    DEFAULT_METHODS: ClassVar[tuple[str, ...]] = DEFAULT_METHODS_OF["llama.cpp"]
+
     rss: bool = False  # peak RSS per method, each in a process of its own
-    backend: str = "llama.cpp"
 
     def __post_init__(self) -> None:
-        check_run(self.methods, self.batch_sizes, self.repeats)
+        super().__post_init__()
         for name in self.methods:
             LLAMA.lookup(name)
-        if any(k < 1 for k in self.num_draft_tokens):
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
 
     def specs(self) -> list[tuple[str, int | None]]:
         """(method, k) for every row: methods with a draft length once per k."""

@@ -26,13 +26,13 @@ import platform
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
 from specdecode.backends.kernels import cpu_fp32, model_bytes
-from specdecode.core.timing import step_seconds
+from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchConfig
 from specdecode.bench.methods import (
     CAUSAL,
     BenchMethod,
@@ -50,10 +50,14 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
-from specdecode.core.config import RoundPrices
+from specdecode.core.config import (
+    DEFAULT_BOUND,
+    POLICIES,
+    POLICY_DEFAULT_THRESHOLDS,
+    RoundPrices,
+)
 from specdecode.core.stats import CostFigures, DecodeStats, RowStats
-
-REFERENCE = "ar"  # the baseline of every ratio and the text exact methods must reproduce
+from specdecode.core.timing import step_seconds
 
 
 @dataclass
@@ -313,16 +317,6 @@ def speed_rows(
     return rows
 
 
-def check_run(methods: Sequence[str], batch_sizes: Sequence[int], repeats: int) -> None:
-    """What `measure` needs of any run's settings, refused before models load."""
-    if REFERENCE not in methods:
-        raise ValueError("the methods must include 'ar', the baseline of every ratio")
-    if any(b < 1 for b in batch_sizes):
-        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-
-
 def bench_record(config: Any, rows: list[dict], skipped: list[str], **extras: Any) -> dict:
     """The record every run writes; `extras` (costs, model sizes, examples) go beside it."""
     return {
@@ -339,52 +333,43 @@ def bench_record(config: Any, rows: list[dict], skipped: list[str], **extras: An
 # ---- the causal bench: its configuration, calibration and figures ----
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    target: str
-    draft: str
-    prompts: str
-    limit: int | None = 20
-    skip: int = 0  # prompts dropped from the set's start before `limit` is taken
-    methods: tuple[str, ...] = ("ar", "hf", "hf-assisted", "sd", "sd-int8")
-    num_draft_tokens: tuple[int, ...] = (4,)
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    chat: bool = False
-    prepack: bool = True
-    threads: int | None = None
+@dataclass(frozen=True, kw_only=True)
+class TorchBenchConfig(PromptBenchConfig):
+    """The causal bench on PyTorch: the shared settings, and its kernels, length policies and
+    device."""
+
+    DEFAULT_METHODS: ClassVar[tuple[str, ...]] = DEFAULT_METHODS_OF["torch"]
+
+    prepack: bool = True  # oneDNN-packed kernels, where they apply (the CPU in fp32)
     policies: tuple[str, ...] = ("constant",)
-    stop_thresholds: tuple[float, ...] = (0.7,)  # the head policy's sweep
-    confidence_thresholds: tuple[float, ...] = (0.4,)
-    bounds: tuple[tuple[int, int], ...] = ((1, 8),)  # adaptive policies' (MIN, MAX), a sweep
+    stop_thresholds: tuple[float, ...] = (POLICY_DEFAULT_THRESHOLDS["head"],)  # a sweep
+    confidence_thresholds: tuple[float, ...] = (POLICY_DEFAULT_THRESHOLDS["confidence"],)
+    bounds: tuple[tuple[int, int], ...] = (DEFAULT_BOUND,)  # adaptive policies' (MIN, MAX)
     head: str | None = None
     coupled: bool = False  # sampling: every policy of a drafter commits the same text
     priced: bool = False  # head policies run twice: flat, and priced by the calibration
     device: str = "cpu"
     dtype: str = "float32"
-    repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest run kept
 
     def __post_init__(self) -> None:
+        fits = cpu_fp32(self.device, getattr(torch, self.dtype))
+        if not fits:  # the CPU kernels do not apply: no packing, default methods without them
+            object.__setattr__(self, "prepack", False)
+            if not self.methods:
+                defaults = tuple(m for m in self.DEFAULT_METHODS if not _cpu_kernels(m))
+                object.__setattr__(self, "methods", defaults)
+        super().__post_init__()
         if self.coupled and self.temperature == 0:
             raise ValueError(
                 "--coupled pairs sampled text; greedy methods commit the same text already"
             )
-        if not cpu_fp32(self.device, getattr(torch, self.dtype)):
+        if not fits:
             cpu_only = [m for m in self.methods if _cpu_kernels(m)]
             if cpu_only:
                 raise ValueError(
                     f"methods {cpu_only} run CPU kernels (an int8 drafter, default vs packed fp32 "
                     f"kernels); on {self.device} in {self.dtype} use sd, ar, hf, hf-assisted"
                 )
-        check_run(self.methods, self.batch_sizes, self.repeats)
-        if any(k < 1 for k in self.num_draft_tokens):
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        from specdecode.core.length_policies import POLICIES
-
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:
             raise ValueError(f"unknown length policies {unknown}; known: {', '.join(POLICIES)}")
@@ -447,7 +432,7 @@ def round_prices(costs: dict, longest_round: int) -> dict[str, RoundPrices]:
 
 
 def run_bench(
-    cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress: bool = True
+    cfg: TorchBenchConfig, models: Models, prompt_ids: list[list[int]], progress: bool = True
 ) -> dict | None:
     settings = Settings(
         cfg.max_new_tokens,

@@ -9,9 +9,7 @@ import argparse
 
 import torch
 
-from specdecode.core.config import (
-    POLICIES,
-)
+from specdecode.core.config import DEFAULT_MAX_NEW_TOKENS, POLICIES
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -20,7 +18,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments shared by every command that decodes (generate, bench)."""
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="the budget of a row"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus sampling")
