@@ -169,8 +169,8 @@ class Toy:
 
 
 def test_one_runner_measures_any_method_behind_the_protocol():
-    """Warm-up first, fastest of the repeats kept, rotation from batch to batch, mismatches of
-    exact methods only, batch-1-only methods skipped and said so."""
+    """Warm-up first, fastest of the repeats kept, rotation from batch to batch, differences
+    from ar of exact methods only, batch-1-only methods skipped and said so."""
     inputs, log = [1, 2, 3, 4], []
     # at batch 2: 2 batches, 2 repeats each; then 4 batches of 1, 2 repeats each
     ar = Toy("ar", [2.0, 1.0, 2.0, 2.0] + [1.0] * 8, log=log)
@@ -182,7 +182,7 @@ def test_one_runner_measures_any_method_behind_the_protocol():
     assert all(m.prepared for m in methods)
     assert skipped == ["approx at batch 2 (batch size 1 only)"]
     assert records[("fast", 2)].seconds == [0.5, 0.25] and records[("ar", 2)].seconds == [1.0, 2.0]
-    assert records[("off", 2)].mismatches == [0, 1, 2, 3] and not records[("approx", 1)].mismatches
+    assert records[("off", 2)].differing == [0, 1, 2, 3] and not records[("approx", 1)].differing
     assert log[:12] == ["ar", "fast", "off"] * 2 + ["fast", "off", "ar"] * 2  # rotated
     rows = {(r["method"], r["batch_size"]): r for r in speed_rows(methods, records, "sentences")}
     assert rows[("fast", 2)]["per_batch_speedup"] == [2.0, 8.0]
@@ -549,7 +549,7 @@ class Priced:
 
 def test_a_run_shared_across_processes_merges_into_the_single_process_record():
     """Inputs cut into chunks of lcm(batch sizes), dealt to 3 processes, measured apart and
-    merged: the same batches, times, outputs and mismatches, in input order."""
+    merged: the same batches, times, outputs and differences, in input order."""
     from specdecode.bench.runner import chunks_of, measure, merge
 
     inputs = list(range(1, 12))  # 11 inputs: the last chunk is short
@@ -566,6 +566,6 @@ def test_a_run_shared_across_processes_merges_into_the_single_process_record():
     assert merged.keys() == whole.keys()
     for key, rec in whole.items():
         got = merged[key]
-        assert got.outputs == rec.outputs and got.mismatches == rec.mismatches, key
+        assert got.outputs == rec.outputs and got.differing == rec.differing, key
         assert got.seconds == pytest.approx(rec.seconds) and got.inputs == rec.inputs, key
-    assert merged[("bad", 4)].mismatches == list(range(len(inputs)))
+    assert merged[("bad", 4)].differing == list(range(len(inputs)))

@@ -69,7 +69,7 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
 def _report(record: dict | None, args: argparse.Namespace) -> int:
     """Write and print a run's record and table; a mismatch fails the command. None: a
     process of a launched run other than the main one, which writes for all."""
-    from specdecode.bench.report import markdown_table, write_report
+    from specdecode.bench.report import markdown_table, verdict, write_report
 
     if record is None:
         return 0
@@ -78,9 +78,13 @@ def _report(record: dict | None, args: argparse.Namespace) -> int:
     print(markdown_table(record))
     print(f"record written to {out}/record.json")
     if not record["ok"]:
-        print(
-            "FAILED: an exact method's output differs from ar (see 'mismatches')", file=sys.stderr
+        failed = [row for row in record["methods"] if row["mismatches"]]
+        said = "; ".join(
+            f"{row['method']} at batch {row['batch_size']}: "
+            + verdict(row, record.get("noise_bound"))
+            for row in failed
         )
+        print(f"FAILED: an exact method's output differs from ar ({said})", file=sys.stderr)
         return 1
     return 0
 
