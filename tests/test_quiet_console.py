@@ -13,8 +13,8 @@ import warnings
 import pytest
 from transformers.utils import logging as hf_logging
 
-from specdecode.core.timing import step_seconds
 from specdecode.cli.main import main
+from specdecode.core.timing import step_seconds
 
 
 class Recorder(logging.Handler):
