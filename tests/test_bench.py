@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -18,10 +19,10 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
+from specdecode.bench.prompts import load_prompts
 from specdecode.bench.runner import measure, round_prices, speed_rows
 from specdecode.cli.main import main
 from specdecode.core.config import RoundPrices
-from specdecode.bench.prompts import load_prompts
 
 
 def test_modelled_speedup_from_counts_and_a_fitted_verify_line() -> None:
@@ -321,10 +322,13 @@ def test_bench_smoke_run(tiny_pair, tmp_path, capsys):
         assert not row["mismatches"]
         if row["method"] == "ar":
             assert row["speedup"]["geomean"] == pytest.approx(1.0)
-        if row.get("leviathan_bound"):
-            assert row["efficiency"] == pytest.approx(
-                row["speedup"]["geomean"] / row["leviathan_bound"]
-            )
+        if row.get("leviathan_bound"):  # by hand: E[tokens a call] / cost of a call in steps
+            k, alpha, c = row["k"], row["alpha"], row["c"]
+            tokens = sum(alpha**i for i in range(k + 1))
+            assert tokens == pytest.approx(row["tokens_per_target_call"], rel=1e-6)
+            assert row["leviathan_bound"] == pytest.approx(tokens / (k * c + 1))
+            speedup = statistics.geometric_mean(row["per_batch_speedup"])
+            assert row["efficiency"] == pytest.approx(speedup / (tokens / (k * c + 1)))
         if row["method"].startswith("sd"):  # costs are calibrated on one row: batch 1 only
             assert ("modelled_speedup" in row) == (row["batch_size"] == 1), row
     assert {"speedup_vs_k.png", "tokens_per_s.png", "table.md"} <= {p.name for p in out.iterdir()}
@@ -382,7 +386,19 @@ def test_cli_generate_on_local_model_dirs(tiny_pair, capsys):
     assert code == 0
     records = json.loads(capsys.readouterr().out)
     assert [r["prompt"] for r in records] == ["t5 t6 t7", "t9"]
-    assert all(1 <= len(r["tokens"]) <= 6 for r in records)
+    # each row's tokens: the target's own greedy continuation (transformers, one prompt at a
+    # time), up to and including its end token, and the completion is their text
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    for record in records:
+        ids = tokenizer(record["prompt"], return_tensors="pt").input_ids  # [1, prompt]
+        with torch.no_grad():
+            greedy = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=0,
+                                    pad_token_id=0)[0, ids.shape[1]:].tolist()  # fmt: skip
+        assert record["tokens"] == greedy[: greedy.index(0) + 1 if 0 in greedy else 6]
+        assert record["completion"] == tokenizer.decode(record["tokens"], skip_special_tokens=True)
 
 
 def test_cli_bad_input_message(tiny_pair, capsys):
