@@ -18,11 +18,12 @@ models says nothing about any one of them.
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -31,9 +32,9 @@ import torch
 
 from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
-from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
+from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel, physical_cores
 from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchConfig
-from specdecode.bench.methods import Registry, Result, Settings, SharedModels
+from specdecode.bench.methods import Registry, Result, Settings, SharedModels, T
 from specdecode.bench.runner import bench_record, measure_shared, speed_rows
 from specdecode.core.config import LOOKUP_FIRST, PromptLookup
 
@@ -64,10 +65,32 @@ class LlamaBenchConfig(PromptBenchConfig):
 
 @dataclass
 class Shared(SharedModels):
-    """The models of one run, each loaded once (`SharedModels`): the llama.cpp target and
-    drafter are shared by every engine method (each call resets their sequences)."""
+    """The models of one run (`SharedModels`): the llama.cpp target and drafter, shared by
+    every engine method (each call resets their sequences) and loaded once; and the peers'
+    models, held one peer at a time (`peer_model`).
+
+    Why one at a time: every peer loads the target's weights again (llama-cpp-python reads the
+    file mapped and copies the repacked part out of it; the huge-page peer reads it all into
+    memory), so the default run holding all of them beside this engine's own copy peaked near
+    four copies of the target. A peer is loaded at its turn in a batch and dropped when
+    another peer's turn comes; it is warmed up after each load, untimed (`LlamaMethod.run`).
+    """
 
     cfg: LlamaBenchConfig
+    context: int = DEFAULT_CONTEXT  # tokens of a peer's context: the longest prompt's and more
+    peer: str | None = None  # the peer whose models are loaded now
+
+    def peer_model(self, key: str, build: Callable[[], T]) -> T:
+        """A peer's model, built if need be, after dropping another peer's."""
+        if self.peer not in (None, key):
+            old = self.built.pop(self.peer, None)
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()  # llama.cpp's memory now, not at garbage collection
+            del old
+            gc.collect()
+        self.peer = key
+        return self.shared(key, build)
 
     def threads(self) -> int:
         return self.cfg.threads or physical_cores()
@@ -121,12 +144,18 @@ class LlamaMethod:
     def skips(self, batch_size: int) -> str | None:
         return None
 
+    def loaded(self) -> bool:
+        """Whether its models are loaded (an engine method's stay loaded once they are)."""
+        return True
+
     def prepare(self, sample: Sequence[list[int]]) -> None:
         from dataclasses import replace
 
         self.generate(list(sample), replace(self.settings, max_new_tokens=8))
 
     def run(self, batch: Sequence[list[int]]) -> Result:
+        if not self.loaded():  # dropped for another peer: loaded and warmed up, untimed
+            self.prepare(batch[:1])
         return self.generate(list(batch), self.settings)
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
@@ -214,7 +243,7 @@ class LlamaCppPython(LlamaMethod):
         threads = self.shared.threads()
         return Llama(
             str(gguf_path(self.shared.cfg.target)),
-            n_ctx=4096,
+            n_ctx=self.shared.context,
             n_threads=threads,
             n_threads_batch=threads,
             verbose=False,
@@ -225,7 +254,10 @@ class LlamaCppPython(LlamaMethod):
         return {}
 
     def llama(self):
-        return self.shared.shared(self.label, self.make)
+        return self.shared.peer_model(self.label, self.make)
+
+    def loaded(self) -> bool:
+        return self.label in self.shared.built
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         import time
@@ -291,6 +323,9 @@ class TorchMethod(LlamaMethod):
 
     drafter_int8: ClassVar[bool] = False
 
+    def loaded(self) -> bool:
+        return self.name in self.shared.built
+
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         cfg = self.shared.cfg
 
@@ -300,7 +335,7 @@ class TorchMethod(LlamaMethod):
                 cfg.target, draft, backend="torch", drafter_int8=self.drafter_int8
             )
 
-        decoder = self.shared.shared(self.name, build)
+        decoder = self.shared.peer_model(self.name, build)
         options = {"lookup_first": LOOKUP_FIRST} if self.drafter_int8 else {}
         return engine_run(decoder, prompts, s, self.drafter_int8, self.k, options)
 
@@ -369,7 +404,8 @@ def divergences(
 def run_llama_bench(
     cfg: LlamaBenchConfig, prompt_ids: list[list[int]], progress: bool = True
 ) -> dict | None:
-    shared = Shared(cfg)
+    longest = max(map(len, prompt_ids)) + cfg.max_new_tokens + max(cfg.num_draft_tokens) + 1
+    shared = Shared(cfg, context=peer_context(longest))
     reference = shared.decoder(None)
     settings = Settings(
         cfg.max_new_tokens,
@@ -420,6 +456,12 @@ def run_llama_bench(
     )
 
 
+def peer_context(tokens: int) -> int:
+    """A peer's context for rows of `tokens` tokens: whole blocks of 256 (llama.cpp pads its
+    cache to them), not the 4096 a row may reach, since each peer holds a cache of its own."""
+    return min(DEFAULT_CONTEXT, -(-tokens // 256) * 256)
+
+
 def peak_rss(cfg: LlamaBenchConfig, label: str, prompt: list[int]) -> float:
     """Peak resident memory (GiB) of a process that loads one method and decodes one prompt."""
     job = json.dumps({"config": asdict(cfg), "label": label, "prompt": prompt})
@@ -450,7 +492,8 @@ def _probe() -> None:
     settings = Settings(
         cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, _stop_ids(cfg)
     )
-    LLAMA[name](k, Shared(cfg), settings).run([job["prompt"]])
+    longest = len(job["prompt"]) + cfg.max_new_tokens + max(cfg.num_draft_tokens) + 1
+    LLAMA[name](k, Shared(cfg, context=peer_context(longest)), settings).run([job["prompt"]])
     print(high_water_gib())
 
 
