@@ -585,3 +585,36 @@ def test_a_run_shared_across_processes_merges_into_the_single_process_record():
         assert got.outputs == rec.outputs and got.differing == rec.differing, key
         assert got.seconds == pytest.approx(rec.seconds) and got.inputs == rec.inputs, key
     assert merged[("bad", 4)].differing == list(range(len(inputs)))
+
+
+def test_the_verdict_is_said_once_in_the_table(capsys):
+    """A differing text is judged once the run is over, not announced while it runs: the
+    table's column says yes, a near tie within the run's noise bound, or MISMATCH, and the
+    record fails only on a mismatch."""
+    from specdecode.bench.report import markdown_table, verdict
+    from specdecode.bench.runner import TorchBenchConfig, bench_record
+
+    methods = [Priced("ar"), Priced("tie", offset=1), Priced("bad", offset=1), Priced("same")]
+    records, _ = measure(methods, [1, 2, 3], [1], progress=False)
+    assert capsys.readouterr() == ("", "")  # nothing above the table
+    rows = {r["method"]: r for r in speed_rows(methods, records, "tokens", also_against=())}
+    assert rows["tie"]["differing"] == rows["bad"]["differing"] == [0, 1, 2]
+    # as the llama.cpp bench judges them: top-2 gaps at the first divergences against its bound
+    noise = 0.05
+    for label, gaps in (("tie", [0.01, 0.02, 0.03]), ("bad", [0.01, 0.2, 0.03])):
+        found = [{"input": i, "token": 0, "top2_gap": g} for i, g in enumerate(gaps)]
+        rows[label].update(divergences=found)
+        rows[label]["mismatches"] = [d["input"] for d in found if d["top2_gap"] > noise]
+    config = TorchBenchConfig(target="t", draft="d", prompts="p", limit=3, max_new_tokens=2)
+    record = bench_record(config, list(rows.values()), [], noise_bound=noise)
+    assert not record["ok"]
+    cells = {
+        line.split("|")[1].strip(): line.strip().strip("|").split("|")[-1].strip()
+        for line in markdown_table(record).splitlines()
+        if line.startswith("| ") and not line.startswith("| method")
+    }
+    assert cells["same"] == "yes" == verdict(rows["same"], noise)
+    assert cells["tie"].startswith("near tie") and "noise bound 0.050" in cells["tie"]
+    assert "0: 0.010" in cells["tie"] and "2: 0.030" in cells["tie"]
+    assert cells["bad"] == "MISMATCH (input 1)"
+    assert cells["ar"] == "yes"
