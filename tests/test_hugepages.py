@@ -31,19 +31,37 @@ def huge_bytes_in(start: int, end: int) -> int:
     raise AssertionError("mapping not found")
 
 
-@needs_thp
-def test_collapse_moves_new_regions_and_keeps_their_bytes():
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    before = hugepages.anonymous_regions()
-    address = libc.mmap(None, SIZE, 3, 0x22, -1, 0)  # read-write, private anonymous
+def mapped(libc, size: int) -> int:
+    """A private anonymous read-write mapping of `size` bytes, every page written (as loaded
+    weights are): a real allocation, which the process's maps then list."""
+    address = libc.mmap(None, size, 3, 0x22, -1, 0)  # read-write, private anonymous
     assert address not in (None, ctypes.c_void_p(-1).value)
+    pattern = bytes(range(251)) * (size // 251) + bytes(size % 251)
+    ctypes.memmove(address, pattern, size)
+    return address
+
+
+def region_of(regions: set[hugepages.Region], start: int, end: int) -> hugepages.Region | None:
+    """The region of `regions` holding [start, end), if one does."""
+    return next(((lo, hi) for lo, hi in regions if lo <= start and end <= hi), None)
+
+
+@pytest.fixture
+def libc():
+    lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+@needs_thp
+def test_collapse_moves_new_regions_and_keeps_their_bytes(libc):
+    before = hugepages.anonymous_regions()
+    address = mapped(libc, SIZE)
     try:
         data = (ctypes.c_uint8 * SIZE).from_address(address)
-        pattern = bytes(range(251)) * (SIZE // 251) + bytes(SIZE % 251)
-        ctypes.memmove(address, pattern, SIZE)  # every page written, as loaded weights are
+        pattern = bytes(data)
         moved = hugepages.collapse_new_regions(before)
         assert moved >= SIZE - 2 * hugepages.HUGE_PAGE  # all whole huge pages inside it
         assert huge_bytes_in(address, address + SIZE) >= SIZE - 2 * hugepages.HUGE_PAGE
@@ -53,8 +71,24 @@ def test_collapse_moves_new_regions_and_keeps_their_bytes():
 
 
 @needs_thp
-def test_old_regions_are_left_alone():
-    assert hugepages.collapse_new_regions(hugepages.anonymous_regions()) == 0
+def test_a_snapshot_lists_a_new_allocation_and_old_regions_are_left_alone(libc):
+    """The snapshot taken before an allocation lacks it and the one after holds it; given the
+    later snapshot, a collapse leaves the region as it was, while given the earlier one it
+    moves it: what keeps the backend from touching memory it did not just load."""
+    before = hugepages.anonymous_regions()
+    address = mapped(libc, SIZE)
+    try:
+        after = hugepages.anonymous_regions()
+        region = region_of(after, address, address + SIZE)
+        assert region is not None and region not in before  # listed once it exists
+        assert region_of(before, address, address + SIZE) is None
+        pages = huge_bytes_in(address, address + SIZE)
+        assert hugepages.collapse_new_regions(after) == 0
+        assert huge_bytes_in(address, address + SIZE) == pages  # left as it was
+        assert hugepages.collapse_new_regions(before) >= SIZE - 2 * hugepages.HUGE_PAGE
+    finally:
+        libc.munmap(address, SIZE)
+    assert region_of(hugepages.anonymous_regions(), address, address + SIZE) is None  # unmapped
 
 
 # ------------------------------------------------------------------ the verdict, kept

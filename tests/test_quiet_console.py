@@ -7,6 +7,7 @@ transformers, the same for any model); `specdecode translate` on the shipped Bib
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -17,17 +18,37 @@ from specdecode.cli.main import main
 from specdecode.core.prices import pass_seconds
 
 
+class Recorder(logging.Handler):
+    """Keeps every record a library logs. transformers' own handler writes to the `sys.stderr`
+    of the moment it was made, which under pytest is not the descriptor `capfd` reads."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def run_quietly(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[str, str]:
-    """Run the CLI with every warning recorded (none filtered away, none deduplicated) and the
-    process's stdout and stderr captured at the file descriptors; returns (stdout, stderr)."""
+    """Run the CLI with every warning recorded (none filtered away, none deduplicated), every
+    warning transformers logs recorded, and the process's stdout and stderr captured at the
+    file descriptors; returns (stdout, stderr)."""
     hf_logging.warning_once.cache_clear()  # a message logged once earlier in the session counts
     capfd.readouterr()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        code = main(argv)
+    logged = Recorder()
+    library = logging.getLogger("transformers")  # the root of transformers' loggers
+    library.addHandler(logged)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = main(argv)
+    finally:
+        library.removeHandler(logged)
     out, err = capfd.readouterr()
     assert code == 0, err
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert [f"{r.name}: {r.getMessage()}" for r in logged.records] == []
     lines = [line for line in err.splitlines() if "Warning" in line or "deprecat" in line]
     assert lines == [], err
     assert "output = func(self" not in err and "forward_call(" not in err
@@ -65,3 +86,16 @@ def test_round_timing_warns_nothing(tiny_llama) -> None:
 def test_translate_prints_no_warning(capfd) -> None:
     out, _ = run_quietly(["translate", "Y dijo Dios: Sea la luz."], capfd)
     assert "God" in out
+
+
+def test_bench_with_transformers_assisted_generation_prints_no_warning(
+    tiny_pair, tmp_path, capfd
+) -> None:
+    """`bench` runs transformers' own loops beside the engine: plain `generate` and assisted
+    generation with the drafter, whose candidate generator calls `generate` on the drafter."""
+    target, draft, prompts = tiny_pair
+    args = ["bench", "--backend", "torch", "--target", str(target), "--draft", str(draft)]
+    args += ["--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "8", "--quiet"]
+    args += ["--methods", "ar", "hf", "hf-assisted", "hf-assisted-k", "hf-lookup", "sd"]
+    out, _ = run_quietly([*args, "--out", str(tmp_path), "--no-plots"], capfd)
+    assert "| hf-assisted |" in out and "| hf-assisted-k[k=4] |" in out

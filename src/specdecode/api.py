@@ -33,6 +33,7 @@ from specdecode.core.checks import (
 )
 from specdecode.core.config import (
     DEFAULT_DRAFTING,
+    DEFAULT_MAX_NEW_TOKENS,
     HEAD_POLICIES,
     PROMPT_LOOKUP,
     DecodeConfig,
@@ -386,7 +387,7 @@ class SpeculativeDecoder:
 
     def config(
         self,
-        max_new_tokens: int = 64,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,

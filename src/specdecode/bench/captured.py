@@ -40,14 +40,20 @@ import torch
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel, cache_kwargs
 from specdecode.backends.torch_static import StaticCachedModel
+from specdecode.bench.config import (
+    DEFAULT_ACCEPTANCE,
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_METHODS_OF,
+    REFERENCE,
+    BenchConfig,
+)
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels, timed_generate
 from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
-from specdecode.bench.runner import REFERENCE, bench_record, check_run, measure, speed_rows
+from specdecode.bench.runner import bench_record, measure, speed_rows
 from specdecode.core.drafting.base import Draft, Drafter
 from specdecode.core.prices import pass_seconds
 
 CAPTURED = Registry("captured")
-DEFAULT_METHODS = ("ar", "sd", "eager-ar", "eager-sd", "hf-static", "hf-assisted", "graph-ar")
 CONTROL = (
     "controlled: the drafter model runs every pass but proposes the text plain decoding on the "
     "static path wrote for the prompt, each token replaced by another with probability "
@@ -136,25 +142,26 @@ class ScriptedDrafter:
         return self.inner.next_law(sequences, seq_lens, rows)
 
 
-@dataclass(frozen=True)
-class CapturedBenchConfig:
-    target: str  # a shape name (models/shapes)
+@dataclass(frozen=True, kw_only=True)
+class CapturedBenchConfig(BenchConfig):
+    """The captured path's bench: the shared settings, a pair of shapes, the acceptance held,
+    and random prompts."""
+
+    DEFAULT_METHODS: ClassVar[tuple[str, ...]] = DEFAULT_METHODS_OF["captured"]
+
+    target: str  # a shape name (models/shapes) or a config .json file
     draft: str
     device: str = "cpu"
     dtype: str = "bfloat16"
     compile: bool | None = None  # None: on CUDA only
-    acceptance: tuple[float, ...] = (0.8,)
-    num_draft_tokens: tuple[int, ...] = (4,)
-    batch_sizes: tuple[int, ...] = (1,)
+    acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
+    num_draft_tokens: tuple[int, ...] = DEFAULT_DRAFT_TOKENS
     prompts: int | None = None  # None: the largest batch size
     prompt_tokens: int = 128
-    max_new_tokens: int = 128
-    methods: tuple[str, ...] = DEFAULT_METHODS
-    repeats: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_run(self.methods, self.batch_sizes, self.repeats)
+        super().__post_init__()
         for name in self.methods:
             CAPTURED.lookup(name)
         for name in (self.target, self.draft):
@@ -163,8 +170,10 @@ class CapturedBenchConfig:
             raise ValueError(f"acceptance must lie in [0, 1], got {self.acceptance}")
         if any(k < 1 for k in self.num_draft_tokens):
             raise ValueError(f"draft lengths must be >= 1, got {self.num_draft_tokens}")
-        if self.prompt_tokens < 1 or self.max_new_tokens < 1:
-            raise ValueError("--prompt-tokens and --max-new-tokens must be >= 1")
+        if self.prompt_tokens < 1:
+            raise ValueError(f"--prompt-tokens must be >= 1, got {self.prompt_tokens}")
+        if self.prompts is not None and self.prompts < 1:
+            raise ValueError(f"--limit (random prompts) must be >= 1, got {self.prompts}")
 
     @property
     def compiled(self) -> bool:

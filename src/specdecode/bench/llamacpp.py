@@ -18,11 +18,12 @@ models says nothing about any one of them.
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -31,15 +32,10 @@ import torch
 
 from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
-from specdecode.backends.llamacpp import LlamaCppModel, physical_cores
-from specdecode.bench.methods import Registry, Result, Settings, SharedModels
-from specdecode.bench.runner import (
-    REFERENCE,
-    bench_record,
-    check_run,
-    measure_shared,
-    speed_rows,
-)
+from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel, physical_cores
+from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchConfig
+from specdecode.bench.methods import Registry, Result, Settings, SharedModels, T
+from specdecode.bench.runner import bench_record, measure_shared, speed_rows
 from specdecode.core.config import DEFAULT_DRAFTING, PromptLookup
 
 LLAMA = Registry(
@@ -50,43 +46,20 @@ LLAMA = Registry(
         "torch-sd-int8-lookup": "torch-sd-int8-lookup-first",
     },
 )
-DEFAULT_METHODS = (
-    "ar",
-    "specdecode",
-    "sd-lookup",
-    "llama-cpp-python",
-    "llama-cpp-python-huge",
-    "llama-cpp-python-lookup",
-)
 
 
-@dataclass(frozen=True)
-class LlamaBenchConfig:
-    target: str
-    draft: str
-    prompts: str
-    limit: int | None = 20
-    skip: int = 0
-    methods: tuple[str, ...] = DEFAULT_METHODS
-    num_draft_tokens: tuple[int, ...] = (4,)
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    chat: bool = False
-    threads: int | None = None
-    repeats: int = 1
+@dataclass(frozen=True, kw_only=True)
+class LlamaBenchConfig(PromptBenchConfig):
+    """The causal bench on llama.cpp: the shared settings, and peak memory per method."""
+
+    DEFAULT_METHODS: ClassVar[tuple[str, ...]] = DEFAULT_METHODS_OF["llama.cpp"]
+
     rss: bool = False  # peak RSS per method, each in a process of its own
-    backend: str = "llama.cpp"
 
     def __post_init__(self) -> None:
-        check_run(self.methods, self.batch_sizes, self.repeats)
+        super().__post_init__()
         for name in self.methods:
             LLAMA.lookup(name)
-        if any(k < 1 for k in self.num_draft_tokens):
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
 
     def specs(self) -> list[tuple[str, int | None]]:
         """(method, k) for every row: methods with a draft length once per k."""
@@ -99,10 +72,32 @@ class LlamaBenchConfig:
 
 @dataclass
 class Shared(SharedModels):
-    """The models of one run, each loaded once (`SharedModels`): the llama.cpp target and
-    drafter are shared by every engine method (each call resets their sequences)."""
+    """The models of one run (`SharedModels`): the llama.cpp target and drafter, shared by
+    every engine method (each call resets their sequences) and loaded once; and the peers'
+    models, held one peer at a time (`peer_model`).
+
+    Why one at a time: every peer loads the target's weights again (llama-cpp-python reads the
+    file mapped and copies the repacked part out of it; the huge-page peer reads it all into
+    memory), so the default run holding all of them beside this engine's own copy peaked near
+    four copies of the target. A peer is loaded at its turn in a batch and dropped when
+    another peer's turn comes; it is warmed up after each load, untimed (`LlamaMethod.run`).
+    """
 
     cfg: LlamaBenchConfig
+    context: int = DEFAULT_CONTEXT  # tokens of a peer's context: the longest prompt's and more
+    peer: str | None = None  # the peer whose models are loaded now
+
+    def peer_model(self, key: str, build: Callable[[], T]) -> T:
+        """A peer's model, built if need be, after dropping another peer's."""
+        if self.peer not in (None, key):
+            old = self.built.pop(self.peer, None)
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()  # llama.cpp's memory now, not at garbage collection
+            del old
+            gc.collect()
+        self.peer = key
+        return self.shared(key, build)
 
     def threads(self) -> int:
         return self.cfg.threads or physical_cores()
@@ -159,12 +154,18 @@ class LlamaMethod:
     def skips(self, batch_size: int) -> str | None:
         return None
 
+    def loaded(self) -> bool:
+        """Whether its models are loaded (an engine method's stay loaded once they are)."""
+        return True
+
     def prepare(self, sample: Sequence[list[int]]) -> None:
         from dataclasses import replace
 
         self.generate(list(sample), replace(self.settings, max_new_tokens=8))
 
     def run(self, batch: Sequence[list[int]]) -> Result:
+        if not self.loaded():  # dropped for another peer: loaded and warmed up, untimed
+            self.prepare(batch[:1])
         return self.generate(list(batch), self.settings)
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
@@ -254,7 +255,7 @@ class LlamaCppPython(LlamaMethod):
         threads = self.shared.threads()
         return Llama(
             str(gguf_path(self.shared.cfg.target)),
-            n_ctx=4096,
+            n_ctx=self.shared.context,
             n_threads=threads,
             n_threads_batch=threads,
             verbose=False,
@@ -265,7 +266,10 @@ class LlamaCppPython(LlamaMethod):
         return {}
 
     def llama(self):
-        return self.shared.shared(self.label, self.make)
+        return self.shared.peer_model(self.label, self.make)
+
+    def loaded(self) -> bool:
+        return self.label in self.shared.built
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         import time
@@ -331,6 +335,9 @@ class TorchMethod(LlamaMethod):
 
     drafter_int8: ClassVar[bool] = False
 
+    def loaded(self) -> bool:
+        return self.name in self.shared.built
+
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         cfg = self.shared.cfg
 
@@ -340,7 +347,7 @@ class TorchMethod(LlamaMethod):
                 cfg.target, draft, backend="torch", drafter_int8=self.drafter_int8
             )
 
-        decoder = self.shared.shared(self.name, build)
+        decoder = self.shared.peer_model(self.name, build)
         options = {"drafting": "lookup-first"}
         return engine_run(decoder, prompts, s, self.drafter_int8, self.k, options)
 
@@ -409,7 +416,8 @@ def divergences(
 def run_llama_bench(
     cfg: LlamaBenchConfig, prompt_ids: list[list[int]], progress: bool = True
 ) -> dict | None:
-    shared = Shared(cfg)
+    longest = max(map(len, prompt_ids)) + cfg.max_new_tokens + max(cfg.num_draft_tokens) + 1
+    shared = Shared(cfg, context=peer_context(longest))
     reference = shared.decoder(None)
     settings = Settings(
         cfg.max_new_tokens,
@@ -460,6 +468,12 @@ def run_llama_bench(
     )
 
 
+def peer_context(tokens: int) -> int:
+    """A peer's context for rows of `tokens` tokens: whole blocks of 256 (llama.cpp pads its
+    cache to them), not the 4096 a row may reach, since each peer holds a cache of its own."""
+    return min(DEFAULT_CONTEXT, -(-tokens // 256) * 256)
+
+
 def peak_rss(cfg: LlamaBenchConfig, label: str, prompt: list[int]) -> float:
     """Peak resident memory (GiB) of a process that loads one method and decodes one prompt."""
     job = json.dumps({"config": asdict(cfg), "label": label, "prompt": prompt})
@@ -490,7 +504,8 @@ def _probe() -> None:
     settings = Settings(
         cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, _stop_ids(cfg)
     )
-    LLAMA[name](k, Shared(cfg), settings).run([job["prompt"]])
+    longest = len(job["prompt"]) + cfg.max_new_tokens + max(cfg.num_draft_tokens) + 1
+    LLAMA[name](k, Shared(cfg, context=peer_context(longest)), settings).run([job["prompt"]])
     print(high_water_gib())
 
 

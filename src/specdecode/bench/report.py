@@ -92,11 +92,30 @@ def _num(row: dict, key: str, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _agreement(row: dict) -> str:
-    """An exact method: equal to ar or not; a coupled one: paired with its drafter's others or
-    not; any other: the share of its texts equal to ar's (`n/a` in records without it)."""
+def verdict(row: dict, noise_bound: float | None = None) -> str:
+    """An exact method's agreement with ar, decided once (`mismatches`: the texts a bench did
+    not forgive) and said once: in the table's column, and by the failing command's last line.
+
+    "yes": every text equals ar's. "near tie": every text that differs first differs where the
+    top-2 gap of ar's logits lies within the bound the run measured for its backend's noise
+    (llama.cpp scores a token differently by the shape of the pass). "MISMATCH": some text
+    differs beyond that, or where no noise is allowed (the PyTorch backend's exact methods)."""
+    if row["mismatches"]:
+        inputs = ", ".join(map(str, row["mismatches"]))
+        return f"MISMATCH (input{'s' if len(row['mismatches']) > 1 else ''} {inputs})"
+    ties = row.get("divergences") or []
+    if not ties:
+        return "yes"
+    gaps = ", ".join(f"{d['input']}: {d['top2_gap']:.3f}" for d in ties)
+    bound = "" if noise_bound is None else f" {noise_bound:.3f}"
+    return f"near tie (top-2 gap at input {gaps}; within the measured noise bound{bound})"
+
+
+def _agreement(row: dict, noise_bound: float | None) -> str:
+    """An exact method: its verdict; a coupled one: paired with its drafter's others or not;
+    any other: the share of its texts equal to ar's (`n/a` in records without it)."""
     if row["exact"]:
-        return "yes" if not row["mismatches"] else f"NO ({len(row['mismatches'])})"
+        return verdict(row, noise_bound)
     if "unpaired" in row:
         unpaired = row["unpaired"]
         return "paired" if not unpaired else f"NO ({len(unpaired)} prompts differ)"
@@ -190,8 +209,8 @@ COLUMNS = (
     Column("BLEU 2 refs", ("bleu_two_refs",), _figure("bleu_two_refs")),
     Column("chrF", ("chrf",), _figure("chrf", 1)),
     Column("weights GiB", ("model_gib",), _figure("model_gib", 1)),
-    Column("output == ar (exact), paired (coupled) or share identical", (), _agreement),
 )
+AGREEMENT = "output == ar (exact), paired (coupled) or share identical"
 
 
 def _speed(row: dict) -> float:
@@ -334,6 +353,8 @@ def markdown_table(record: dict) -> str:
     columns = [
         c for c in COLUMNS if not c.keys or any(r.get(k) is not None for r in rows for k in c.keys)
     ]
+    noise = record.get("noise_bound")  # the llama.cpp bench's, which forgives near ties
+    columns.append(Column(AGREEMENT, (), lambda row: _agreement(row, noise)))
     lines = _heading(record) + [
         "",
         "| " + " | ".join(c.title for c in columns) + " |",

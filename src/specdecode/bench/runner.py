@@ -6,10 +6,13 @@ the same model objects; a warm-up run of each method comes first; within each ba
 the methods run back to back, in an order rotated from batch to batch, so slow drifts of a shared
 machine fall on all of them; speedups are per-batch ratios of speed against the reference `ar`,
 summarised by median and geometric mean with their spread. An exact method (greedy and lossless)
-must reproduce `ar` token for token; a mismatch is reported and fails the run. With `repeats`
-> 1 the rotation over a batch runs that many times and each method keeps its fastest run: on a
-shared machine a stall of a second can hit any one call of a 50 ms translation, and a minimum
-over interleaved repeats drops it where a mean or a total would carry it.
+must reproduce `ar` token for token; a text that differs is judged once the run is over (a
+mismatch, or a near tie where a bench's backend scores a token differently by the shape of the
+pass), the verdict is said once, in the table (`report.verdict`), and a mismatch fails the
+run. With `repeats` > 1 the rotation over a batch runs that many times and each method keeps
+its fastest run: on a shared machine a stall of a second can hit any one call of a 50 ms
+translation, and a minimum over interleaved repeats drops it where a mean or a total would
+carry it.
 
 Causal and seq2seq runs differ only in their methods (`methods.BenchMethod`), in the unit of
 speed (tokens for causal text, whose length a sampled method changes; sentences for
@@ -26,13 +29,14 @@ import platform
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
 from specdecode.backends.kernels import cpu_fp32, model_bytes
 from specdecode.backends.torch_eager import CachedModel
+from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchConfig
 from specdecode.bench.methods import (
     CAUSAL,
     BenchMethod,
@@ -50,10 +54,13 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
+from specdecode.core.config import (
+    DEFAULT_BOUND,
+    POLICIES,
+    POLICY_DEFAULT_THRESHOLDS,
+)
 from specdecode.core.prices import Prices, pass_seconds
 from specdecode.core.stats import CostFigures, DecodeStats, RowStats
-
-REFERENCE = "ar"  # the baseline of every ratio and the text exact methods must reproduce
 
 
 @dataclass
@@ -67,7 +74,9 @@ class MethodRecord:
     inputs: list[int] = field(default_factory=list)  # per batch: its number of inputs
     outputs: list[list[int]] = field(default_factory=list)  # per input, in the inputs' order
     stats: DecodeStats | None = None  # this engine's counts, summed over the batches
-    mismatches: list[int] = field(default_factory=list)  # input indices differing from ar
+    # an exact method: input indices whose text differs from ar's (a bench judges them: a
+    # mismatch, or a near tie its backend's noise explains; `report.verdict` says which)
+    differing: list[int] = field(default_factory=list)
     # coupled runs: input indices whose text differs from the first method of the same pairing
     unpaired: list[int] = field(default_factory=list)
     # per batch: the first round (both prefills) of the engine's methods; None for the others
@@ -156,10 +165,8 @@ def measure(
                 if method.pairing is not None:
                     first_text = paired_with.setdefault(method.pairing, result.token_ids)
                     rec.unpaired += differing(result.token_ids, first_text, start)
-                if method.exact:
-                    for index in differing(result.token_ids, want, start):
-                        rec.mismatches.append(index)
-                        tqdm.write(f"MISMATCH: {method.label} differs from ar on input {index}")
+                if method.exact:  # judged once the run is over, said once, in the table
+                    rec.differing += differing(result.token_ids, want, start)
     bar.close()
     return records, skipped
 
@@ -171,7 +178,7 @@ def measure(
 # must run the same batches a single process would. The inputs are cut into chunks of
 # lcm(batch sizes) inputs (so no batch of any size straddles two chunks), chunk c goes to process
 # c mod N, each process measures its chunks with the one runner (`runner.measure`), and the main
-# process merges the records back into input order: the same batches, outputs and mismatches as
+# process merges the records back into input order: the same batches, outputs and differences as
 # one process would record, each batch timed on the process that ran it. With several GPUs that
 # divides a run's wall time by N; on one CPU it only has to give the same record.
 
@@ -187,7 +194,7 @@ def chunks_of(count: int, batch_sizes: Sequence[int], process: int, processes: i
 
 def merge(parts: Sequence[tuple[list[int], Records]], batch_sizes: Sequence[int]) -> Records:
     """One record per (method, batch size) from each process's (input indices, records): its
-    batches, outputs and mismatches put back in input order."""
+    batches, outputs and differences put back in input order."""
     merged: Records = {}
     keys = dict.fromkeys(key for _, records in parts for key in records)
     for key in keys:
@@ -204,7 +211,7 @@ def merge(parts: Sequence[tuple[list[int], Records]], batch_sizes: Sequence[int]
                 batches.append((mine[local], p, rec, j))
                 local += n
             outputs.update({mine[i]: o for i, o in enumerate(rec.outputs)})
-            out.mismatches += [mine[i] for i in rec.mismatches]
+            out.differing += [mine[i] for i in rec.differing]
             out.unpaired += [mine[i] for i in rec.unpaired]
             if rec.stats is not None:
                 if out.stats is None:
@@ -217,7 +224,7 @@ def merge(parts: Sequence[tuple[list[int], Records]], batch_sizes: Sequence[int]
             out.first_round_seconds.append(rec.first_round_seconds[j])
             out.first_round_tokens.append(rec.first_round_tokens[j])
         out.outputs = [outputs[i] for i in sorted(outputs)]
-        out.mismatches.sort()
+        out.differing.sort()
         out.unpaired.sort()
         merged[key] = out
     return merged
@@ -303,7 +310,8 @@ def speed_rows(
             row[f"speedup_vs_{other}"] = summarize(ratio) if ratio else None
         same = [a == b for a, b in zip(rec.outputs, base.outputs, strict=True)]
         row["identical_to_ar"] = sum(same) / len(same)
-        row["mismatches"] = rec.mismatches
+        # every difference is a mismatch unless the bench's extras judge it a near tie
+        row["differing"], row["mismatches"] = rec.differing, list(rec.differing)
         if method.pairing is not None:
             coupling = rec.stats.coupling_seconds if rec.stats is not None else 0.0
             row.update(unpaired=rec.unpaired, coupling_seconds=coupling)
@@ -311,16 +319,6 @@ def speed_rows(
             extras(row, method, rec, base)
         rows.append(row)
     return rows
-
-
-def check_run(methods: Sequence[str], batch_sizes: Sequence[int], repeats: int) -> None:
-    """What `measure` needs of any run's settings, refused before models load."""
-    if REFERENCE not in methods:
-        raise ValueError("the methods must include 'ar', the baseline of every ratio")
-    if any(b < 1 for b in batch_sizes):
-        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
 
 
 def bench_record(config: Any, rows: list[dict], skipped: list[str], **extras: Any) -> dict:
@@ -339,52 +337,43 @@ def bench_record(config: Any, rows: list[dict], skipped: list[str], **extras: An
 # ---- the causal bench: its configuration, calibration and figures ----
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    target: str
-    draft: str
-    prompts: str
-    limit: int | None = 20
-    skip: int = 0  # prompts dropped from the set's start before `limit` is taken
-    methods: tuple[str, ...] = ("ar", "hf", "hf-assisted", "sd", "sd-int8")
-    num_draft_tokens: tuple[int, ...] = (4,)
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    chat: bool = False
-    prepack: bool = True
-    threads: int | None = None
+@dataclass(frozen=True, kw_only=True)
+class TorchBenchConfig(PromptBenchConfig):
+    """The causal bench on PyTorch: the shared settings, and its kernels, length policies and
+    device."""
+
+    DEFAULT_METHODS: ClassVar[tuple[str, ...]] = DEFAULT_METHODS_OF["torch"]
+
+    prepack: bool = True  # oneDNN-packed kernels, where they apply (the CPU in fp32)
     policies: tuple[str, ...] = ("constant",)
-    stop_thresholds: tuple[float, ...] = (0.7,)  # the head policy's sweep
-    confidence_thresholds: tuple[float, ...] = (0.4,)
-    bounds: tuple[tuple[int, int], ...] = ((1, 8),)  # adaptive policies' (MIN, MAX), a sweep
+    stop_thresholds: tuple[float, ...] = (POLICY_DEFAULT_THRESHOLDS["head"],)  # a sweep
+    confidence_thresholds: tuple[float, ...] = (POLICY_DEFAULT_THRESHOLDS["confidence"],)
+    bounds: tuple[tuple[int, int], ...] = (DEFAULT_BOUND,)  # adaptive policies' (MIN, MAX)
     head: str | None = None
     coupled: bool = False  # sampling: every policy of a drafter commits the same text
     priced: bool = False  # head policies run twice: flat, and priced by the calibration
     device: str = "cpu"
     dtype: str = "float32"
-    repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest run kept
 
     def __post_init__(self) -> None:
+        fits = cpu_fp32(self.device, getattr(torch, self.dtype))
+        if not fits:  # the CPU kernels do not apply: no packing, default methods without them
+            object.__setattr__(self, "prepack", False)
+            if not self.methods:
+                defaults = tuple(m for m in self.DEFAULT_METHODS if not _cpu_kernels(m))
+                object.__setattr__(self, "methods", defaults)
+        super().__post_init__()
         if self.coupled and self.temperature == 0:
             raise ValueError(
                 "--coupled pairs sampled text; greedy methods commit the same text already"
             )
-        if not cpu_fp32(self.device, getattr(torch, self.dtype)):
+        if not fits:
             cpu_only = [m for m in self.methods if _cpu_kernels(m)]
             if cpu_only:
                 raise ValueError(
                     f"methods {cpu_only} run CPU kernels (an int8 drafter, default vs packed fp32 "
                     f"kernels); on {self.device} in {self.dtype} use sd, ar, hf, hf-assisted"
                 )
-        check_run(self.methods, self.batch_sizes, self.repeats)
-        if any(k < 1 for k in self.num_draft_tokens):
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        from specdecode.core.length_policies import POLICIES
-
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:
             raise ValueError(f"unknown length policies {unknown}; known: {', '.join(POLICIES)}")
@@ -453,7 +442,7 @@ def round_prices(costs: dict, longest_round: int) -> dict[str, Prices]:
 
 
 def run_bench(
-    cfg: BenchConfig, models: Models, prompt_ids: list[list[int]], progress: bool = True
+    cfg: TorchBenchConfig, models: Models, prompt_ids: list[list[int]], progress: bool = True
 ) -> dict | None:
     settings = Settings(
         cfg.max_new_tokens,

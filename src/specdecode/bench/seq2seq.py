@@ -33,14 +33,15 @@ from typing import Any, ClassVar
 import torch
 
 from specdecode.backends.kernels import kernel_summary, model_bytes, prepack_linears
-from specdecode.bench.methods import Registry, Result, SharedModels, SpecMethod, timed_generate
-from specdecode.bench.runner import (
-    MethodRecord,
-    bench_record,
-    check_run,
-    measure_shared,
-    speed_rows,
+from specdecode.bench.config import (
+    DEFAULT_BLOCK_SIZES,
+    DEFAULT_METHODS_OF,
+    DEFAULT_RELAXED,
+    DEFAULT_SENTENCE_LIMIT,
+    BenchConfig,
 )
+from specdecode.bench.methods import Registry, Result, SharedModels, SpecMethod, timed_generate
+from specdecode.bench.runner import MethodRecord, bench_record, measure_shared, speed_rows
 from specdecode.core.verification import TopBetaTau
 from specdecode.seq2seq.api import TranslationPair
 from specdecode.seq2seq.block_drafter import BlockDrafter
@@ -79,23 +80,23 @@ class Seq2SeqMethod:
         return SEQ2SEQ.lookup(self.kind).exact_output and self.relaxed is None
 
 
-@dataclass(frozen=True)
-class Seq2SeqBenchConfig:
+@dataclass(frozen=True, kw_only=True)
+class Seq2SeqBenchConfig(BenchConfig):
+    """The translation bench: the shared settings, a pair, its sentences and SpecDec's sweeps."""
+
+    DEFAULT_METHODS: ClassVar[tuple[str, ...]] = DEFAULT_METHODS_OF["seq2seq"]
+
     pair: str
     split: str = "test"
-    limit: int | None = 200
-    methods: tuple[str, ...] = ("ar", "hf", "hf-beam5", "hf-assisted", "specdec")
-    block_sizes: tuple[int, ...] = (25,)
-    relaxed: tuple[tuple[int, float], ...] = ((5, 3.0),)
-    batch_sizes: tuple[int, ...] = (1,)
-    max_new_tokens: int = 200
-    threads: int | None = None
-    repeats: int = 1  # > 1: each batch's rotation runs this many times, fastest run kept
+    limit: int | None = DEFAULT_SENTENCE_LIMIT  # the split's first N sentences (None or 0: all)
+    block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES
+    relaxed: tuple[tuple[int, float], ...] = DEFAULT_RELAXED
     prepack: bool = True  # oneDNN-packed kernels for multi-row products (`kernels`), all models
     alt_drafter: str | None = None  # a second block drafter directory (`specdec-alt*` methods)
     max_draft_batch: int | None = None  # > 0: exact SpecDec methods also run gated at this
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         known = (*SEQ2SEQ, RELAXED_ONLY)
         unknown = [m for m in self.methods if m.removesuffix("+dense") not in known]
         if unknown:
@@ -106,7 +107,6 @@ class Seq2SeqBenchConfig:
         alt = [m for m in self.methods if _kind(m) in SEQ2SEQ and SEQ2SEQ[_kind(m)].needs_alt]
         if alt and self.alt_drafter is None:
             raise ValueError(f"methods {alt} need a second drafter: give --alt-drafter DIR")
-        check_run(self.methods, self.batch_sizes, self.repeats)
         if not self.prepack and any(m.endswith("+dense") for m in self.methods):
             raise ValueError("+dense compares with packed kernels; drop it or --no-prepack")
         if any(k < 1 for k in self.block_sizes):

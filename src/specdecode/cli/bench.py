@@ -7,6 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+from specdecode.bench.config import (
+    DEFAULT_ACCEPTANCE,
+    DEFAULT_BLOCK_SIZES,
+    DEFAULT_METHODS_OF,
+    DEFAULT_PROMPT_LIMIT,
+    DEFAULT_PROMPTS,
+    DEFAULT_RELAXED,
+    DEFAULT_SENTENCE_LIMIT,
+)
 from specdecode.cli.common import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -14,7 +23,13 @@ from specdecode.cli.common import (
     set_threads,
     torch_dtype,
 )
-from specdecode.core.config import HEAD_POLICIES, DecodeConfig, SamplingConfig
+from specdecode.core.config import (
+    DEFAULT_BOUND,
+    HEAD_POLICIES,
+    POLICY_DEFAULT_THRESHOLDS,
+    DecodeConfig,
+    SamplingConfig,
+)
 
 
 def model_identity(name_or_path: str) -> dict:
@@ -36,44 +51,36 @@ def cmd_bench_seq2seq(args: argparse.Namespace) -> int:
     from specdecode.bench.seq2seq import Seq2SeqBenchConfig, run_seq2seq_bench
     from specdecode.cli.seq2seq import SHIPPED_PAIR
 
-    if not cpu_fp32(args.device, torch_dtype(args.dtype)):
+    if not cpu_fp32(args.device, torch_dtype(args.dtype or "float32")):
         raise ValueError(
             "bench --pair runs the seq2seq pair in float32 on the CPU; --device and --dtype "
             "apply to causal pairs (--target/--draft)"
         )
-    set_threads(args.threads)
-    relaxed = []
-    for item in args.relaxed:
-        beta, _, tau = item.partition(",")
-        try:
-            relaxed.append((int(beta), float(tau)))
-        except ValueError:
-            raise ValueError(
-                f"--relaxed takes BETA,TAU pairs such as 5,3.0; got {item!r}"
-            ) from None
-    methods = args.methods or ["ar", "hf", "hf-beam5", "hf-assisted", "specdec"]
+    relaxed = None
+    if args.relaxed is not None:
+        relaxed = []
+        for item in args.relaxed:
+            beta, _, tau = item.partition(",")
+            try:
+                relaxed.append((int(beta), float(tau)))
+            except ValueError:
+                raise ValueError(
+                    f"--relaxed takes BETA,TAU pairs such as 5,3.0; got {item!r}"
+                ) from None
     cfg = Seq2SeqBenchConfig(
         pair=str(SHIPPED_PAIR if args.pair == "shipped" else args.pair),
-        split=args.split,
-        limit=args.limit,
-        methods=tuple(methods),
-        block_sizes=tuple(args.block_sizes),
-        relaxed=tuple(relaxed),
-        batch_sizes=tuple(args.batch_sizes),
-        max_new_tokens=args.max_new_tokens,
-        threads=args.threads,
-        repeats=args.repeats,
-        prepack=not args.no_prepack,
-        alt_drafter=args.alt_drafter,
-        max_draft_batch=args.max_draft_batch,
+        **_given(args, "split", "limit", "block_sizes", "max_draft_batch", "alt_drafter"),
+        **_given_values(relaxed=relaxed, prepack=False if args.no_prepack else None),
+        **_shared_settings(args),
     )
+    set_threads(cfg.threads)
     return _report(run_seq2seq_bench(cfg, progress=not args.quiet), args)
 
 
 def _report(record: dict | None, args: argparse.Namespace) -> int:
     """Write and print a run's record and table; a mismatch fails the command. None: a
     process of a launched run other than the main one, which writes for all."""
-    from specdecode.bench.report import markdown_table, write_report
+    from specdecode.bench.report import markdown_table, verdict, write_report
 
     if record is None:
         return 0
@@ -82,9 +89,13 @@ def _report(record: dict | None, args: argparse.Namespace) -> int:
     print(markdown_table(record))
     print(f"record written to {out}/record.json")
     if not record["ok"]:
-        print(
-            "FAILED: an exact method's output differs from ar (see 'mismatches')", file=sys.stderr
+        failed = [row for row in record["methods"] if row["mismatches"]]
+        said = "; ".join(
+            f"{row['method']} at batch {row['batch_size']}: "
+            + verdict(row, record.get("noise_bound"))
+            for row in failed
         )
+        print(f"FAILED: an exact method's output differs from ar ({said})", file=sys.stderr)
         return 1
     return 0
 
@@ -162,34 +173,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.prompts import require_prompts
 
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
-    prompts = require_prompts(args.prompts, limit=args.limit, skip=args.skip)
+    limit = args.limit if args.limit is not None else DEFAULT_PROMPT_LIMIT
+    prompts = require_prompts(args.prompts or DEFAULT_PROMPTS, limit=limit, skip=args.skip or 0)
     from specdecode.api import default_backend
 
     if (args.backend or _default_bench_backend(args, default_backend)) == "llama.cpp":
         return cmd_bench_llama(args, prompts)
-    from specdecode.backends.kernels import cpu_fp32, kernel_summary, prepack_linears
+    from specdecode.backends.kernels import kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
     from specdecode.bench.prompts import require_prompts
-    from specdecode.bench.runner import BenchConfig, run_bench
+    from specdecode.bench.runner import TorchBenchConfig, run_bench
     from specdecode.models.store import load_causal_lm
 
-    set_threads(args.threads)
-    fits = cpu_fp32(args.device, torch_dtype(args.dtype))  # where the CPU kernels apply
-    default_methods = ["ar", "hf", "hf-assisted", "sd"] + (["sd-int8"] if fits else [])
-    cfg = BenchConfig(
-        **_run_settings(args),
-        methods=tuple(args.methods or default_methods),
-        prepack=not args.no_prepack and fits,
-        policies=tuple(args.length_policy),
-        stop_thresholds=tuple(args.stop_threshold or [0.7]),
-        confidence_thresholds=tuple(args.confidence_threshold),
-        bounds=_bounds(args.bound),
-        head=args.head,
+    cfg = TorchBenchConfig(
+        **_prompt_settings(args),
+        **_given(args, "head", "device", "dtype"),
+        **_given_values(
+            prepack=False if args.no_prepack else None,
+            policies=args.length_policy,
+            stop_thresholds=args.stop_threshold,
+            confidence_thresholds=args.confidence_threshold,
+            bounds=_bounds(args.bound),
+        ),
         coupled=args.coupled,
         priced=args.priced,
-        device=args.device,
-        dtype=args.dtype,
     )
+    set_threads(cfg.threads)
     target, tokenizer = load_causal_lm(cfg.target, dtype=torch_dtype(cfg.dtype), device=cfg.device)
     drafter, _ = load_causal_lm(cfg.draft, dtype=torch_dtype(cfg.dtype), device=cfg.device)
     if cfg.prepack:  # the fp32 drafter too (sd, hf-assisted); sd-int8 quantizes its dense weights
@@ -210,17 +219,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_bench_llama(args: argparse.Namespace, prompts: list) -> int:
     """The bench on llama.cpp (`bench.llamacpp`): GGUF files as shipped, the peers beside."""
-    from specdecode.bench.llamacpp import DEFAULT_METHODS, LlamaBenchConfig, run_llama_bench
+    from specdecode.bench.llamacpp import LlamaBenchConfig, run_llama_bench
 
-    if args.device != "cpu" or args.dtype != "float32" or args.length_policy != ["constant"]:
+    if args.device != "cpu" or _torch_only_settings(args):
         raise ValueError(
             "the llama.cpp bench runs GGUF weights on the CPU with its own methods (specdecode "
             "drafts as `specdecode generate` does); --device, --dtype and --length-policy are "
             "torch-bench options (--backend torch)"
         )
-    cfg = LlamaBenchConfig(
-        **_run_settings(args), methods=tuple(args.methods or DEFAULT_METHODS), rss=args.rss
-    )
+    cfg = LlamaBenchConfig(**_prompt_settings(args), rss=args.rss)
     from specdecode.api import encode_prompts, gguf_path
     from specdecode.backends.llamacpp import gguf_context
     from specdecode.core.checks import check_prompts
@@ -239,25 +246,17 @@ def cmd_bench_llama(args: argparse.Namespace, prompts: list) -> int:
 def cmd_bench_captured(args: argparse.Namespace) -> int:
     """The captured path's bench (`bench.captured`): published shapes, random weights,
     acceptance set by a scripted drafter."""
-    from specdecode.bench.captured import DEFAULT_METHODS, CapturedBenchConfig, run_captured_bench
+    from specdecode.bench.captured import CapturedBenchConfig, run_captured_bench
 
     cfg = CapturedBenchConfig(
         target=args.shapes[0],
         draft=args.shapes[1],
-        device=args.device,
-        dtype=args.dtype,
-        compile=args.compile,
-        acceptance=tuple(args.acceptance),
-        num_draft_tokens=tuple(args.num_draft_tokens),
-        batch_sizes=tuple(args.batch_sizes),
-        prompts=args.limit,
-        prompt_tokens=args.prompt_tokens,
-        max_new_tokens=args.max_new_tokens,
-        methods=tuple(args.methods or DEFAULT_METHODS),
-        repeats=args.repeats,
-        seed=args.seed if args.seed is not None else 0,
+        **_given(args, "device", "dtype", "compile", "acceptance", "num_draft_tokens"),
+        **_given(args, "prompt_tokens", "seed"),
+        **_given_values(prompts=args.limit),
+        **_shared_settings(args),
     )
-    set_threads(args.threads)
+    set_threads(cfg.threads)
     return _report(run_captured_bench(cfg, progress=not args.quiet), args)
 
 
@@ -266,44 +265,56 @@ def _default_bench_backend(args: argparse.Namespace, default_backend) -> str:
     bench has (a dtype, length policies, bounds, heads, its methods, its kernels)."""
     from specdecode.bench.llamacpp import LLAMA
 
-    torch_only = (
-        args.dtype != "float32"
-        or args.length_policy != ["constant"]
+    torch_only = _torch_only_settings(args) or any(
+        m not in LLAMA and m not in LLAMA.renamed for m in args.methods or []
+    )
+    return "torch" if torch_only else default_backend(args.target, args.device)
+
+
+def _torch_only_settings(args: argparse.Namespace) -> bool:
+    """Whether the run sets what only the torch bench takes."""
+    return bool(
+        args.dtype not in (None, "float32")
+        or args.length_policy not in (None, ["constant"])
         or args.bound
         or args.head
         or args.priced
         or args.coupled
         or args.no_prepack
-        or any(m not in LLAMA and m not in LLAMA.renamed for m in args.methods or [])
     )
-    return "torch" if torch_only else default_backend(args.target, args.device)
 
 
-def _run_settings(args: argparse.Namespace) -> dict:
-    """What every causal bench takes from the command line, whichever backend runs it."""
+def _given_values(**values: object) -> dict:
+    """The config fields among `values` that the command line set (None: left to the config's
+    default, written once there); lists become the configs' tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if v is not None}
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """`_given_values` of the options named as the config fields they set."""
+    return _given_values(**{name: getattr(args, name) for name in names})
+
+
+def _shared_settings(args: argparse.Namespace) -> dict:
+    """What every bench's config takes (`bench.config.BenchConfig`), where given."""
+    return _given(args, "methods", "batch_sizes", "max_new_tokens", "repeats", "threads")
+
+
+def _prompt_settings(args: argparse.Namespace) -> dict:
+    """What every causal bench over a prompt set takes (`PromptBenchConfig`), where given."""
+    given = _given(args, "prompts", "limit", "skip", "num_draft_tokens", "temperature", "top_k")
+    given |= _given(args, "top_p", "seed")
+    mtbench = (args.prompts or DEFAULT_PROMPTS) == "mtbench"  # a chat set
     return dict(
-        target=args.target,
-        draft=args.draft,
-        prompts=args.prompts,
-        limit=args.limit,
-        skip=args.skip,
-        num_draft_tokens=tuple(args.num_draft_tokens),
-        batch_sizes=tuple(args.batch_sizes),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=0 if args.seed is None else args.seed,
-        chat=args.chat or args.prompts == "mtbench",
-        threads=args.threads,
-        repeats=args.repeats,
-    )
+        target=args.target, draft=args.draft, chat=args.chat or mtbench, **given,
+        **_shared_settings(args),
+    )  # fmt: skip
 
 
-def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...]:
+def _bounds(values: list[int] | None) -> tuple[tuple[int, int], ...] | None:
     """`--bound 1 12 3 12` -> ((1, 12), (3, 12)): the adaptive policies run once per pair."""
     if not values:
-        return ((1, 8),)
+        return None
     if len(values) % 2:
         raise ValueError(
             f"--bound takes MIN MAX pairs (one or more), got {len(values)} numbers: {values}"
@@ -323,15 +334,31 @@ def _measured_head(cfg, target, drafter) -> dict | None:
     return head_provenance(where) if where is not None else None
 
 
+def _listed(names: tuple[str, ...]) -> str:
+    return " ".join(names)
+
+
 def add_subcommands(subparsers) -> None:
+    """The bench's options. Where a bench's config has a default (`bench.config`), the option's
+    default is None: the config fills in what was not given, so each default is written once."""
     from specdecode.cli.common import add_decoding_arguments
 
+    methods = DEFAULT_METHODS_OF
     p = subparsers.add_parser("bench", help="compare decoding methods on the same prompts")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a file")
-    p.add_argument("--limit", type=int, default=20, help="first N prompts (after --skip)")
-    p.add_argument("--skip", type=int, default=0, help="drop the set's first N prompts")
+    p.add_argument(
+        "--prompts", default=None, help=f"humaneval, mtbench, or a file (default {DEFAULT_PROMPTS})"
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"first N prompts after --skip (default {DEFAULT_PROMPT_LIMIT}; with --pair: "
+        f"sentences, default {DEFAULT_SENTENCE_LIMIT}, 0 for all; with --shapes: random prompts, "
+        "default the largest batch size)",
+    )
+    p.add_argument("--skip", type=int, default=None, help="drop the set's first N prompts")
     p.add_argument(
         "--methods",
         nargs="+",
@@ -339,15 +366,14 @@ def add_subcommands(subparsers) -> None:
         help="On llama.cpp (known models on the CPU): ar specdecode (as `specdecode generate` "
         "drafts) specdecode-lookup (the same, no drafter model) sd sd-lookup "
         "llama-cpp-python llama-cpp-python-huge (its weights in 2 MiB pages, as ours) "
-        "llama-cpp-python-lookup torch-ar torch-sd-int8-lookup-first (default: ar specdecode "
-        "sd-lookup and the llama-cpp-python peers). With --backend torch: ar hf hf-assisted "
+        "llama-cpp-python-lookup torch-ar torch-sd-int8-lookup-first (default: "
+        f"{_listed(methods['llama.cpp'])}). With --backend torch: ar hf hf-assisted "
         "hf-assisted-k specdecode sd sd-int8 sd-lookup sd-int8-lookup-first hf-lookup (default: "
-        "ar hf "
-        "hf-assisted sd sd-int8); suffix +dense for default kernels. With --pair: ar hf hf-beam5 "
-        "hf-assisted specdec "
-        "specdec-int8 specdec-alt specdec-alt-int8 specdec-relaxed (default: all but the int8 and "
-        "alt ones; each specdec kind includes its relaxed runs; -int8 drafts with an int8 copy "
-        "of the drafter, -alt with --alt-drafter)",
+        f"{_listed(methods['torch'])}); suffix +dense for default kernels. With --pair: ar hf "
+        "hf-beam5 hf-assisted specdec specdec-int8 specdec-alt specdec-alt-int8 specdec-relaxed "
+        f"(default: {_listed(methods['seq2seq'])}; each specdec kind includes its relaxed runs; "
+        "-int8 drafts with an int8 copy of the drafter, -alt with --alt-drafter). With --shapes: "
+        f"{_listed(methods['captured'])} (the default)",
     )
     p.add_argument(
         "--pair",
@@ -357,7 +383,7 @@ def add_subcommands(subparsers) -> None:
         help="benchmark a seq2seq pair directory (SpecDec translation; no value: the shipped "
         "Bible es-en pair) instead of --target/--draft",
     )
-    p.add_argument("--split", default="test", help="with --pair: corpus split (test, valid)")
+    p.add_argument("--split", default=None, help="with --pair: corpus split (test, valid)")
     p.add_argument(
         "--alt-drafter",
         default=None,
@@ -365,7 +391,13 @@ def add_subcommands(subparsers) -> None:
         help="with --pair: a second block drafter for the same verifier, run as the methods "
         "specdec-alt and specdec-alt-int8 beside the pair's own",
     )
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[25], help="with --pair: k sweep")
+    p.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"with --pair: k sweep (default {_listed(tuple(map(str, DEFAULT_BLOCK_SIZES)))})",
+    )
     p.add_argument(
         "--max-draft-batch",
         type=int,
@@ -374,11 +406,13 @@ def add_subcommands(subparsers) -> None:
         help="with --pair: exact SpecDec methods also run drafting only while at most N rows of "
         "a batch are running (labelled draft<=N), at batch sizes above N",
     )
+    relaxed = " ".join(f"{beta},{tau}" for beta, tau in DEFAULT_RELAXED)
     p.add_argument(
         "--relaxed",
         nargs="*",
-        default=["5,3.0"],
-        help="with --pair: BETA,TAU pairs of the relaxed rule (SpecDec's 5,3.0)",
+        default=None,
+        help=f"with --pair: BETA,TAU pairs of the relaxed rule (default SpecDec's {relaxed}; "
+        "none given: no relaxed runs)",
     )
     p.add_argument(
         "--shapes",
@@ -393,17 +427,18 @@ def add_subcommands(subparsers) -> None:
         "--acceptance",
         type=float,
         nargs="+",
-        default=[0.8],
-        help="with --shapes: per-token acceptance the scripted drafter is held to",
+        default=None,
+        help="with --shapes: per-token acceptance the scripted drafter is held to (default "
+        f"{_listed(tuple(map(str, DEFAULT_ACCEPTANCE)))})",
     )
-    p.add_argument("--prompt-tokens", type=int, default=128, help="with --shapes: prompt length")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--prompt-tokens", type=int, default=None, help="with --shapes: prompt length")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1")
     p.add_argument(
         "--repeats",
         type=int,
-        default=1,
+        default=None,
         help="run each batch's methods this many times (interleaved) and keep each one's "
-        "fastest run, so that a stall of the machine does not count",
+        "fastest run, so that a stall of the machine does not count (default 1)",
     )
     p.add_argument("--no-prepack", action="store_true", help="default PyTorch kernels for all")
     p.add_argument("--out", default="runs/bench", help="folder for record.json, table.md, plots")
@@ -425,24 +460,28 @@ def add_subcommands(subparsers) -> None:
         "--confidence-threshold",
         type=float,
         nargs="+",
-        default=[0.4],
-        help="thresholds of the confidence policy (a sweep)",
+        default=None,
+        help="thresholds of the confidence policy (a sweep; default "
+        f"{POLICY_DEFAULT_THRESHOLDS['confidence']})",
     )
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_bench)
-    # sweeps: several k, policies and head thresholds instead of the shared single values
-    sweeps = {
-        "num_draft_tokens": [4],
-        "length_policy": ["constant"],
-        "stop_threshold": None,
-        "bound": None,
-    }
+    # sweeps: several k, policies and head thresholds instead of the shared single values; the
+    # benches' configs hold the defaults of these and of the sampling settings
+    sweeps = ("num_draft_tokens", "length_policy", "stop_threshold", "bound")
+    from_config = ("max_new_tokens", "temperature", "top_k", "top_p", "dtype")
     for action in p._actions:
         if action.dest in sweeps:
-            action.nargs, action.default = "+", sweeps[action.dest]
+            action.nargs = "+"
+        if action.dest in sweeps or action.dest in from_config:
+            action.default = None
         if action.dest == "bound":
             action.metavar = "MIN MAX"
             action.help = "tokens per round of the adaptive policies, MIN MAX pairs (a sweep: "
-            action.help += "--bound 1 12 3 12 runs each adaptive policy twice; default 1 8)"
+            action.help += "--bound 1 12 3 12 runs each adaptive policy twice; default "
+            action.help += f"{DEFAULT_BOUND[0]} {DEFAULT_BOUND[1]})"
         if action.dest == "stop_threshold":
-            action.help = "thresholds of the head policy (a sweep; default 0.7)"
+            action.help = "thresholds of the head policy (a sweep; default "
+            action.help += f"{POLICY_DEFAULT_THRESHOLDS['head']})"
+        if action.dest == "dtype":
+            action.help = "default float32 (--shapes: bfloat16)"

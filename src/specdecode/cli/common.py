@@ -14,6 +14,7 @@ from typing import Any
 
 from specdecode.core.config import (
     DEFAULT_DRAFTING,
+    DEFAULT_MAX_NEW_TOKENS,
     DRAFTINGS,
     POLICIES,
     RETIRED_POLICIES,
@@ -58,7 +59,9 @@ def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments shared by every command that decodes (generate, bench)."""
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="the budget of a row"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 disables nucleus sampling")

@@ -208,12 +208,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.acceptance.collect import CollectConfig
+    from specdecode.bench.config import DEFAULT_PROMPTS
     from specdecode.cli.common import DEFAULT_DRAFT, DEFAULT_TARGET
 
     d = CollectConfig()
     parser.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="drafter directory or known name")
-    parser.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a file")
+    parser.add_argument("--prompts", default=DEFAULT_PROMPTS, help="humaneval, mtbench, or a file")
     parser.add_argument(
         "--skip", type=int, default=0, help="leave out the first N prompts (the evaluation ones)"
     )

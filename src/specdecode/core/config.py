@@ -87,6 +87,11 @@ PLANNED_DRAFTINGS = ("auto",)  # settings that plan each round's length themselv
 # up to the bound's MAX), so they read no length policy
 
 
+# the one default budget of new tokens: the API, the command line and every bench take it
+# (the README's and the records' figures are at this length)
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """One generation call: budget, stopping, speculation length and randomness.
@@ -95,7 +100,7 @@ class DecodeConfig:
     row's output does not depend on which other prompts share its batch.
     """
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     num_draft_tokens: int = 4
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: tuple[int, ...] = ()
