@@ -67,7 +67,8 @@ def run_with_prices(pair, prices: FakePrices, prompts=PROMPTS, model: bool = Tru
     target, drafter = pair
     cfg = DecodeConfig(**GREEDY)
     sources = Sources(
-        model=CachedModel(drafter, "drafter") if model else None,
+        load_model=lambda: CachedModel(drafter, "drafter"),
+        has_model=model,
         lookup=None,
         vocab_size=target.config.vocab_size,
         device=torch.device("cpu"),

@@ -110,7 +110,7 @@ def test_nan_logits_refused(poison, tiny_llama):
         (target if poison == "target" else drafter).model.norm.weight.fill_(float("nan"))
     decoder = SpeculativeDecoder(target, drafter=drafter)
     with pytest.raises(InvalidLogitsError, match="NaN"):
-        decoder.generate([[1, 2, 3]], max_new_tokens=4)
+        decoder.generate([[1, 2, 3]], max_new_tokens=4, drafting="model")
 
 
 def test_sliding_window_model_refused():
@@ -267,14 +267,17 @@ EARLY_BAD_INPUTS = {
     "max-new-tokens-0": (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
     "batch-size-0": (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     "bound-3-2": (["--length-policy", "heuristic", "--bound", "3", "2"], "1 <= MIN <= MAX"),
-    "bound-with-constant": (["--length-policy", "constant", "--bound", "1", "4"], "adaptive"),
+    "bound-with-constant": (
+        ["--drafting", "model", "--length-policy", "constant", "--bound", "1", "4"],
+        "adaptive",
+    ),
     "k-0": (["--num-draft-tokens", "0"], "num_draft_tokens must be >= 1"),
     "threshold-1": (["--length-policy", "head", "--stop-threshold", "1"], "stop_threshold"),
     "threads-0": (["--threads", "0"], "--threads must be >= 1"),
     "seed-too-large": (["--seed", str(2**64)], "--seed must be a 64-bit integer"),
     "coupled-greedy": (["--coupled"], "coupled randomness pairs sampled text"),
     "priced-not-head": (["--priced"], "--priced prices the head policies' rounds"),
-    "lookup-first-no-model": (["--no-draft", "--lookup-first"], "--lookup-first looks up"),
+    "lookup-first-no-model": (["--no-draft", "--lookup-first"], "lookup-first looks up"),
     "compile-not-static": (["--compile"], "--compile is an option of the torch-static"),
     "head-on-llama": (["--backend", "llama.cpp", "--length-policy", "head"], "PyTorch backends"),
     "llama-dtype": (["--backend", "llama.cpp", "--dtype", "float16"], "options of the torch"),

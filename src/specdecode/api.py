@@ -121,6 +121,16 @@ def gguf_path(name_or_path: str) -> Path:
     return path
 
 
+class DeferredModel:
+    """A drafter model not loaded yet: what its prices are keyed by (its kind, files and
+    threads, as `prices.model_identity` reads them), and how to load it. Drafting `auto` on a
+    machine where the model cannot pay never loads it."""
+
+    def __init__(self, load: Callable[[], ModelBackend], kind: str, path: Path, threads: int):
+        self.load, self.backend_kind, self.path, self.threads = load, kind, path, threads
+        self.device = torch.device("cpu")
+
+
 class LivePrices:
     """A decoder's current prices, read anew at every call (a `PriceModel`)."""
 
@@ -159,21 +169,23 @@ class SpeculativeDecoder:
     ) -> None:
         self._target_lm = as_backend(target, "target")
         check_vocab_covers_tokenizer(self._target_lm.vocab_size, tokenizer, "target")
-        self._draft_lm = None
+        # the drafter's backend, or a `DeferredModel` that loads it at its first use
+        self._draft: ModelBackend | DeferredModel | None = None
         self.lookup = drafter if isinstance(drafter, PromptLookup) else None
         if self.lookup is not None:
             drafter = None
-        if drafter is not None:
-            self._draft_lm = as_backend(drafter, "drafter")
-            modules = module_of(self._target_lm), module_of(self._draft_lm)
+        if isinstance(drafter, DeferredModel):
+            self._draft = drafter
+        elif drafter is not None:
+            self._draft = as_backend(drafter, "drafter")
+            modules = module_of(self._target_lm), module_of(self._draft)
             if all(isinstance(m, torch.nn.Module) for m in modules):
                 check_same_device(*modules)
-            if tokenizer is not None and drafter_tokenizer is not None:
-                check_same_vocabulary(tokenizer, drafter_tokenizer)
-        # the torch modules where the backend is PyTorch (heads, peers and kernels read them);
+        if tokenizer is not None and drafter_tokenizer is not None:
+            check_same_vocabulary(tokenizer, drafter_tokenizer)
+        # the torch module where the backend is PyTorch (heads, peers and kernels read it);
         # the backend itself otherwise
         self.target = module_of(self._target_lm)
-        self.drafter = module_of(self._draft_lm) if self._draft_lm is not None else None
         self.tokenizer = tokenizer
         self.acceptance_head = acceptance_head
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
@@ -191,6 +203,19 @@ class SpeculativeDecoder:
     @property
     def drafter_backend(self) -> ModelBackend | None:
         return self._draft_lm
+
+    @property
+    def _draft_lm(self) -> ModelBackend | None:
+        """The drafter's backend, loaded here if it was deferred."""
+        if isinstance(self._draft, DeferredModel):
+            self._draft = self._draft.load()
+            check_vocab_covers_tokenizer(self._draft.vocab_size, self.tokenizer, "drafter")
+        return self._draft
+
+    @property
+    def drafter(self) -> torch.nn.Module | ModelBackend | None:
+        """The drafter's torch module where the backend is PyTorch, the backend otherwise."""
+        return module_of(self._draft_lm) if self._draft is not None else None
 
     @property
     def backend(self) -> str:
@@ -307,8 +332,13 @@ class SpeculativeDecoder:
         if drafter == PROMPT_LOOKUP:
             return cls(target_lm, tokenizer, PromptLookup())
         draft_path = gguf_path(drafter)
-        draft_lm = LlamaCppModel(draft_path, role="drafter", threads=threads)
-        return cls(target_lm, tokenizer, draft_lm, gguf_tokenizer(draft_path))
+        draft_lm = DeferredModel(
+            lambda: LlamaCppModel(draft_path, role="drafter", threads=threads),
+            "LlamaCppModel",
+            draft_path,
+            target_lm.threads,
+        )  # loaded where a drafting setting drafts with it (`_draft_lm`)
+        return cls(target_lm, tokenizer, draft_lm)
 
     def prices(
         self, rows: int = 1, retime: bool = False, cache_dir: str | Path | None = None
@@ -328,7 +358,7 @@ class SpeculativeDecoder:
         wanted = pricing.timed_rows(rows)[-1]
         if not retime and self._prices is not None and self._prices.rows[-1] >= wanted:
             return self._prices
-        key = pricing.price_key(self._target_lm, self._draft_lm)
+        key = pricing.price_key(self._target_lm, self._draft)  # a deferred drafter unloaded
         root = pricing.prices_folder(cache_dir)
         found = None if retime or key is None else pricing.load_prices(key, root, rows)
         if found is None:
@@ -500,13 +530,16 @@ class SpeculativeDecoder:
         """The drafter `cfg.drafting` asks for (`drafting.factory`); None: plain decoding."""
         if not use_drafter:
             return None
+        drafting_rows = min(rows, cfg.max_draft_batch or rows)
         sources = Sources(
-            model=self._draft_lm,
+            load_model=lambda: self._draft_lm,
+            has_model=self._draft is not None,
             lookup=lookup or self.lookup,
             vocab_size=self.vocab_size,
             device=self._target_lm.device,
             head=lambda: self._checked_head(cfg, rule),
-            prices=lambda: cfg.prices or self._live_prices(min(rows, cfg.max_draft_batch or rows)),
+            prices=lambda: cfg.prices or self._live_prices(drafting_rows),
+            rows=drafting_rows,
         )
         return make_drafter(cfg.drafting, cfg, sources)
 

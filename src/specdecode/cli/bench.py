@@ -10,6 +10,7 @@ from pathlib import Path
 from specdecode.bench.config import (
     DEFAULT_ACCEPTANCE,
     DEFAULT_BLOCK_SIZES,
+    DEFAULT_DRAFT_TOKENS,
     DEFAULT_METHODS_OF,
     DEFAULT_PROMPT_LIMIT,
     DEFAULT_PROMPTS,
@@ -25,6 +26,7 @@ from specdecode.cli.common import (
 )
 from specdecode.core.config import (
     DEFAULT_BOUND,
+    DEFAULT_MAX_NEW_TOKENS,
     HEAD_POLICIES,
     POLICY_DEFAULT_THRESHOLDS,
     DecodeConfig,
@@ -114,11 +116,32 @@ def cmd_rederive(out: Path, plots: bool) -> int:
     return 0
 
 
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments as a run reads them: what was left out (None, so that each config keeps
+    its default in one place) takes that default, for the checks to read."""
+    defaults = dict(
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        skip=0,
+        batch_sizes=[1],
+        repeats=1,
+        num_draft_tokens=list(DEFAULT_DRAFT_TOKENS),
+        length_policy=["constant"],
+        confidence_threshold=[POLICY_DEFAULT_THRESHOLDS["confidence"]],
+        stop_threshold=[POLICY_DEFAULT_THRESHOLDS["head"]],
+    )
+    filled = {k: v for k, v in defaults.items() if getattr(args, k, None) is None}
+    return argparse.Namespace(**{**vars(args), **filled})
+
+
 def check_bench_arguments(args: argparse.Namespace) -> None:
     """What a bench run can check without a model or torch: the shared decoding settings,
     the sweeps (every length policy with every k, bound and threshold it will run with) and
     the run's shape. The bench configs check their own method names once their registries
     load; these fail first, in a fraction of a second."""
+    args = with_defaults(args)
     check_decoding_arguments(args, args.backend)
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit takes the first N >= 1 prompts, got {args.limit}")
@@ -142,7 +165,7 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         if policy in HEAD_POLICIES:
             thresholds = args.stop_threshold
         for k in args.num_draft_tokens:
-            for bound in _bounds(args.bound) if policy != "constant" else [None]:
+            for bound in (_bounds(args.bound) or [None]) if policy != "constant" else [None]:
                 for threshold in thresholds or [None]:
                     DecodeConfig(
                         max_new_tokens=args.max_new_tokens,

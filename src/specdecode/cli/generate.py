@@ -63,6 +63,11 @@ def checked_arguments(args: argparse.Namespace) -> tuple[str, list[str], dict[st
             f"no acceptance head at {args.head} (not a directory); give one written by "
             "`specdecode head train`, or leave --head out for the shipped heads"
         )
+    if args.drafting == "lookup-first" and draft in (None, PROMPT_LOOKUP):
+        raise ValueError(
+            "drafting lookup-first looks up before a drafter model; give one (--draft) and "
+            "leave --no-draft out, or use --drafting lookup"
+        )
     if args.length_policy in HEAD_POLICIES and backend == LLAMA_CPP:
         raise ValueError(
             f"length policy {args.length_policy!r} decodes with an acceptance head on the "

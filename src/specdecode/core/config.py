@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from specdecode.core.prices import Prices
+if TYPE_CHECKING:  # the model's module imports torch; a config is read before torch loads
+    from specdecode.core.prices import Prices
 
 
 @dataclass(frozen=True)

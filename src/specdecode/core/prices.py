@@ -376,7 +376,8 @@ def model_identity(backend: ModelBackend) -> dict[str, Any] | None:
     files (path, size, modification time) and, on PyTorch, the dtype and the module classes
     (prepacked or int8 layers are other kernels). None: a model with no files to name (built
     in memory), whose prices are not cached."""
-    info: dict[str, Any] = {"backend": type(backend).__name__, "device": str(backend.device)}
+    kind = getattr(backend, "backend_kind", None) or type(backend).__name__  # a deferred one's
+    info: dict[str, Any] = {"backend": kind, "device": str(backend.device)}
     for name in ("threads", "compiled"):  # llama.cpp's threads; torch-static's compilation
         if getattr(backend, name, None) is not None:
             info[name] = getattr(backend, name)

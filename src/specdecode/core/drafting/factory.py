@@ -26,7 +26,12 @@ from specdecode.core.drafting.base import Drafter
 from specdecode.core.drafting.lookup import PromptLookupDrafter
 from specdecode.core.drafting.mixed import MixedDrafter
 from specdecode.core.drafting.model import ModelDrafter
-from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, PriceModel
+from specdecode.core.drafting.planners import (
+    FixedPlanner,
+    PricedPlanner,
+    PriceModel,
+    model_can_pay,
+)
 from specdecode.core.length_policies import ConstantLength, make_policy
 
 LOOKUP_POLICIES = ("constant", "heuristic")  # fix a round's length with no drafter law to read
@@ -36,12 +41,18 @@ LOOKUP_POLICIES = ("constant", "heuristic")  # fix a round's length with no draf
 class Sources:
     """What a drafter may be built from."""
 
-    model: ModelBackend | None  # the drafter model, if one is loaded
+    load_model: Callable[[], ModelBackend | None]  # the drafter model (loaded when asked for)
     lookup: PromptLookup | None  # the lookup's n-grams; None: the setting's own
     vocab_size: int  # the target's
     device: torch.device  # the target's
     head: Callable[[], torch.nn.Module | None]  # the acceptance head, for the head policies
     prices: Callable[[], PriceModel]  # this machine's prices, for drafting auto
+    has_model: bool = True  # whether there is a drafter model to load
+    rows: int = 1  # the most rows a batch of this drafter holds
+
+    @property
+    def model(self) -> ModelBackend | None:
+        return self.load_model() if self.has_model else None
 
 
 def check_lookup_policy(name: str) -> None:
@@ -90,13 +101,13 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
             "drafts: use it with drafting 'model' or 'lookup-first' (--drafting model)"
         )
     model = None
-    if sources.model is not None:  # it drafts what the plan tells it
-        policy = ConstantLength(cfg.max_draft_tokens)
+    prices = sources.prices()
+    # a drafter model that could not pay here at any length or batch is not even loaded
+    if sources.has_model and model_can_pay(prices, cfg.max_draft_tokens, sources.rows):
+        policy = ConstantLength(cfg.max_draft_tokens)  # it drafts what the plan tells it
         model = ModelDrafter(sources.model, cfg.sampling, sources.vocab_size, policy)
     lookup = sources.lookup or (LOOKUP_FIRST if model is not None else LOOKUP_ALONE)
-    planner = PricedPlanner(
-        lookup.max_ngram, model is not None, sources.prices(), cfg.max_draft_tokens
-    )
+    planner = PricedPlanner(lookup.max_ngram, model is not None, prices, cfg.max_draft_tokens)
     return MixedDrafter(lookup, model, planner, sources.vocab_size)
 
 

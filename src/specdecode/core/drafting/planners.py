@@ -130,6 +130,27 @@ class Acceptance:
         self.rejected += [PRIOR[1]] * count
 
 
+BEST_RATE = 0.95  # a drafter model's acceptance at its best, for `model_can_pay`
+
+
+def model_can_pay(prices: PriceModel, max_tokens: int, rows: int) -> bool:
+    """Whether drafting by model could pay here at all: for some length up to `max_tokens` at
+    1 or `rows` rows, a round of drafts accepted at `BEST_RATE` yields more tokens per unit of
+    cost than a plain step. Where none does, the plan would never draft by model, so the
+    model need not be loaded (nor its memory and load time paid)."""
+    draft = prices.draft_cost(1)
+    if draft is None:
+        return False
+    for r in sorted({1, max(rows, 1)}):
+        plain = r / prices.pass_cost(r, r)
+        for k in range(1, max_tokens + 1):
+            expected = r * sum(BEST_RATE**i for i in range(k + 1))
+            cost = prices.pass_cost(r, r * (k + 1)) + k * (prices.draft_cost(r) or 0.0)
+            if expected / cost > plain:
+                return True
+    return False
+
+
 def plan_lengths(
     rates: list[float], caps: list[int], uses_model: list[bool], prices: PriceModel
 ) -> list[int]:
