@@ -28,6 +28,7 @@ import ctypes
 import os
 import statistics
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -242,8 +243,26 @@ class LlamaCppModel:
         self.batch = None
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
-        self.huge_page_bytes = collapse_new_regions(before) if huge_pages else 0
+        # the move to 2 MiB pages runs beside the first passes rather than before them: it
+        # takes seconds, which a short answer would wait for and not get back (the kernel
+        # moves each page in place; the passes read the same bytes throughout)
+        self._moved: list[int] = [0]
+        self._pages = None
+        if huge_pages:
+            self._pages = threading.Thread(
+                target=lambda: self._moved.__setitem__(0, collapse_new_regions(before)),
+                name=f"{role}-2MiB-pages",
+                daemon=True,
+            )
+            self._pages.start()
         self.reset(0)
+
+    @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of weights moved to 2 MiB pages (waits for the move to end)."""
+        if self._pages is not None:
+            self._pages.join()
+        return self._moved[0]
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """The end-of-sequence and end-of-turn ids the GGUF names."""
@@ -290,6 +309,8 @@ class LlamaCppModel:
 
     def close(self) -> None:
         """Free llama.cpp's memory now rather than at garbage collection."""
+        if getattr(self, "_pages", None) is not None:
+            self._pages.join()  # the move reads the weights' pages: they stay until it ends
         lib = self.lib
         if self.batch is not None:
             lib.llama_batch_free(self.batch)

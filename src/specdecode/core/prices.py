@@ -51,10 +51,14 @@ class Prices:
     """What a target pass and a drafter step cost here, in steps: one step is a target pass of
     one row and one token, `step_seconds` long (None where the prices were stated, not timed).
 
-    `passes[i][t - 1]` is a target pass over `rows[i]` rows of t tokens each; `drafts[i]` a
-    drafter step over `rows[i]` rows (None: no drafter model priced). Between the measured row
-    counts and tokens per row the cost is read linearly; beyond them it is extrapolated so as
-    not to undersell a pass (`pass_cost`).
+    `passes[i][t - 1]` is a target pass over `rows[i]` rows holding one token each but one,
+    which holds t: the shape of a round where one row drafts t - 1 tokens (at one row, a pass
+    of t tokens). Ragged, because that is what a round is, and a backend may pay for it far
+    more than for an even pass of as many tokens (llama.cpp with a cache stream per row splits
+    a ragged batch into a pass per extra position). `drafts[i]` a drafter step over `rows[i]`
+    rows (None: no drafter model priced). Between the measured row counts and tokens the cost
+    is read linearly; beyond them it is extrapolated so as not to undersell a pass
+    (`pass_cost`).
     """
 
     rows: tuple[int, ...]
@@ -118,15 +122,16 @@ class Prices:
     def pass_cost(self, rows: int, tokens: int) -> float:
         """A target pass over `rows` rows holding `tokens` tokens in all, in steps.
 
-        Rows of a pass are priced as holding the mean tokens per row (a ragged pass as the even
-        one of as many tokens). Between measured row counts the cost is linear in the rows;
+        The tokens beyond one a row are priced as if one row held them all (`passes`): never
+        less than the pass a round pays, whichever rows draft. Between measured row counts the
+        cost is linear in the rows;
         past the largest, R, a pass of n rows costs n / R passes of R rows: no gain from
         batching is assumed that was not measured.
         """
         if rows < 1 or tokens < 1:
             raise ValueError(f"a pass holds at least one row and one token, got {rows}, {tokens}")
-        per_row = max(tokens / rows, 1.0)
-        return self._by_rows(rows, [_along(curve, per_row) for curve in self.passes])
+        longest = 1 + max(tokens - rows, 0)  # the row holding every token beyond one a row
+        return self._by_rows(rows, [_along(curve, longest) for curve in self.passes])
 
     def draft_cost(self, rows: int) -> float | None:
         """A drafter step over `rows` rows, in steps (None: no drafter model priced)."""
@@ -277,7 +282,8 @@ def pass_seconds(
     reps: int,
     rows: int = 1,
 ) -> list[dict[int, float]]:
-    """Median seconds of one pass of n tokens per row over `rows` rows, each after `context`,
+    """Median seconds of one pass over `rows` rows, each after `context`, the first holding n
+    tokens and the others one (a round's ragged shape, `Prices.passes`),
     for each backend and each n of its counts. Every round times every pass of every backend,
     interleaved, so a stall of the machine (a neighbour's burst; on two cores llama.cpp's
     spinning threads lose whole time slices to any other process) lands on one sample of each
@@ -294,7 +300,9 @@ def pass_seconds(
 
     def timed(backend: ModelBackend, start: torch.Tensor, held: torch.Tensor, n: int):
         tokens = start[:, -n:] if len(context) >= n else start[:, -1:].repeat(1, n)  # [rows, n]
-        valid = torch.ones_like(tokens, dtype=torch.bool)
+        valid = torch.zeros_like(tokens, dtype=torch.bool)  # [rows, n] a round's ragged block:
+        valid[0] = True  # one row of n tokens, the others one each (left-padded)
+        valid[:, -1] = True
 
         def run() -> None:
             backend.forward(tokens, valid, logits_to_keep=n)
@@ -411,7 +419,7 @@ def price_key(target: ModelBackend, drafter: ModelBackend | None) -> dict[str, A
         machine = torch.cuda.get_device_name(target.device)
     else:
         machine = cpu_name()
-    plan = {"context": PRICE_CONTEXT_TOKENS, "tokens": PRICED_TOKENS}
+    plan = {"context": PRICE_CONTEXT_TOKENS, "tokens": PRICED_TOKENS, "passes": "ragged"}
     return {"target": target_id, "drafter": drafter_id, "machine": machine, "plan": plan}
 
 

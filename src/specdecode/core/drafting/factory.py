@@ -25,7 +25,7 @@ from specdecode.core.config import (
 from specdecode.core.drafting.base import Drafter
 from specdecode.core.drafting.lookup import PromptLookupDrafter
 from specdecode.core.drafting.mixed import MixedDrafter
-from specdecode.core.drafting.model import ModelDrafter
+from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import (
     FixedPlanner,
     PricedPlanner,
@@ -105,7 +105,11 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
     # a drafter model that could not pay here at any length or batch is not even loaded
     if sources.has_model and model_can_pay(prices, cfg.max_draft_tokens, sources.rows):
         policy = ConstantLength(cfg.max_draft_tokens)  # it drafts what the plan tells it
-        model = ModelDrafter(sources.model, cfg.sampling, sources.vocab_size, policy)
+
+        def made() -> ModelDrafter:  # at the first round whose plan drafts by model
+            return ModelDrafter(sources.model, cfg.sampling, sources.vocab_size, policy)
+
+        model = DeferredModelDrafter(made)
     lookup = sources.lookup or (LOOKUP_FIRST if model is not None else LOOKUP_ALONE)
     planner = PricedPlanner(lookup.max_ngram, model is not None, prices, cfg.max_draft_tokens)
     return MixedDrafter(lookup, model, planner, sources.vocab_size)

@@ -19,7 +19,7 @@ import torch
 from specdecode.core.config import PromptLookup
 from specdecode.core.drafting.base import Draft
 from specdecode.core.drafting.lookup import lookup_continuation, lookup_law
-from specdecode.core.drafting.model import ModelDrafter
+from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import Planner
 
 
@@ -27,7 +27,11 @@ class MixedDrafter:
     """Lookup where the text repeats, the drafter model (`model`, may be None) elsewhere."""
 
     def __init__(
-        self, lookup: PromptLookup, model: ModelDrafter | None, planner: Planner, vocab_size: int
+        self,
+        lookup: PromptLookup,
+        model: ModelDrafter | DeferredModelDrafter | None,
+        planner: Planner,
+        vocab_size: int,
     ) -> None:
         self.lookup, self.model, self.planner = lookup, model, planner
         self.vocab_size = vocab_size
@@ -47,7 +51,8 @@ class MixedDrafter:
             for b in range(len(lens))
         ]
         ngrams = [n for _, n in found]  # 0: no match, the model drafts (if there is one)
-        plan = self.planner.plan(ngrams, [len(c) for c, _ in found], budget)
+        behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
+        plan = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
         self.round = (ngrams, plan)
         device = sequences.device
         use = torch.tensor([n > 0 for n in ngrams], device=device)  # [batch] lookup rows

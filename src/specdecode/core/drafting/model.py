@@ -8,6 +8,7 @@ per row, and the round ends when every row has stopped.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +63,9 @@ class ModelDrafter:
             return Draft.empty(len(limit_list), sequences.device)
         tokens, valid = self.lm.pending(sequences, seq_lens)  # [batch, n_pending]
         active = limits > 0  # [batch] rows drafting position i
+        # only rows that draft catch up: a row that sits rounds out is fed when it next drafts,
+        # so a round's cost is its own rows' lag (`behind`), which a priced plan weighs
+        valid = valid & active[:, None]
         active_host = [lim > 0 for lim in limit_list]  # the same, for the per-row draws
         lengths = torch.zeros_like(limits)  # [batch]
         drafted, laws, policy_seconds = [], [], 0.0
@@ -109,6 +113,10 @@ class ModelDrafter:
         logits, _ = self.lm.forward(tokens, valid & rows[:, None], 1)
         return logits_to_probs(align_vocab(logits[:, -1], self.vocab_size), self.sampling)
 
+    def behind(self, seq_lens: torch.Tensor) -> list[int]:
+        """Committed tokens each row's cache lacks: what its next drafting round feeds first."""
+        return (seq_lens - self.lm.lengths.to(seq_lens.device)).clamp(min=0).tolist()
+
     def rollback(self, lengths, num_drafted, num_accepted) -> None:
         self.lm.truncate(lengths)
         self.policy.observe(num_drafted, num_accepted)
@@ -120,3 +128,56 @@ class ModelDrafter:
     def add_rows(self, prompts: list[list[int]]) -> None:
         self.lm.add_rows(prompts)  # the drafter's cache catches up when the row first drafts
         self.policy.add_rows(len(prompts))
+
+
+class DeferredModelDrafter:
+    """A `ModelDrafter` made at the first round that drafts with it: until then it only counts
+    its rows. Drafting `auto` holds its model this way, so a run whose plan never drafts by
+    model (where the drafter's step does not pay) never loads the drafter's weights.
+
+    Made mid-run, the drafter starts empty rows and catches up on every row's committed tokens
+    at its first pass (`ModelBackend.pending`), as it does after any round it sat out."""
+
+    def __init__(self, make: Callable[[], ModelDrafter]) -> None:
+        self.make = make
+        self.drafter: ModelDrafter | None = None
+        self.rows = 0
+        self.capacity = 0  # the most rows a batch has held: the room the made drafter reserves
+
+    def _made(self) -> ModelDrafter:
+        if self.drafter is None:
+            drafter = self.make()
+            drafter.start(max(self.capacity, self.rows))
+            drafter.select_rows(torch.arange(self.rows, device=drafter.lm.device))
+            self.drafter = drafter
+        return self.drafter
+
+    def start(self, batch_size: int) -> None:
+        self.rows, self.capacity = batch_size, max(self.capacity, batch_size)
+        if self.drafter is not None:
+            self.drafter.start(batch_size)
+
+    def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        return self._made().propose(sequences, seq_lens, max_tokens, rng)
+
+    def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
+        return self._made().next_law(sequences, seq_lens, rows)
+
+    def behind(self, seq_lens: torch.Tensor) -> list[int]:
+        """As `ModelDrafter.behind`; before it is made, every row lacks its whole text."""
+        return seq_lens.tolist() if self.drafter is None else self.drafter.behind(seq_lens)
+
+    def rollback(self, lengths, num_drafted, num_accepted) -> None:
+        if self.drafter is not None:
+            self.drafter.rollback(lengths, num_drafted, num_accepted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.rows = len(rows)
+        if self.drafter is not None:
+            self.drafter.select_rows(rows)
+
+    def add_rows(self, prompts: list[list[int]]) -> None:
+        self.rows += len(prompts)
+        self.capacity = max(self.capacity, self.rows)
+        if self.drafter is not None:
+            self.drafter.add_rows(prompts)

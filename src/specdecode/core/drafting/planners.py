@@ -63,9 +63,12 @@ class Planner(Protocol):
         """max_tokens [batch] (what the engine allows) -> most tokens per row this round."""
         ...
 
-    def plan(self, ngrams: list[int], found: list[int], budget: list[int]) -> list[int]:
+    def plan(
+        self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
+    ) -> list[int]:
         """Tokens per row: `ngrams[b]` the match length lookup found (0: none, the model's
-        row), `found[b]` how many tokens it found (<= budget[b])."""
+        row), `found[b]` how many tokens it found (<= budget[b]), `behind[b]` the committed
+        tokens the drafter model's cache lacks for the row."""
         ...
 
     def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None: ...
@@ -87,7 +90,9 @@ class FixedPlanner:
     def budget(self, max_tokens: torch.Tensor) -> list[int]:
         return self.policy.round_limits(max_tokens).tolist()
 
-    def plan(self, ngrams: list[int], found: list[int], budget: list[int]) -> list[int]:
+    def plan(
+        self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
+    ) -> list[int]:
         return [f if n else b for n, f, b in zip(ngrams, found, budget, strict=True)]
 
     def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None:
@@ -152,10 +157,15 @@ def model_can_pay(prices: PriceModel, max_tokens: int, rows: int) -> bool:
 
 
 def plan_lengths(
-    rates: list[float], caps: list[int], uses_model: list[bool], prices: PriceModel
+    rates: list[float],
+    caps: list[int],
+    uses_model: list[bool],
+    prices: PriceModel,
+    catch_up: list[float] | None = None,
 ) -> list[int]:
     """Tokens to draft per row this round: the allocation with the most expected committed
-    tokens per unit of cost, grown a token at a time where it gains the most per its cost."""
+    tokens per unit of cost, grown a token at a time where it gains the most per its cost.
+    `catch_up[b]`: what row b's first model token costs besides (its drafter cache's lag)."""
     batch = len(rates)
     k = [0] * batch
     depth_rows = [0] * (max(caps, default=0) + 2)  # model rows drafting position i (1-based)
@@ -178,6 +188,8 @@ def plan_lengths(
             if uses_model[b]:
                 rows = depth_rows[k[b] + 1]  # one more row in the drafter's step at this depth
                 added += draft_step(rows + 1) - draft_step(rows)
+                if k[b] == 0 and catch_up is not None:
+                    added += catch_up[b]
             score = rates[b] ** (k[b] + 1) / max(added, 1e-9)
             if score > pick_score:
                 pick, pick_score, pick_cost = b, score, added
@@ -211,12 +223,24 @@ class PricedPlanner:
     def budget(self, max_tokens: torch.Tensor) -> list[int]:
         return max_tokens.clamp(max=self.max_tokens).tolist()
 
-    def plan(self, ngrams: list[int], found: list[int], budget: list[int]) -> list[int]:
+    def plan(
+        self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
+    ) -> list[int]:
         rates = [self.by_ngram.rate(n) if n else self.by_row.rate(b) for b, n in enumerate(ngrams)]
         model_cap = budget if self.has_model else [0] * len(budget)
         caps = [f if n else c for n, f, c in zip(ngrams, found, model_cap, strict=True)]
         uses_model = [n == 0 and self.has_model for n in ngrams]
-        return plan_lengths(rates, caps, uses_model, self.prices)
+        catch_up = [
+            self.catch_up(lag) if m else 0.0 for m, lag in zip(uses_model, behind, strict=True)
+        ]
+        return plan_lengths(rates, caps, uses_model, self.prices, catch_up)
+
+    def catch_up(self, lag: int) -> float:
+        """Steps the drafter spends feeding a row's `lag` missing tokens before it drafts:
+        its step's price, grown as a pass over that many more tokens grows."""
+        prices = self.prices
+        grown = prices.pass_cost(1, lag + 1) - prices.pass_cost(1, 1)
+        return (prices.draft_cost(1) or 0.0) * grown
 
     def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None:
         for b, (n, k) in enumerate(zip(ngrams, plan, strict=True)):
