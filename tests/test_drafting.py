@@ -134,10 +134,10 @@ def test_priced_planner_learns_a_source_that_fails() -> None:
     """A model row whose drafts are all refused is planned shorter than at the start."""
     planner = PricedPlanner(4, True, FakePrices(per_token_1=0.02, draft=0.05), max_tokens=8)
     planner.start(1)
-    first = planner.plan([0], [0], [8])[0]
+    first = planner.plan([0], [0], [8], [1])[0]
     for _ in range(6):
         planner.observe([0], [max(first, 1)], [0])
-    assert planner.plan([0], [0], [8])[0] < first
+    assert planner.plan([0], [0], [8], [1])[0] < first
 
 
 def test_a_model_needs_a_priced_step() -> None:
@@ -149,7 +149,7 @@ def test_fixed_planner_drafts_what_lookup_found_else_the_budget() -> None:
     planner = FixedPlanner(ConstantLength(4))
     budget = planner.budget(torch.tensor([6, 2, 4]))
     assert budget == [4, 2, 4]
-    assert planner.plan([3, 0, 4], [2, 0, 4], budget) == [2, 2, 4]
+    assert planner.plan([3, 0, 4], [2, 0, 4], budget, [0, 0, 0]) == [2, 2, 4]
 
 
 # --- every setting is lossless ----------------------------------------------------------------
@@ -238,3 +238,13 @@ def test_model_settings_need_a_drafter_model(pair, drafting) -> None:
     alone = SpeculativeDecoder(pair[0])
     with pytest.raises(ValueError, match=f"drafting '{drafting}' drafts with a drafter model"):
         alone.generate(PROMPTS, max_new_tokens=2, drafting=drafting)
+
+
+def test_a_drafter_far_behind_pays_its_catch_up_first() -> None:
+    """A model row whose drafter cache lacks many tokens must feed them before it drafts: at
+    prices where a row one token behind drafts, one a whole text behind does not."""
+    prices = FakePrices(per_token_1=0.05, draft=0.1)
+    planner = PricedPlanner(4, True, prices, 4)
+    planner.start(1)
+    assert planner.plan([0], [0], [4], [1])[0] > 0
+    assert planner.plan([0], [0], [4], [400])[0] == 0

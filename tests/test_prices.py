@@ -15,8 +15,8 @@ from specdecode.backends.torch_eager import CachedModel
 from specdecode.core import prices as pricing
 from specdecode.core.prices import Prices, PriceWatch, monotone
 
-# one row: 1..4 tokens; two rows: a pass a fifth dearer than one row of as many tokens;
-# four rows dearer again. A drafter step: 0.5, 0.6, 0.8 steps.
+# one row: 1..4 tokens; two and four rows: each row one token but one, which holds 1..4 (a
+# round's ragged pass). A drafter step: 0.5, 0.6, 0.8 steps.
 ONE = (1.0, 1.2, 1.5, 2.0)
 TWO = (1.3, 1.8, 2.4, 3.2)
 FOUR = (1.8, 2.9, 4.0, 5.5)
@@ -25,19 +25,19 @@ TABLE = Prices((1, 2, 4), (ONE, TWO, FOUR), (0.5, 0.6, 0.8), step_seconds=0.05)
 
 def test_exact_at_the_measured_points() -> None:
     for rows, curve in zip(TABLE.rows, TABLE.passes, strict=True):
-        for per_row, cost in enumerate(curve, 1):
-            assert TABLE.pass_cost(rows, rows * per_row) == pytest.approx(cost)
+        for longest, cost in enumerate(curve, 1):
+            assert TABLE.pass_cost(rows, rows - 1 + longest) == pytest.approx(cost)
     assert [TABLE.draft_cost(r) for r in (1, 2, 4)] == pytest.approx([0.5, 0.6, 0.8])
 
 
 def test_interpolated_between_rows_and_tokens() -> None:
-    # 3 rows of 2 tokens: halfway between 2 rows (1.8) and 4 rows (2.9) of 2 tokens each
-    assert TABLE.pass_cost(3, 6) == pytest.approx((1.8 + 2.9) / 2)
-    # one row, a ragged 1.5 tokens a row (2 rows holding 3): between 1 and 2 tokens
-    assert TABLE.pass_cost(2, 3) == pytest.approx((1.3 + 1.8) / 2)
+    # 3 rows, one holding 2: halfway between 2 rows (1.8) and 4 rows (2.9) with one holding 2
+    assert TABLE.pass_cost(3, 4) == pytest.approx((1.8 + 2.9) / 2)
+    # the tokens beyond one a row priced as if one row held them all: 2 rows holding 4 in all
+    assert TABLE.pass_cost(2, 4) == pytest.approx(2.4)
     assert TABLE.draft_cost(3) == pytest.approx(0.7)
     # beyond the largest row count: as many passes of 4 rows as it takes, no gain assumed
-    assert TABLE.pass_cost(8, 16) == pytest.approx(2 * 2.9)
+    assert TABLE.pass_cost(8, 9) == pytest.approx(2 * 2.9)
     assert TABLE.draft_cost(8) == pytest.approx(1.6)
     with pytest.raises(ValueError, match="at least one row and one token"):
         TABLE.pass_cost(0, 3)
@@ -69,8 +69,8 @@ def test_stated_prices_as_a_round_view() -> None:
     assert [rounds.round_cost(m) for m in (1, 2, 4)] == pytest.approx([1.0, 1.2, 1.5])
     assert rounds.added_cost(0, 1) == pytest.approx(1.0)  # a round's start: its verify pass
     assert rounds.added_cost(2, 2) == pytest.approx(0.2 + 0.1)
-    at_two = TABLE.rounds(2)  # every row drafts m: a pass of 2 rows of m + 1 tokens
-    assert at_two.verify(1) == pytest.approx(1.8) and at_two.draft == pytest.approx(0.6)
+    at_two = TABLE.rounds(2)  # every row drafts m: 2m tokens beyond one a row, priced as
+    assert at_two.verify(1) == pytest.approx(2.4) and at_two.draft == pytest.approx(0.6)  # ragged
 
 
 def test_refusals_name_what_is_wrong() -> None:

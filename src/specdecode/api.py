@@ -386,6 +386,8 @@ class SpeculativeDecoder:
         the cached entry is dropped, so the next load times afresh. True when they changed."""
         if self._prices is None or self._prices.step_seconds is None:
             return False
+        if getattr(self._target_lm, "moving_pages", False):  # slower for now, not mispriced
+            return False
         if self._price_watch is None:
             self._price_watch = PriceWatch(self._prices)
         if not self._price_watch.observe(rows, tokens, draft_rows, seconds):

@@ -20,12 +20,12 @@ import statistics
 from pathlib import Path
 
 import torch
-from specdecode.core.drafting.lookup import lookup_continuation
 
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8
 from specdecode.bench.prompts import load_prompts
 from specdecode.core.config import PromptLookup
+from specdecode.core.drafting.lookup import lookup_continuation
 from specdecode.core.prices import Prices
 from specdecode.models.store import load_causal_lm
 

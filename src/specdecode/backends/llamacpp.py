@@ -258,6 +258,11 @@ class LlamaCppModel:
         self.reset(0)
 
     @property
+    def moving_pages(self) -> bool:
+        """Whether the weights are still being moved to 2 MiB pages (passes run slower)."""
+        return self._pages is not None and self._pages.is_alive()
+
+    @property
     def huge_page_bytes(self) -> int:
         """Bytes of weights moved to 2 MiB pages (waits for the move to end)."""
         if self._pages is not None:
