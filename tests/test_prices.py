@@ -69,8 +69,8 @@ def test_stated_prices_as_a_round_view() -> None:
     assert [rounds.round_cost(m) for m in (1, 2, 4)] == pytest.approx([1.0, 1.2, 1.5])
     assert rounds.added_cost(0, 1) == pytest.approx(1.0)  # a round's start: its verify pass
     assert rounds.added_cost(2, 2) == pytest.approx(0.2 + 0.1)
-    at_two = TABLE.rounds(2)  # every row drafts m: 2m tokens beyond one a row, priced as
-    assert at_two.verify(1) == pytest.approx(2.4) and at_two.draft == pytest.approx(0.6)  # ragged
+    at_two = TABLE.rounds(2)  # a row drafting m at 2 rows: it holds m + 1, the other one
+    assert at_two.verify(1) == pytest.approx(1.8) and at_two.draft == pytest.approx(0.6)
 
 
 def test_refusals_name_what_is_wrong() -> None:

@@ -195,9 +195,9 @@ class Prices:
 
 @dataclass(frozen=True)
 class RoundCosts:
-    """A round at `rows` rows, each drafting m tokens, in steps: `draft` a drafted token (a
-    drafter step over the rows), `verify(m)` the target's pass over the m + 1 positions of
-    every row.
+    """A row's round at `rows` rows, in steps: `draft` a drafted token (a drafter step over the
+    rows), `verify(m)` the target's pass in which this row holds its m drafted tokens and the
+    next one, the others one token each (the ragged pass `Prices.passes` times).
 
     The SpecDec++ threshold rule is the optimal stop when every verify pass costs the same. A
     real pass does not: on a CPU its products turn compute-bound past a few tokens, on a GPU at
@@ -214,7 +214,7 @@ class RoundCosts:
         return self.prices.draft_cost(self.rows) or 0.0
 
     def verify(self, drafted: int) -> float:
-        return self.prices.pass_cost(self.rows, self.rows * (drafted + 1))
+        return self.prices.pass_cost(self.rows, self.rows + drafted)
 
     def round_cost(self, drafted: int) -> float:
         """A round that drafts `drafted` tokens: its verify pass and its drafter steps."""
