@@ -28,7 +28,12 @@ from specdecode.core.sampling import (
     sample_from,
 )
 from specdecode.core.stats import DecodeStats, RowStats
-from specdecode.core.verification import Verdict, VerificationRule, make_rule
+from specdecode.core.verification import (
+    LosslessSamplingRule,
+    Verdict,
+    VerificationRule,
+    make_rule,
+)
 
 
 @dataclass(frozen=True)
@@ -355,11 +360,17 @@ class DecodeLoop:
         self.target, self.drafter, self.cfg, self.rule = target, drafter, cfg, rule
         self.sampling, self.max_rows, self.joins = sampling, max_rows, joins
         self.prefill_chunk, self.observe = prefill_chunk, observe
+        # without a given rule, each round's rows pick one: greedy, or lossless sampling over
+        # the rows' laws (`sampling` is kept in step with the rows, so one object serves)
+        self.rules = {
+            True: make_rule(None, SamplingConfig()),
+            False: LosslessSamplingRule(sampling),
+        }
         self.stats = stats if stats is not None else DecodeStats([])
         self.capacity = capacity
         self.waiting: list[tuple[int, RowRequest]] = []
         self.cancelled: set[int] = set()
-        self.next_key = len(self.stats.rows)
+        self.next_key = 0  # rows of `stats` given up front are the first keys' (a fixed batch)
         self.rng: RowRandom | None = None
         self.pending_width: int | None = None
         self.first_round = True
@@ -399,7 +410,8 @@ class DecodeLoop:
         key = self.next_key
         self.next_key += 1
         self.waiting.append((key, request))
-        self.stats.rows.append(RowStats())
+        if key >= len(self.stats.rows):
+            self.stats.rows.append(RowStats())
         return key
 
     def cancel(self, key: int) -> None:
@@ -463,9 +475,7 @@ class DecodeLoop:
         reused = self._admit()
         if not self.batch.rows:
             return []
-        rule = self.rule
-        if rule is None:
-            rule = make_rule(None, self.sampling if not self.sampling.greedy else SamplingConfig())
+        rule = self.rule or self.rules[self.sampling.greedy]
         start = time.perf_counter()
         before = self.stats.cost_figures()
         rng = None if self.sampling.greedy else self.rng
@@ -537,17 +547,11 @@ def decode(
         else [None] * len(prompts)
     )
     loop = DecodeLoop(
-        target, drafter, cfg, sampling=sampling or RowSampling(), rule=rule,
-        stats=DecodeStats([]), max_rows=max(len(prompts), 1), observe=observe,
+        target, drafter, cfg, sampling=sampling or RowSampling(), rule=rule, stats=stats,
+        max_rows=max(len(prompts), 1), observe=observe,
     )  # fmt: skip
-    loop.stats = stats
-    loop.next_key = 0
     for prompt, seed in zip(prompts, seeds, strict=True):
-        key = loop.next_key
-        loop.next_key += 1
-        loop.waiting.append(
-            (key, RowRequest(prompt, cfg.max_new_tokens, cfg.sampling, seed, cfg.stop_token_ids))
-        )
+        loop.add(RowRequest(prompt, cfg.max_new_tokens, cfg.sampling, seed, cfg.stop_token_ids))
     while len(loop):
         updates = loop.step()
         shown = [u for u in updates if u.tokens or u.finished]
