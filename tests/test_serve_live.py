@@ -258,11 +258,17 @@ def test_sigterm_drains_then_exits_zero(server):
         first = next(lines)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        late = httpx.post(
-            server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
-        )
+        # A draining server either answers 503 or has already closed its listening socket
+        # (uvicorn stops accepting at once); what it must not do is take the request.
+        try:
+            late = httpx.post(
+                server.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+            ).status_code
+        except httpx.ConnectError:
+            late = "refused"
         rest = [x for x in [first, *lines] if x]
-    assert late.status_code == 503
+    assert late in (503, "refused")
     assert rest[-1] == "data: [DONE]"
     pieces = [json.loads(x[6:]) for x in rest[:-1]]
     assert all("error" not in p for p in pieces)
