@@ -325,3 +325,22 @@ def test_bench_runs_the_peers_beside_the_engine(smol_gguf, tmp_path):
     methods = {row["method"]: row for row in record["methods"]}
     assert set(methods) >= {"ar", "specdecode", "llama-cpp-python", "llama-cpp-python-huge"}
     assert record["ok"]
+
+
+def test_stop_ids_are_every_end_of_generation_token(smol):
+    """An instruct model names its end of turn as eos, yet also ends files with
+    `<|endoftext|>`: a generation must stop at both, as llama.cpp's own tools do."""
+    target, _, tokenizer = smol
+    ids = target.stop_token_ids()
+    names = {tokenizer.convert_ids_to_tokens(i) for i in ids}
+    assert {"<|endoftext|>", "<|im_end|>"} <= names
+    # an ordinary token is not among them
+    assert tokenizer.convert_tokens_to_ids("the") not in ids
+
+
+def test_context_sizes_the_rows(smol_gguf):
+    """A server's `--context` reaches llama.cpp: its cache is made rows x context up front."""
+    decoder = SpeculativeDecoder.from_pretrained(smol_gguf, backend="llama.cpp", context=512)
+    assert decoder.context == 512
+    with pytest.raises(ValueError, match="context sizes llama"):
+        SpeculativeDecoder.from_pretrained("unused", backend="torch", context=512)

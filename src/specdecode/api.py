@@ -239,6 +239,7 @@ class SpeculativeDecoder:
         threads: int | None = None,
         compile: bool | None = None,
         tokenizer=None,
+        context: int | None = None,
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
@@ -250,7 +251,10 @@ class SpeculativeDecoder:
         only). None: llama.cpp for known models and `.gguf` files on the CPU, torch otherwise.
         `threads`: llama.cpp's threads (default: the physical cores). `tokenizer`: the
         target GGUF's tokenizer where the caller loaded it already (the command line does, to
-        check the prompts against the context before the weights load).
+        check the prompts against the context before the weights load). `context`: llama.cpp's
+        tokens per row (prompt plus new tokens; default 4096, at most the trained context): its
+        cache is sized rows x context up front, so a server of 8 rows of 2048 holds half the
+        cache of the default.
 
         torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
         products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
@@ -273,7 +277,12 @@ class SpeculativeDecoder:
                     "the llama.cpp backend runs a GGUF's own weights on the CPU: dtype, device, "
                     "prepack and int8 drafting are options of the torch backend (--backend torch)"
                 )
-            return cls._from_gguf(target, drafter, threads, tokenizer)
+            return cls._from_gguf(target, drafter, threads, tokenizer, context)
+        if context is not None:
+            raise ValueError(
+                "context sizes llama.cpp's cache per row; the torch backends grow theirs as rows "
+                "do (--backend llama.cpp, or leave it out)"
+            )
         from specdecode.backends.kernels import (
             cpu_fp32,
             prepack_available,
@@ -319,21 +328,27 @@ class SpeculativeDecoder:
 
     @classmethod
     def _from_gguf(
-        cls, target: str, drafter: str | None, threads: int | None, tokenizer=None
+        cls,
+        target: str,
+        drafter: str | None,
+        threads: int | None,
+        tokenizer=None,
+        context: int | None = None,
     ) -> SpeculativeDecoder:
         from specdecode.backends.llamacpp import LlamaCppModel
         from specdecode.models.tokenizer import gguf_tokenizer
 
         path = gguf_path(target)
         tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(path)
-        target_lm = LlamaCppModel(path, role="target", threads=threads)
+        sized = {} if context is None else {"context": context}
+        target_lm = LlamaCppModel(path, role="target", threads=threads, **sized)
         if drafter is None:
             return cls(target_lm, tokenizer)
         if drafter == PROMPT_LOOKUP:
             return cls(target_lm, tokenizer, PromptLookup())
         draft_path = gguf_path(drafter)
         draft_lm = DeferredModel(
-            lambda: LlamaCppModel(draft_path, role="drafter", threads=threads),
+            lambda: LlamaCppModel(draft_path, role="drafter", threads=threads, **sized),
             "LlamaCppModel",
             draft_path,
             target_lm.threads,

@@ -56,8 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        # llama.cpp sizes its cache rows x context up front: to what is served, not 4096
+        sized = config.context if backend == "llama.cpp" else None
         decoder = SpeculativeDecoder.from_pretrained(
-            args.target, draft, backend=backend, threads=args.threads
+            args.target, draft, backend=backend, threads=args.threads, context=sized
         )
         if config.context and config.context > decoder.context:
             print(
