@@ -101,14 +101,14 @@ def _make_cached_tokenizer(c: ModelCache, progress: bool) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def render_chat(tokenizer: Any, text: str, what: str = "a prompt") -> str:
-    """One user turn in the tokenizer's chat template, ready for generation."""
+def render_chat(tokenizer: Any, chat: str | list[dict[str, Any]], what: str = "a prompt") -> str:
+    """A conversation (or one user turn, given as text) in the tokenizer's chat template,
+    ready for the assistant's next turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"chat rendering was asked for {what}, but the tokenizer "
             f"({type(tokenizer).__name__}) has no chat template; use chat=False or a "
             f"tokenizer of an instruction-tuned model"
         )
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
+    messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else list(chat)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

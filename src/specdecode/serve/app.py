@@ -8,7 +8,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdecode.models.tokenizer import render_chat
 from specdecode.serve.metrics import RequestSpec, ServerMetrics
 from specdecode.serve.protocol import (
     RequestError,
@@ -266,71 +267,58 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
+    async def read(request: Request, parse: Callable[[Any], Any]) -> Any:
+        """The request, checked: authorized, admitted (not draining), parsed, its model ours."""
         authorize(request)
         raw = await request.body()
         admit()
-        req = parse_completion(parse_json(raw))
+        req = parse(parse_json(raw))
         check_model(req.model)
-        prompts = [encode_text(p) if isinstance(p, str) else check_ids(p) for p in req.prompts]
+        return req
+
+    async def answer(
+        request: Request, arrival: float, prompts: list[list[int]], req: Any, chat: bool
+    ) -> Response:
+        """Run the rows; a stream of chunks, or one response once every row has ended."""
         rows = Rows(state, prompts, req.sampling)
         rows.submit(arrival)
         head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": state.model_name,
         }
         if req.stream:
-            return _stream(rows, head, req.include_usage, chat=False)
+            return _stream(rows, head, req.include_usage, chat=chat)
         results = await rows.collect(request)
         choices = [
-            {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+            {"index": i, "logprobs": None, "finish_reason": r.finish_reason}
+            | ({"message": {"role": "assistant", "content": r.text}} if chat else {"text": r.text})
             for i, r in enumerate(results)
         ]
         return JSONResponse(
             {**head, "choices": choices, "usage": _usage(results), "metrics": _spec(results)}
         )
 
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await read(request, parse_completion)
+        prompts = [encode_text(p) if isinstance(p, str) else check_ids(p) for p in req.prompts]
+        return await answer(request, arrival, prompts, req, chat=False)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         arrival = time.monotonic()
-        authorize(request)
-        raw = await request.body()
-        admit()
-        req = parse_chat(parse_json(raw))
-        check_model(req.model)
-        tokenizer = scheduler.decoder.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        req = await read(request, parse_chat)
+        try:
+            text = render_chat(scheduler.decoder.tokenizer, list(req.messages), "messages")
+        except ValueError:
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions", "messages"
-            )
-        text = tokenizer.apply_chat_template(
-            list(req.messages), tokenize=False, add_generation_prompt=True
-        )
-        rows = Rows(state, [encode_text(text, add_special_tokens=False)], req.sampling)
-        rows.submit(arrival)
-        head = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-        }
-        if req.stream:
-            return _stream(rows, head, req.include_usage, chat=True)
-        results = await rows.collect(request)
-        r = results[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": None,
-            "finish_reason": r.finish_reason,
-        }
-        return JSONResponse(
-            {**head, "choices": [choice], "usage": _usage(results), "metrics": _spec(results)}
-        )
+            ) from None
+        prompt = encode_text(text, add_special_tokens=False)
+        return await answer(request, arrival, [prompt], req, chat=True)
 
     return app
 

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Serving on the default pair (qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b drafter, Q4_K_M
+# GGUF): our server against llama-server (plain, and with the same drafter) and
+# llama-cpp-python's server, all on this machine at once, driven by `specdecode bench-serve`
+# over the same prompts, servers interleaved at each concurrency level. Into
+# benchmarks/results/serving-default-pair/:
+#   new/               HumanEval 0-15, every prompt behind a fresh tag, concurrency 1 4 8 16
+#   seen/              the same prompts sent once to warm, then measured, concurrency 1 8
+#   chat/              MT-Bench 81-88 as 2-turn conversations, concurrency 1 8
+#   llama-cpp-python/  ours and llama-cpp-python's server (one request at a time), 1 8
+#   servers.json       each server's command and its peak RSS over the run
+# Every server gets 8 rows of 2048 tokens and 2 threads. A step whose record exists is skipped,
+# so a run cut short goes on where it stopped. About 45 minutes on a 2-core machine; run it on
+# a quiet machine (llama.cpp's threads spin, and a busy core slows them far more than its share).
+#
+# Needs: the serve extra, `llama-server` built from the llama.cpp that llama-cpp-python vendors
+# (LLAMA_SERVER=path/to/llama-server), and llama-cpp-python's server extra
+# (pip install 'llama-cpp-python[server]').
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}"
+out=benchmarks/results/serving-default-pair
+logs=runs/serving-logs
+mkdir -p "$out" "$logs"
+tokens=64
+read -r target draft < <(python -c "
+from specdecode.models.store import gguf_file
+print(gguf_file('qwen2.5-coder-1.5b', progress=False), gguf_file('qwen2.5-coder-0.5b', progress=False))")
+
+declare -A port=([ours]=8180 [ours-plain]=8181 [llama-server]=8182 [llama-server-draft]=8183
+  [llama-cpp-python]=8184)
+declare -A cmd=(
+  [ours]="specdecode serve --port 8180 --max-batch 8 --context 2048 --threads 2"
+  [ours-plain]="specdecode serve --port 8181 --max-batch 8 --context 2048 --threads 2 --no-draft"
+  [llama-server]="$LLAMA_SERVER -m $target -t 2 -tb 2 -np 8 -c 16384 --port 8182"
+  [llama-server-draft]="$LLAMA_SERVER -m $target -md $draft --spec-type draft-simple \
+--spec-draft-n-max 4 -t 2 -tb 2 -td 2 -tbd 2 -np 8 -c 16384 --port 8183"
+  [llama-cpp-python]="python -m llama_cpp.server --model $target --n_ctx 2048 --n_threads 2 \
+--n_threads_batch 2 --interrupt_requests False --port 8184"
+)
+declare -A pid
+stop_all() { for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null; done; wait; }
+trap stop_all EXIT
+for name in "${!cmd[@]}"; do
+  ${cmd[$name]} >"$logs/$name.log" 2>&1 &
+  pid[$name]=$!
+done
+for name in "${!port[@]}"; do  # our servers time this machine's prices on a first start
+  probe=/health  # 503 while loading
+  [ "$name" = llama-cpp-python ] && probe=/v1/models  # it listens once loaded
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:${port[$name]}$probe" >/dev/null && continue 2
+    kill -0 "${pid[$name]}" 2>/dev/null || break
+    sleep 1
+  done
+  echo "$name did not start; see $logs/$name.log" >&2
+  exit 1
+done
+echo "all servers ready: $(date -u +%H:%M:%S)"
+
+labels() { for name in "$@"; do printf -- "--label %s=http://127.0.0.1:%s " "$name" "${port[$name]}"; done; }
+step() {  # step NAME BENCH-ARGS...: one bench-serve record unless it is there already
+  local name=$1; shift
+  [ -f "$out/$name/record.json" ] && { echo "$name: recorded already"; return; }
+  specdecode bench-serve "$@" --max-tokens $tokens --out "$out/$name" --quiet \
+    || echo "$name: failed (see above)" >&2
+}
+four="ours ours-plain llama-server llama-server-draft"
+# shellcheck disable=SC2046
+step new $(labels $four) --prompts humaneval --limit 16 --modes new --concurrency 1 4 8 16
+# shellcheck disable=SC2046
+step seen $(labels $four) --prompts humaneval --limit 16 --modes seen --concurrency 1 8
+# shellcheck disable=SC2046
+step chat $(labels $four) --prompts mtbench --limit 8 --modes chat --turns 2 --concurrency 1 8
+# shellcheck disable=SC2046
+step llama-cpp-python $(labels ours llama-cpp-python) --prompts humaneval --limit 8 --modes new \
+  --concurrency 1 8
+
+python - "$out/servers.json" <<PY
+import json, sys
+pids = {$(for name in "${!pid[@]}"; do printf '"%s": %s, ' "$name" "${pid[$name]}"; done)}
+cmds = {$(for name in "${!cmd[@]}"; do printf '"%s": "%s", ' "$name" "${cmd[$name]//\"/}"; done)}
+def peak_gib(p):  # VmHWM: the process's peak resident set
+    try:
+        for line in open(f"/proc/{p}/status"):
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        return None
+json.dump({n: {"command": cmds[n], "peak_rss_gib": peak_gib(p)}
+           for n, p in pids.items()}, open(sys.argv[1], "w"), indent=2)
+PY
+cat "$out/servers.json"
