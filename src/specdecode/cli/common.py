@@ -17,6 +17,7 @@ from specdecode.core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DRAFTINGS,
     POLICIES,
+    PROMPT_LOOKUP,
     RETIRED_POLICIES,
     SamplingConfig,
 )
@@ -37,6 +38,18 @@ def length_policy_option(name: str) -> str:
     if name in RETIRED_POLICIES:
         raise argparse.ArgumentTypeError(RETIRED_POLICIES[name])
     return name
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pair, as `generate` and `serve` both take it."""
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
+    parser.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (no drafter model: drafting "
+        "auto then prices lookup alone; --drafting lookup drafts k every round)",
+    )
+    parser.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
 
 
 def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,13 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from specdecode.cli.common import (
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
     DRAFT_PRECISIONS,
     LLAMA_CPP,
     TORCH_STATIC,
     add_decoding_arguments,
     add_drafting_arguments,
+    add_model_arguments,
     check_decoding_arguments,
     check_device,
     decoding_backend,
@@ -211,14 +210,7 @@ def stream_to_terminal(decoder, prompts: list[str], chat: bool, settings: dict, 
 
 def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text with speculative decoding")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
-    p.add_argument(
-        "--draft",
-        default=DEFAULT_DRAFT,
-        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (no drafter model: drafting "
-        "auto then prices lookup alone; --drafting lookup drafts k every round)",
-    )
-    p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
+    add_model_arguments(p)
     p.add_argument(
         "--draft-precision",
         choices=DRAFT_PRECISIONS,

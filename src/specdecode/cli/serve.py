@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 from specdecode.cli.common import (
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
     add_drafting_arguments,
+    add_model_arguments,
     length_policy_option,
 )
-from specdecode.core.config import HEAD_POLICIES, POLICIES, PROMPT_LOOKUP
+from specdecode.core.config import HEAD_POLICIES, POLICIES
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,14 +75,7 @@ def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible server (completions, chat, metrics) over the engine"
     )
-    p.add_argument("--target", default=DEFAULT_TARGET, help="model directory or known name")
-    p.add_argument(
-        "--draft",
-        default=DEFAULT_DRAFT,
-        help=f"drafter directory or known name, or {PROMPT_LOOKUP} (no drafter model: drafting "
-        "auto then prices lookup alone)",
-    )
-    p.add_argument("--no-draft", action="store_true", help="plain decoding of the target")
+    add_model_arguments(p)
     p.add_argument(
         "--backend",
         choices=("torch", "torch-static", "llama.cpp"),
