@@ -41,14 +41,14 @@ declare -A cmd=(
 declare -A pid
 stop_all() { for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null; done; wait; }
 trap stop_all EXIT
-for name in "${!cmd[@]}"; do
+# one at a time, each ready before the next starts: our servers time this machine's pass
+# prices on a first start, which other servers loading beside them would skew
+for name in ours ours-plain llama-server llama-server-draft llama-cpp-python; do
   ${cmd[$name]} >"$logs/$name.log" 2>&1 &
   pid[$name]=$!
-done
-for name in "${!port[@]}"; do  # our servers time this machine's prices on a first start
   probe=/health  # 503 while loading
   [ "$name" = llama-cpp-python ] && probe=/v1/models  # it listens once loaded
-  for _ in $(seq 1 600); do
+  for _ in $(seq 1 1800); do
     curl -sf "http://127.0.0.1:${port[$name]}$probe" >/dev/null && continue 2
     kill -0 "${pid[$name]}" 2>/dev/null || break
     sleep 1
