@@ -13,12 +13,13 @@
 # so a run cut short goes on where it stopped. About 45 minutes on a 2-core machine; run it on
 # a quiet machine (llama.cpp's threads spin, and a busy core slows them far more than its share).
 #
-# Needs: the serve extra, `llama-server` built from the llama.cpp that llama-cpp-python vendors
-# (LLAMA_SERVER=path/to/llama-server), and llama-cpp-python's server extra
-# (pip install 'llama-cpp-python[server]').
+# Needs: the serve extra; llama-server built from the llama.cpp that llama-cpp-python vendors
+# (benchmarks/studies/llamacpp-peer/llamacpp_peer.sh builds it where LLAMA_SERVER points by
+# default); llama-cpp-python's server extra (pip install 'llama-cpp-python[server]').
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}"
+LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}
+[ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: build it with benchmarks/studies/llamacpp-peer/llamacpp_peer.sh, or set LLAMA_SERVER" >&2; exit 1; }
 out=benchmarks/results/serving-default-pair
 logs=runs/serving-logs
 mkdir -p "$out" "$logs"

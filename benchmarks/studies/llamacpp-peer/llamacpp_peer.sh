@@ -6,12 +6,12 @@
 set -euo pipefail
 prompts=$1; n=${2:-128}
 ver=0.3.36; src=/tmp/llamacpp/llama_cpp_python-$ver/vendor/llama.cpp; bin=$src/build/bin
-if [ ! -x "$bin/llama-speculative-simple" ]; then
+if [ ! -x "$bin/llama-server" ]; then
   mkdir -p /tmp/llamacpp && cd /tmp/llamacpp
   pip download -q --no-deps --no-binary :all: llama-cpp-python==$ver -d .
   tar xzf llama_cpp_python-$ver.tar.gz
   cd "$src" && cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF >/dev/null
-  cmake --build build -j2 --target llama-speculative-simple llama-bench llama-completion >/dev/null
+  cmake --build build -j2 --target llama-speculative-simple llama-bench llama-completion llama-server >/dev/null
 fi
 if [ ! -f /tmp/gguf/target.gguf ]; then
   mkdir -p /tmp/gguf/x && cd /tmp/gguf
