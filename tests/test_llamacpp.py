@@ -342,5 +342,39 @@ def test_context_sizes_the_rows(smol_gguf):
     """A server's `--context` reaches llama.cpp: its cache is made rows x context up front."""
     decoder = SpeculativeDecoder.from_pretrained(smol_gguf, backend="llama.cpp", context=512)
     assert decoder.context == 512
-    with pytest.raises(ValueError, match="context sizes llama"):
+    with pytest.raises(ValueError, match="context and prefix_cache_mib size llama"):
         SpeculativeDecoder.from_pretrained("unused", backend="torch", context=512)
+
+
+def test_a_prompt_whose_sequence_served_others_comes_back_from_host_memory(smol_gguf):
+    """One row, three prompts in turn: the first prompt's cells are overwritten by the second,
+    kept in host memory, and restored for the third (the first again), which then decodes as
+    a fresh prefill does; with no host memory the third prefills."""
+    from specdecode.core.engine import RowRequest
+
+    def run(prefix_cache_mib: int) -> tuple[list[int], list[list[int]]]:
+        decoder = SpeculativeDecoder.from_pretrained(
+            smol_gguf, backend="llama.cpp", prefix_cache_mib=prefix_cache_mib
+        )
+        a = decoder.encode("The capital of France is a city that")[0]
+        b = decoder.encode("def fibonacci(n):\n    return")[0]
+        loop = decoder.loop(max_rows=1, use_drafter=False)
+        reused, texts = [], []
+        for prompt in (a, b, a):
+            key = loop.add(RowRequest(prompt, 10, stop_token_ids=()))
+            tokens, first = [], None
+            while len(loop):
+                for u in loop.step():
+                    assert u.key == key
+                    first = u.reused if first is None else first
+                    tokens += u.tokens
+            reused.append(first)
+            texts.append(tokens)
+        return [len(a), *reused], texts
+
+    (n, *reused), texts = run(prefix_cache_mib=64)
+    assert reused == [0, 0, n - 1]
+    assert texts[2] == texts[0]
+    (n, *reused), plain = run(prefix_cache_mib=0)
+    assert reused[2] < n - 1
+    assert plain == texts

@@ -240,6 +240,7 @@ class SpeculativeDecoder:
         compile: bool | None = None,
         tokenizer=None,
         context: int | None = None,
+        prefix_cache_mib: int = 0,
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
@@ -254,7 +255,9 @@ class SpeculativeDecoder:
         check the prompts against the context before the weights load). `context`: llama.cpp's
         tokens per row (prompt plus new tokens; default 4096, at most the trained context): its
         cache is sized rows x context up front, so a server of 8 rows of 2048 holds half the
-        cache of the default.
+        cache of the default. `prefix_cache_mib`: llama.cpp only, host memory per model for the
+        cells of prompts whose sequence a later row takes over, restored when a prompt sharing
+        their prefix comes back (a server's seen prompts; `LlamaCppModel`).
 
         torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
         products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
@@ -277,11 +280,11 @@ class SpeculativeDecoder:
                     "the llama.cpp backend runs a GGUF's own weights on the CPU: dtype, device, "
                     "prepack and int8 drafting are options of the torch backend (--backend torch)"
                 )
-            return cls._from_gguf(target, drafter, threads, tokenizer, context)
-        if context is not None:
+            return cls._from_gguf(target, drafter, threads, tokenizer, context, prefix_cache_mib)
+        if context is not None or prefix_cache_mib:
             raise ValueError(
-                "context sizes llama.cpp's cache per row; the torch backends grow theirs as rows "
-                "do (--backend llama.cpp, or leave it out)"
+                "context and prefix_cache_mib size llama.cpp's cache; the torch backends grow "
+                "theirs as rows do (--backend llama.cpp, or leave them out)"
             )
         from specdecode.backends.kernels import (
             cpu_fp32,
@@ -334,13 +337,16 @@ class SpeculativeDecoder:
         threads: int | None,
         tokenizer=None,
         context: int | None = None,
+        prefix_cache_mib: int = 0,
     ) -> SpeculativeDecoder:
         from specdecode.backends.llamacpp import LlamaCppModel
         from specdecode.models.tokenizer import gguf_tokenizer
 
         path = gguf_path(target)
         tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(path)
-        sized = {} if context is None else {"context": context}
+        sized = {"prefix_cache_mib": prefix_cache_mib} | (
+            {} if context is None else {"context": context}
+        )
         target_lm = LlamaCppModel(path, role="target", threads=threads, **sized)
         if drafter is None:
             return cls(target_lm, tokenizer)

@@ -200,6 +200,48 @@ def _gguf_skip(f, kind: int) -> None:
         raise struct.error(f"unknown GGUF value type {kind}")
 
 
+class PrefixCache:
+    """Sequences' cache cells in host memory, keyed by the tokens they hold, least recently
+    used dropped first past `budget` bytes. llama-server keeps such a cache of its slots
+    (`--cache-ram`); without it a server of 8 rows forgets a prompt as soon as 8 others ran."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: dict[tuple[int, ...], ctypes.Array] = {}  # oldest first
+        self.bytes = 0
+
+    def longest(self, prompt: list[int]) -> tuple[list[int], int]:
+        """The saved tokens sharing the longest prefix with `prompt`, and that length."""
+        best, n = [], 0
+        for held in self.entries:
+            if len(held) <= n or not held or not prompt or held[0] != prompt[0]:
+                continue
+            k = 0
+            for a, b in zip(held, prompt, strict=False):
+                if a != b:
+                    break
+                k += 1
+            if k > n:
+                best, n = list(held), k
+        return best, n
+
+    def put(self, tokens: list[int], cells: ctypes.Array) -> None:
+        key = tuple(tokens)
+        if key in self.entries:
+            self.bytes -= len(self.entries.pop(key))
+        self.entries[key] = cells
+        self.bytes += len(cells)
+        while self.bytes > self.budget and self.entries:
+            self.bytes -= len(self.entries.pop(next(iter(self.entries))))
+
+    def take(self, tokens: list[int]) -> ctypes.Array:
+        """The cells saved for `tokens`, left in the cache as the most recently used."""
+        key = tuple(tokens)
+        cells = self.entries.pop(key)
+        self.entries[key] = cells
+        return cells
+
+
 class LlamaCppModel:
     """A GGUF decoder on llama.cpp with one sequence per batch row (a `ModelBackend`)."""
 
@@ -212,10 +254,14 @@ class LlamaCppModel:
         threads: int | None = None,
         max_rows: int = 1,
         huge_pages: bool | None = None,
+        prefix_cache_mib: int = 0,
     ) -> None:
         """`huge_pages`: move the weights to 2 MiB pages (True), leave them in llama.cpp's
         file mapping (False), or None: as measured once on this machine for this file
-        (`hugepages.decide`, a few one-token steps timed both ways on the first load)."""
+        (`hugepages.decide`, a few one-token steps timed both ways on the first load).
+        `prefix_cache_mib`: host memory for the cache cells of sequences a joining row is about
+        to overwrite (`add_rows`), so a prompt seen before is restored rather than prefilled
+        even after its sequence served others; 0: only the cells still in the sequences."""
         lib = _llama()
         _init_once(lib)
         self.lib = lib
@@ -250,6 +296,7 @@ class LlamaCppModel:
         self.batch = None
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
+        self.prefix_cache = PrefixCache(prefix_cache_mib << 20)
         # the move to 2 MiB pages runs beside the first passes rather than before them: it
         # takes seconds, which a short answer would wait for and not get back (the kernel
         # moves each page in place; the passes read the same bytes throughout)
@@ -380,13 +427,37 @@ class LlamaCppModel:
 
             seq = max(self.kept, key=shared)  # ties: the oldest kept (dict order)
             n = shared(seq)
-            self.kept.pop(seq)
+            held = self.kept.pop(seq)
+            saved, m = self.prefix_cache.longest(prompt[: max(len(prompt) - 1, 0)])
+            if len(held) > n and (m <= n or saved != held):  # cells about to be lost
+                self._save(seq, held)
+            if m > n:
+                n = m if self._restore(seq, saved) else 0
             self.lib.llama_memory_seq_rm(self.memory, seq, n, -1)
             self.seq_ids.append(seq)
             self.row_tokens.append(list(prompt[:n]))
             reused.append(n)
         self.lengths = torch.cat([self.lengths, torch.tensor(reused, dtype=torch.long)])
         return reused
+
+    def _save(self, seq: int, tokens: list[int]) -> None:
+        """Copy a sequence's cells to host memory, keyed by the tokens they hold."""
+        if not self.prefix_cache.budget:
+            return
+        lib = self.lib
+        size = int(lib.llama_state_seq_get_size(self.ctx, seq))
+        if not size or size > self.prefix_cache.budget:
+            return
+        buf = (ctypes.c_uint8 * size)()
+        if int(lib.llama_state_seq_get_data(self.ctx, buf, size, seq)) == size:
+            self.prefix_cache.put(tokens, buf)
+
+    def _restore(self, seq: int, tokens: list[int]) -> bool:
+        """Put saved cells back into an emptied sequence; False (the sequence empty) if
+        llama.cpp refuses them, and the row then prefills."""
+        buf = self.prefix_cache.take(tokens)
+        self.lib.llama_memory_seq_rm(self.memory, seq, 0, -1)
+        return bool(self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), seq))
 
     def pending(
         self,

@@ -14,6 +14,9 @@ from specdecode.cli.common import (
 )
 from specdecode.core.config import HEAD_POLICIES, POLICIES
 
+# host memory per model for earlier prompts' cells: 18k tokens of the default 1.5B target
+DEFAULT_PREFIX_CACHE_MIB = 512
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
@@ -56,9 +59,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         # llama.cpp sizes its cache rows x context up front: to what is served, not 4096
-        sized = config.context if backend == "llama.cpp" else None
+        on_llamacpp = backend == "llama.cpp"
         decoder = SpeculativeDecoder.from_pretrained(
-            args.target, draft, backend=backend, threads=args.threads, context=sized
+            args.target,
+            draft,
+            backend=backend,
+            threads=args.threads,
+            context=config.context if on_llamacpp else None,
+            prefix_cache_mib=args.prefix_cache_mib if on_llamacpp else 0,
         )
         if config.context and config.context > decoder.context:
             print(
@@ -108,6 +116,13 @@ def add_subcommands(subparsers) -> None:
         type=int,
         default=None,
         help="tokens per request, prompt plus new tokens (default: the model's row context)",
+    )
+    p.add_argument(
+        "--prefix-cache-mib",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_MIB,
+        help="llama.cpp: host memory per model for the cache cells of earlier prompts, restored "
+        "when a prompt sharing their prefix comes back (0: only what the rows' sequences hold)",
     )
     p.add_argument(
         "--api-key",
