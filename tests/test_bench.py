@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from specdecode.bench.methods import CAUSAL, Method, Registry, Result
+from specdecode.bench.methods import CAUSAL, Method, Registry, Result, Settings
 from specdecode.bench.metrics import (
     alpha_from_tokens_per_call,
     bootstrap_interval,
@@ -604,3 +604,115 @@ def test_the_verdict_is_said_once_in_the_table(capsys):
     assert "0: 0.010" in cells["tie"] and "2: 0.030" in cells["tie"]
     assert cells["bad"] == "MISMATCH (input 1)"
     assert cells["ar"] == "yes"
+
+
+class FakeLlamaModel:
+    """A llama.cpp model as the llama.cpp bench's `Shared` sees it: built, settled, closed."""
+
+    def __init__(self, path: str, *, role: str, threads: int, context: int) -> None:
+        self.role, self.context, self.closed = role, context, False
+        self.huge_page_bytes = 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeDecoder:
+    """A decoder that counts its price timings and takes prices given to it."""
+
+    timings = 0
+
+    def __init__(self, target: FakeLlamaModel, tokenizer: object, drafter: object) -> None:
+        self.target, self.drafter = target, drafter
+        self.known_prices: object | None = None
+
+    def prices(self, retime: bool = False) -> object:
+        FakeDecoder.timings += 1
+        self.known_prices = object()
+        return self.known_prices
+
+    def use_prices(self, prices: object) -> None:
+        self.known_prices = prices
+
+
+class FakePeer:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_llama_bench_holds_one_holders_models_at_a_time(monkeypatch):
+    """A peer's turn closes this engine's target and drafter (and a peer's turn the other
+    peer's, an engine method's turn the peer's); this engine's decoder is loaded again with the
+    prices the run timed at its first load, rescaled where they were, and not timed again; its
+    contexts are sized to the run, with room for the prices' passes, not to 4096 tokens."""
+    from specdecode.bench import llamacpp as bench
+    from specdecode.core.prices import PRICE_CONTEXT_TOKENS
+
+    monkeypatch.setattr(bench, "LlamaCppModel", FakeLlamaModel)
+    monkeypatch.setattr(bench, "SpeculativeDecoder", FakeDecoder)
+    monkeypatch.setattr(bench, "gguf_path", lambda name: name)
+    monkeypatch.setattr(bench.Shared, "tokenizer", lambda self: None)
+    monkeypatch.setattr(FakeDecoder, "timings", 0)
+    shared = bench.Shared(bench.LlamaBenchConfig(target="t", draft="d", threads=2), context=256)
+    first = shared.decoder("model")
+    target, drafter = first.target, first.drafter
+    assert (target.role, drafter.role) == ("target", "drafter")
+    assert target.context == drafter.context == shared.engine_context() > PRICE_CONTEXT_TOKENS
+    assert FakeDecoder.timings == 1
+    rescaled = first.known_prices = object()  # as the prices' watch rescales them
+
+    peer = shared.peer_model("peer", FakePeer)
+    assert target.closed and drafter.closed
+    assert not shared.loaded("decoder model") and not shared.loaded("target")
+    other = shared.peer_model("other peer", FakePeer)
+    assert peer.closed and not other.closed
+
+    again = shared.decoder("model")
+    assert other.closed and not shared.loaded("other peer")
+    assert again is not first and not again.target.closed and not again.drafter.closed
+    assert again.known_prices is rescaled and FakeDecoder.timings == 1
+    plain = shared.decoder(None)
+    assert plain.target is again.target  # one holder's models are shared among its decoders
+    shared.release()
+    assert again.target.closed and again.drafter.closed and shared.holder is None
+
+
+def test_an_engine_method_loads_and_warms_up_again_after_a_peer(monkeypatch):
+    """The runner's timed call of an engine method after a peer's turn finds its models
+    loaded and warmed up: the load and the warm-up (8 tokens) come first, untimed."""
+    from specdecode.bench import llamacpp as bench
+
+    calls: list[tuple[str, int, bool]] = []
+
+    def fake_generate(self, prompts, s):
+        calls.append((self.name, s.max_new_tokens, self.shared.loaded(self.key)))
+        self.shared.held_model(self.holder, self.key, FakePeer)
+        return Result([[1]] * len(prompts), 0.1)
+
+    class Engine(bench.EngineOnLlama):
+        name, holder, key = "engine-method", bench.ENGINE, "decoder model"
+        generate = fake_generate
+
+    class Peer(bench.LlamaMethod):
+        name, holder, key = "peer-method", "peer-method", "peer-method"
+        generate = fake_generate
+
+        def loaded(self) -> bool:
+            return self.shared.loaded(self.key)
+
+    shared = bench.Shared(bench.LlamaBenchConfig(target="t", draft="d", threads=2))
+    settings = Settings(max_new_tokens=16)
+    engine, peer = Engine(None, shared, settings), Peer(None, shared, settings)
+    for method in (engine, peer, engine):
+        method.run([[5, 6]])
+    assert calls == [
+        ("engine-method", 8, False),  # loaded, warmed up
+        ("engine-method", 16, True),  # timed
+        ("peer-method", 8, False),
+        ("peer-method", 16, True),
+        ("engine-method", 8, False),  # closed at the peer's turn: loaded again, warmed up
+        ("engine-method", 16, True),
+    ]

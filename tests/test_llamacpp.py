@@ -378,3 +378,43 @@ def test_a_prompt_whose_sequence_served_others_comes_back_from_host_memory(smol_
     (n, *reused), plain = run(prefix_cache_mib=0)
     assert reused[2] < n - 1
     assert plain == texts
+
+
+def test_bench_closes_the_engine_while_a_peer_runs(smol_gguf, monkeypatch):
+    """The llama.cpp bench in one process: while llama-cpp-python holds its model, none of
+    this engine's llama.cpp models is open (the peak is one holder's memory, not the sum),
+    this engine's are loaded again for its next turn, and the outputs still agree with `ar`."""
+    from specdecode.bench import llamacpp as bench
+    from specdecode.models.tokenizer import gguf_tokenizer
+
+    opened: list[LlamaCppModel] = []
+
+    def tracked(*args, **kwargs) -> LlamaCppModel:
+        opened.append(LlamaCppModel(*args, **kwargs))
+        return opened[-1]
+
+    open_at_peer: list[int] = []
+    peer_model = bench.LlamaCppPython.llama
+
+    def watched(self):
+        llm = peer_model(self)
+        open_at_peer.append(sum(model.model is not None for model in opened))
+        return llm
+
+    monkeypatch.setattr(bench, "LlamaCppModel", tracked)
+    monkeypatch.setattr(bench.LlamaCppPython, "llama", watched)
+    tokenizer = gguf_tokenizer(smol_gguf)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    cfg = bench.LlamaBenchConfig(
+        target=str(smol_gguf),
+        draft=str(smol_gguf),
+        methods=("ar", "llama-cpp-python"),
+        max_new_tokens=12,
+    )
+    record = bench.run_llama_bench(cfg, prompts, progress=False)
+    assert record["ok"]
+    assert open_at_peer and not any(open_at_peer)
+    # loaded at the start, again after the peer's warm-up, and after its turns on 2 prompts
+    # that it does not end (the order is rotated prompt by prompt)
+    assert len(opened) >= 3
+    assert all(model.context_length < bench.DEFAULT_CONTEXT for model in opened)

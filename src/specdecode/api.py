@@ -392,6 +392,19 @@ class SpeculativeDecoder:
         self._price_entry = (key, root) if key is not None else None
         return found
 
+    @property
+    def known_prices(self) -> Prices | None:
+        """The prices this decoder holds now (rescaled where its watch rescaled them), or None
+        where it has timed or read none: unlike `prices()`, never a timing."""
+        return self._prices
+
+    def use_prices(self, prices: Prices) -> None:
+        """Take prices another decoder of the same model files found (`prices()` of a decoder
+        closed to free its memory, now loaded again): its timing, or its watch's rescaling,
+        stands, where the cache could have dropped its entry (`observe_round`) and a reload
+        would time a minute afresh. They are not stored anew."""
+        self._prices, self._price_watch, self._price_entry = prices, None, None
+
     def _live_prices(self, rows: int) -> LivePrices:
         """This decoder's prices as they stand at each reading: a plan made after the watch
         rescaled them (`observe_round`) reads the rescaled ones."""

@@ -24,7 +24,7 @@ import resource
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -37,6 +37,7 @@ from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchCo
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels, T
 from specdecode.bench.runner import bench_record, measure_shared, speed_rows
 from specdecode.core.config import DEFAULT_DRAFTING, PromptLookup
+from specdecode.core.prices import PRICE_CONTEXT_TOKENS, PRICED_TOKENS, Prices
 
 LLAMA = Registry(
     "llama.cpp",
@@ -70,64 +71,133 @@ class LlamaBenchConfig(PromptBenchConfig):
         ]
 
 
+ENGINE = "engine"  # the holder of this engine's models (`Shared.hold`)
+
+
 @dataclass
 class Shared(SharedModels):
-    """The models of one run (`SharedModels`): the llama.cpp target and drafter, shared by
-    every engine method (each call resets their sequences) and loaded once; and the peers'
-    models, held one peer at a time (`peer_model`).
+    """The models of one run (`SharedModels`): this engine's llama.cpp target, drafter and
+    decoders, shared by every engine method (each call resets their sequences); and each
+    peer's models. One holder's models are loaded at a time: this engine's, or one peer's
+    (`hold`).
 
     Why one at a time: every peer loads the target's weights again (llama-cpp-python reads the
     file mapped and copies the repacked part out of it; the huge-page peer reads it all into
     memory), so the default run holding all of them beside this engine's own copy peaked near
-    four copies of the target. A peer is loaded at its turn in a batch and dropped when
-    another peer's turn comes; it is warmed up after each load, untimed (`LlamaMethod.run`).
+    four copies of the target; holding the peers one at a time beside this engine's target and
+    drafter still peaked at 4.20 GiB (`specdecode bench --limit 3 --max-new-tokens 64`), since
+    this engine's 2.3 GiB stayed loaded while a peer ran. Now this engine's models are closed
+    too when a peer's turn comes, and loaded again at the turn of an engine method, so the
+    peak is the larger holder's, not their sum.
+
+    What it costs: a load is untimed (the method warms up after it and waits for the weights'
+    move to 2 MiB pages, `LlamaMethod.run`), but it takes seconds of wall time, once or twice
+    per batch (the rotation of the order splits the engine's methods on some batches). The
+    methods stay interleaved batch by batch: the fairness on a shared machine that the runner
+    is built for is worth more than a shorter run. The prices of this engine's decoders are
+    timed once per run and carried over a reload (`kept_prices`), so a reload times nothing.
     """
 
     cfg: LlamaBenchConfig
-    context: int = DEFAULT_CONTEXT  # tokens of a peer's context: the longest prompt's and more
-    peer: str | None = None  # the peer whose models are loaded now
+    context: int = DEFAULT_CONTEXT  # tokens of a row's context: the longest prompt's and more
+    holder: str | None = None  # whose models are loaded now: ENGINE, or a peer's key
+    held: dict[str, str] = field(default_factory=dict)  # a built model's key -> its holder
+    kept_prices: dict[str | None, Prices] = field(default_factory=dict)  # by decoder drafter
 
-    def peer_model(self, key: str, build: Callable[[], T]) -> T:
-        """A peer's model, built if need be, after dropping another peer's."""
-        if self.peer not in (None, key):
-            old = self.built.pop(self.peer, None)
+    def hold(self, holder: str) -> None:
+        """Make `holder` the one whose models are loaded, closing another holder's first."""
+        if self.holder not in (None, holder):
+            self.drop([key for key, by in self.held.items() if by == self.holder])
+        self.holder = holder
+
+    def drop(self, keys: Sequence[str]) -> None:
+        """Close and forget these models: llama.cpp's memory now, not at garbage collection;
+        an engine decoder's prices are kept for its next load."""
+        dropped = [self.built.pop(key, None) for key in keys]
+        for key, old in zip(keys, dropped, strict=True):
+            self.held.pop(key, None)
+            prices = old.known_prices if isinstance(old, SpeculativeDecoder) else None
+            if key.startswith("decoder ") and prices is not None:
+                self.kept_prices[key.removeprefix("decoder ")] = prices
+        for old in dropped:
             close = getattr(old, "close", None)
             if close is not None:
-                close()  # llama.cpp's memory now, not at garbage collection
-            del old
-            gc.collect()
-        self.peer = key
+                close()
+        del dropped
+        gc.collect()
+
+    def held_model(self, holder: str, key: str, build: Callable[[], T]) -> T:
+        """A model of `holder`'s, built if need be, after closing another holder's."""
+        self.hold(holder)
+        self.held[key] = holder
         return self.shared(key, build)
+
+    def peer_model(self, key: str, build: Callable[[], T]) -> T:
+        """A peer's model, built if need be, after closing this engine's or another peer's."""
+        return self.held_model(key, key, build)
+
+    def loaded(self, key: str) -> bool:
+        return key in self.built
+
+    def release(self) -> None:
+        """Close every model now (`SharedModels.release`)."""
+        self.drop(list(self.held))
+        self.holder = None
+        super().release()
 
     def threads(self) -> int:
         return self.cfg.threads or physical_cores()
 
-    def target(self) -> LlamaCppModel:
-        path = gguf_path(self.cfg.target)
-        return self.shared(
-            "target", lambda: LlamaCppModel(path, role="target", threads=self.threads())
+    def engine_context(self) -> int:
+        """Tokens of a row of this engine's contexts: the run's rows, as a peer's, and room for
+        the passes its prices time (`prices.measure_prices`): a context sized for them, not the
+        4096 a row may reach, holds a smaller cache and times the prices a decoder loaded by
+        `specdecode generate` would time."""
+        return max(self.context, peer_context(PRICE_CONTEXT_TOKENS + PRICED_TOKENS + 1))
+
+    def _llama_model(self, role: str, name: str) -> LlamaCppModel:
+        path = gguf_path(name)
+        return self.held_model(
+            ENGINE,
+            role,
+            lambda: LlamaCppModel(
+                path, role=role, threads=self.threads(), context=self.engine_context()
+            ),
         )
 
+    def target(self) -> LlamaCppModel:
+        return self._llama_model("target", self.cfg.target)
+
     def drafter(self) -> LlamaCppModel:
-        path = gguf_path(self.cfg.draft)
-        return self.shared(
-            "drafter", lambda: LlamaCppModel(path, role="drafter", threads=self.threads())
-        )
+        return self._llama_model("drafter", self.cfg.draft)
 
     def tokenizer(self):
         from specdecode.models.tokenizer import gguf_tokenizer
 
+        # not a holder's: a vocabulary, small, and read again only at a cost
         return self.shared("tokenizer", lambda: gguf_tokenizer(gguf_path(self.cfg.target)))
 
     def decoder(self, drafter: str | None) -> SpeculativeDecoder:
+        """This engine's decoder with the drafter named: None, "model" or "lookup"."""
+
         def build() -> SpeculativeDecoder:
             other = {None: None, "model": self.drafter(), "lookup": PromptLookup()}[drafter]
             decoder = SpeculativeDecoder(self.target(), self.tokenizer(), other)
-            if drafter is not None:  # a run records this machine now, not a cached timing
+            if drafter in self.kept_prices:  # loaded again: the prices this run timed
+                decoder.use_prices(self.kept_prices[drafter])
+            elif drafter is not None:  # a run records this machine now, not a cached timing
                 decoder.prices(retime=True)
             return decoder
 
-        return self.shared(f"decoder {drafter}", build)
+        return self.held_model(ENGINE, f"decoder {drafter}", build)
+
+    def settle(self) -> None:
+        """Wait for this engine's weights to end their move to 2 MiB pages (passes run slower
+        during it, and it takes one of the threads a timed pass would have)."""
+        for role in ("target", "drafter"):
+            model = self.built.get(role)
+            if model is not None:
+                model.huge_page_bytes  # noqa: B018 - the property joins the move
 
 
 class LlamaMethod:
@@ -155,8 +225,9 @@ class LlamaMethod:
         return None
 
     def loaded(self) -> bool:
-        """Whether its models are loaded (an engine method's stay loaded once they are)."""
-        return True
+        """Whether its models are loaded (a holder's are closed at another's turn:
+        `Shared.hold`)."""
+        raise NotImplementedError
 
     def prepare(self, sample: Sequence[list[int]]) -> None:
         from dataclasses import replace
@@ -164,7 +235,7 @@ class LlamaMethod:
         self.generate(list(sample), replace(self.settings, max_new_tokens=8))
 
     def run(self, batch: Sequence[list[int]]) -> Result:
-        if not self.loaded():  # dropped for another peer: loaded and warmed up, untimed
+        if not self.loaded():  # closed for another holder: loaded and warmed up, untimed
             self.prepare(batch[:1])
         return self.generate(list(batch), self.settings)
 
@@ -201,6 +272,13 @@ class EngineOnLlama(LlamaMethod):
 
     drafter: ClassVar[str | None] = "model"  # what its decoder holds: `Shared.decoder`
     drafting: ClassVar[str] = "model"  # how it drafts (`config.DRAFTINGS`)
+
+    def loaded(self) -> bool:
+        return self.shared.loaded(f"decoder {self.drafter}")
+
+    def prepare(self, sample: Sequence[list[int]]) -> None:
+        super().prepare(sample)
+        self.shared.settle()  # the timed run after a load finds the weights where they stay
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         decoder = self.shared.decoder(self.drafter)
@@ -269,7 +347,7 @@ class LlamaCppPython(LlamaMethod):
         return self.shared.peer_model(self.label, self.make)
 
     def loaded(self) -> bool:
-        return self.label in self.shared.built
+        return self.shared.loaded(self.label)
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         import time
@@ -336,7 +414,7 @@ class TorchMethod(LlamaMethod):
     drafter_int8: ClassVar[bool] = False
 
     def loaded(self) -> bool:
-        return self.name in self.shared.built
+        return self.shared.loaded(self.name)
 
     def generate(self, prompts: list[list[int]], s: Settings) -> Result:
         cfg = self.shared.cfg
@@ -418,14 +496,9 @@ def run_llama_bench(
 ) -> dict | None:
     longest = max(map(len, prompt_ids)) + cfg.max_new_tokens + max(cfg.num_draft_tokens) + 1
     shared = Shared(cfg, context=peer_context(longest))
-    reference = shared.decoder(None)
+    stop_ids = shared.decoder(None).default_stop_ids()  # no decoder held past a peer's turn
     settings = Settings(
-        cfg.max_new_tokens,
-        cfg.temperature,
-        cfg.top_k,
-        cfg.top_p,
-        cfg.seed,
-        reference.default_stop_ids(),
+        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, stop_ids
     )
     methods = [LLAMA[name](k, shared, settings) for name, k in cfg.specs()]
     records, skipped, main = measure_shared(
@@ -469,8 +542,9 @@ def run_llama_bench(
 
 
 def peer_context(tokens: int) -> int:
-    """A peer's context for rows of `tokens` tokens: whole blocks of 256 (llama.cpp pads its
-    cache to them), not the 4096 a row may reach, since each peer holds a cache of its own."""
+    """A context for rows of `tokens` tokens: whole blocks of 256 (llama.cpp pads its cache to
+    them), not the 4096 a row may reach, since each peer, and this engine's target and drafter
+    (`Shared.engine_context`), hold a cache of their own."""
     return min(DEFAULT_CONTEXT, -(-tokens // 256) * 256)
 
 
