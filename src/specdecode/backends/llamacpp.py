@@ -143,6 +143,22 @@ def end_of_generation_ids(lib, vocab, vocab_size: int) -> tuple[int, ...]:
     return tuple(i for i in range(vocab_size) if lib.llama_vocab_is_eog(vocab, i))
 
 
+def gguf_stop_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """`LlamaCppModel(path).stop_token_ids()` without the weights: a vocabulary-only load."""
+    lib = _llama()
+    _init_once(lib)
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise LlamaCppLoadError(f"llama.cpp could not read the vocabulary of {path}")
+    try:
+        vocab = lib.llama_model_get_vocab(model)
+        return end_of_generation_ids(lib, vocab, int(lib.llama_vocab_n_tokens(vocab)))
+    finally:
+        lib.llama_model_free(model)
+
+
 def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -> int:
     """The context per row `LlamaCppModel(path, context=context)` will have, read from the
     file's metadata alone (no llama.cpp, no weights): a prompt that cannot fit is refused

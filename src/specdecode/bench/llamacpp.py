@@ -594,12 +594,11 @@ def high_water_gib() -> float:
 
 
 def _stop_ids(cfg: LlamaBenchConfig) -> tuple[int, ...]:
-    """The stop ids without loading a model: the GGUF's own, read by a vocabulary-only load."""
-    from specdecode.models.tokenizer import gguf_tokenizer
+    """The ids every method stops at, as `generate` and llama.cpp's own tools do (every
+    end-of-generation id of the GGUF), read without loading the weights."""
+    from specdecode.backends.llamacpp import gguf_stop_ids
 
-    tokenizer = gguf_tokenizer(gguf_path(cfg.target))
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    return tuple(sorted(ids))
+    return gguf_stop_ids(gguf_path(cfg.target))
 
 
 if __name__ == "__main__":
