@@ -173,3 +173,35 @@ def test_explicit_setting_wins_over_the_verdict(weights, monkeypatch):
     with pytest.raises(llamacpp.LlamaCppLoadError, match="cannot load"):
         llamacpp.LlamaCppModel(weights)
     assert asked == [weights]
+
+
+def test_a_move_cost_is_kept_beside_its_verdict(weights):
+    """What a move costs is kept in one-token steps next to the verdict; the work it needs to
+    pay back is that cost over the verdict's gain (here half a step per pass)."""
+    assert hugepages.decide(weights, Timer(2.0, 1.0))
+    entry = hugepages.recorded(weights)
+    assert hugepages.move_steps(entry) is None and hugepages.pays_within(entry, 1)
+    hugepages.record_move(weights, 40.0)
+    entry = hugepages.recorded(weights)
+    assert entry["huge_pages"] is True and hugepages.move_steps(entry) == 40.0
+    assert not hugepages.pays_within(entry, 79) and hugepages.pays_within(entry, 80)
+    assert hugepages.pays_within(None, 1)  # no verdict: nothing says it cannot pay
+    hugepages.record_move(weights, 5.0)  # timed cheaper, on a busy machine: the most is kept
+    assert hugepages.move_steps(hugepages.recorded(weights)) == 40.0
+    hugepages.record_move(weights, 50.0)
+    assert hugepages.move_steps(hugepages.recorded(weights)) == 50.0
+
+
+def test_a_move_cost_needs_a_verdict(weights):
+    hugepages.record_move(weights, 40.0)
+    assert hugepages.recorded(weights) is None
+    assert not (weights.parent / "cache" / hugepages.DECISIONS_FILE).exists()
+
+
+def test_a_waiting_move_starts_once_the_passes_would_have_paid(weights):
+    assert hugepages.decide(weights, Timer(4.0, 3.0))  # a quarter of a step saved per pass
+    assert hugepages.Mover(hugepages.recorded(weights)).due(0)  # no cost known: move to time it
+    hugepages.record_move(weights, 10.0)
+    mover = hugepages.Mover(hugepages.recorded(weights))
+    assert not mover.due(39) and mover.due(40)
+    assert hugepages.Mover(None).due(0)

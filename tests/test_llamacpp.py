@@ -418,3 +418,47 @@ def test_bench_closes_the_engine_while_a_peer_runs(smol_gguf, monkeypatch):
     # that it does not end (the order is rotated prompt by prompt)
     assert len(opened) >= 3
     assert all(model.context_length < bench.DEFAULT_CONTEXT for model in opened)
+
+
+def test_a_decided_move_waits_for_the_work_that_pays_it(smol_gguf, monkeypatch):
+    """With the verdict for 2 MiB pages and a move's cost of 3 steps at half a step saved per
+    pass: a caller that runs 5 passes keeps the file mapping (no copy, no move), one that runs
+    6 or says nothing loads a copy whose move starts at the 7th pass, and is timed."""
+    from specdecode.backends import hugepages
+
+    entry = {"huge_pages": True, "step_s_4k": 2.0, "step_s_2m": 1.0, "move_steps": 3.0}
+    kept: list[float] = []
+    monkeypatch.setattr(hugepages, "decide", lambda path, measure: True)
+    monkeypatch.setattr(hugepages, "recorded", lambda path: dict(entry))
+    monkeypatch.setattr(hugepages, "record_move", lambda path, steps: kept.append(steps))
+    short = LlamaCppModel(smol_gguf, role="target", context=256, passes=5)
+    assert short.moving_pages and short.huge_page_bytes == 0  # never moved, stays slower
+    short.close()
+    for passes in (6, None):
+        model = LlamaCppModel(smol_gguf, role="target", context=256, passes=passes)
+        model.reset(1)
+        token, valid = torch.tensor([[1]]), ones(1)
+        for _ in range(6):
+            model.forward(token, valid)
+            assert model.moving_pages and model._pages is None  # waiting
+        model.forward(token, valid)
+        assert model._pages is not None  # started at the 7th pass
+        if hugepages.available():
+            assert model.huge_page_bytes > 0 and kept and all(k > 0 for k in kept)
+            assert not model.moving_pages
+        model.close()
+
+
+def test_generate_on_llamacpp_never_imports_transformers():
+    """`specdecode generate` on a GGUF reads its tokenizer with `tokenizers` and decodes with
+    no `transformers` import (seconds before a first token); in a fresh process, as this one
+    has imported it."""
+    code = (
+        "import sys; from specdecode.cli.main import main; "
+        "rc = main(['generate', '--target', 'smollm2-135m', '--no-draft', '--json', "
+        "'--prompt', 'def add(a, b):', '--max-new-tokens', '4']); "
+        "print(rc, 'transformers' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.stdout.split()[-2:] == ["0", "False"], run.stderr
+    assert '"completion"' in run.stdout

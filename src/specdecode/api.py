@@ -17,6 +17,7 @@ autoregressive decoding on the same engine, the baseline of every speedup.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +25,6 @@ from pathlib import Path
 import torch
 
 from specdecode.backends.base import ModelBackend
-from specdecode.backends.torch_eager import CachedModel, TorchDecoderInfo
 from specdecode.core.checks import (
     check_prompts,
     check_same_device,
@@ -63,6 +63,8 @@ TORCH_BACKENDS = ("torch", TORCH_STATIC)  # transformers modules, the heads and 
 def as_backend(model, role: str) -> ModelBackend:
     """A `transformers` decoder gets the PyTorch backend; a backend is taken as it is."""
     if isinstance(model, torch.nn.Module):
+        from specdecode.backends.torch_eager import CachedModel
+
         return CachedModel(model.eval(), role)
     if isinstance(model, ModelBackend):
         return model
@@ -90,9 +92,17 @@ def encode_prompts(tokenizer, prompts: Prompts, chat: bool = False) -> list[list
     return [[int(t) for t in p] for p in prompts]
 
 
+def _torch_backends():
+    """`backends.torch_eager` where it has been imported, else None: a PyTorch backend exists
+    only once it has, so the checks below need not import it (nor, with it, `transformers`,
+    which the llama.cpp backend never reads and which costs seconds before a first token)."""
+    return sys.modules.get("specdecode.backends.torch_eager")
+
+
 def module_of(backend: ModelBackend):
     """The transformers module under a PyTorch backend; any other backend as it is."""
-    return backend.model if isinstance(backend, TorchDecoderInfo) else backend
+    eager = _torch_backends()
+    return backend.model if eager and isinstance(backend, eager.TorchDecoderInfo) else backend
 
 
 def default_backend(name_or_path: str, device: str) -> str:
@@ -220,7 +230,10 @@ class SpeculativeDecoder:
     @property
     def backend(self) -> str:
         """Which backend runs the target: "torch", "torch-static" or "llama.cpp"."""
-        if isinstance(self._target_lm, CachedModel):
+        eager = _torch_backends()
+        if eager is None or not isinstance(self._target_lm, eager.TorchDecoderInfo):
+            return LLAMA_CPP
+        if isinstance(self._target_lm, eager.CachedModel):
             return "torch"
         from specdecode.backends.torch_static import StaticCachedModel
 
@@ -241,6 +254,7 @@ class SpeculativeDecoder:
         tokenizer=None,
         context: int | None = None,
         prefix_cache_mib: int = 0,
+        passes: int | None = None,
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
@@ -258,6 +272,9 @@ class SpeculativeDecoder:
         cache of the default. `prefix_cache_mib`: llama.cpp only, host memory per model for the
         cells of prompts whose sequence a later row takes over, restored when a prompt sharing
         their prefix comes back (a server's seen prompts; `LlamaCppModel`).
+        `passes`: llama.cpp only, the most target passes the caller will run (a generation's
+        new tokens), where it knows: the target's weights are then moved to 2 MiB pages only if
+        so many passes repay the move (`LlamaCppModel`).
 
         torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
         products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
@@ -280,7 +297,9 @@ class SpeculativeDecoder:
                     "the llama.cpp backend runs a GGUF's own weights on the CPU: dtype, device, "
                     "prepack and int8 drafting are options of the torch backend (--backend torch)"
                 )
-            return cls._from_gguf(target, drafter, threads, tokenizer, context, prefix_cache_mib)
+            return cls._from_gguf(
+                target, drafter, threads, tokenizer, context, prefix_cache_mib, passes
+            )
         if context is not None or prefix_cache_mib:
             raise ValueError(
                 "context and prefix_cache_mib size llama.cpp's cache; the torch backends grow "
@@ -338,6 +357,7 @@ class SpeculativeDecoder:
         tokenizer=None,
         context: int | None = None,
         prefix_cache_mib: int = 0,
+        passes: int | None = None,
     ) -> SpeculativeDecoder:
         from specdecode.backends.llamacpp import LlamaCppModel
         from specdecode.models.tokenizer import gguf_tokenizer
@@ -347,7 +367,7 @@ class SpeculativeDecoder:
         sized = {"prefix_cache_mib": prefix_cache_mib} | (
             {} if context is None else {"context": context}
         )
-        target_lm = LlamaCppModel(path, role="target", threads=threads, **sized)
+        target_lm = LlamaCppModel(path, role="target", threads=threads, passes=passes, **sized)
         if drafter is None:
             return cls(target_lm, tokenizer)
         if drafter == PROMPT_LOOKUP:

@@ -71,27 +71,35 @@ def _madvise():
     return call
 
 
-def collapse_new_regions(before: set[Region]) -> int:
+def collapse_new_regions(
+    before: set[Region], progress: Callable[[int, int], None] | None = None
+) -> int:
     """Ask for huge pages on every anonymous region of at least `MIN_REGION` bytes that is not
-    in `before`; returns the bytes the kernel collapsed (0 where it could not)."""
+    in `before`; returns the bytes the kernel collapsed (0 where it could not). `progress`
+    hears (bytes tried so far, bytes to try) after each huge page."""
     if os.name != "posix":
         return 0
     try:
         madvise = _madvise()
     except (OSError, AttributeError):
         return 0
-    collapsed = 0
+    collapsed = tried = 0
+    spans = []  # whole huge pages inside each new region large enough
     for start, end in sorted(anonymous_regions() - before):
-        lo = -(-start // HUGE_PAGE) * HUGE_PAGE  # whole huge pages inside the region
-        hi = end // HUGE_PAGE * HUGE_PAGE
-        if hi - lo < MIN_REGION:
-            continue
+        lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if hi - lo >= MIN_REGION:
+            spans.append((lo, hi))
+    total = sum(hi - lo for lo, hi in spans)
+    for lo, hi in spans:
         if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
             continue  # THP off ("never") or not built into this kernel
         for page in range(lo, hi, HUGE_PAGE):  # page by page: one that cannot be collapsed
             # (never written, say) fails the whole call
             if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
                 collapsed += HUGE_PAGE
+            tried += HUGE_PAGE
+            if progress is not None:
+                progress(tried, total)
     return collapsed
 
 
@@ -172,8 +180,16 @@ def decide(
         return entry["huge_pages"]
     step_4k, step_2m = measure()
     huge = step_4k >= MIN_GAIN * step_2m
-    table = _read_decisions(file)  # another process may have added its own meanwhile
-    table[key] = {"huge_pages": huge, "step_s_4k": step_4k, "step_s_2m": step_2m}
+    _update(file, key, {"huge_pages": huge, "step_s_4k": step_4k, "step_s_2m": step_2m})
+    return huge
+
+
+def _update(file: Path, key: str, entry: dict) -> None:
+    """Write `entry` under `key`, merged into what the file holds now (another process may have
+    added its own meanwhile): to a temporary file, renamed. Where the cache cannot be written,
+    nothing is kept."""
+    table = _read_decisions(file)
+    table[key] = {**(table.get(key) or {}), **entry}
     with contextlib.suppress(OSError):
         file.parent.mkdir(parents=True, exist_ok=True)
         handle, scratch = tempfile.mkstemp(prefix=".hugepages-", dir=file.parent)
@@ -184,4 +200,72 @@ def decide(
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(scratch)
-    return huge
+
+
+# ------------------------------------------------------------------ when the move pays
+# A verdict says the steps gain; the move itself still costs seconds of a core (the kernel
+# copies every page), and on a machine of few cores those seconds come out of the passes running
+# beside it: a run of a few tokens never earns them back. So a move is timed where it runs, in
+# one-token steps of the same model in the same process (`record_move`: a unit that a busy
+# machine slows alike), and a model moves only once the work justifies it: where the caller
+# knows how many passes it will run, not at all if they cannot repay the move (`pays_within`);
+# else once the passes run so far would have repaid it (`Mover`). That rule never loses more
+# than the move's own cost over moving at once (the rent-or-buy bound), whatever the run's
+# length, and needs no constant of this machine.
+
+
+def recorded(model: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None):
+    """The verdict recorded for `model` here (with `move_steps`, the move's cost in one-token
+    steps, once a move was timed), or None."""
+    entry = _read_decisions(cache_root(cache_dir) / DECISIONS_FILE).get(decision_key(model))
+    return entry if _valid(entry) else None
+
+
+def record_move(
+    model: str | os.PathLike[str], steps: float, cache_dir: str | os.PathLike[str] | None = None
+) -> None:
+    """Keep what a move of `model`'s weights cost, in one-token steps, beside its verdict: the
+    most any move was timed at. A busy machine understates it (llama.cpp's threads wait on
+    each other, so its steps slow far more than the kernel's copying does), and an understated
+    cost would move the weights for runs too short to repay it."""
+    file = cache_root(cache_dir) / DECISIONS_FILE
+    key = decision_key(model)
+    entry = _read_decisions(file).get(key)
+    if _valid(entry) and steps >= 0:
+        _update(file, key, {"move_steps": max(steps, move_steps(entry) or 0.0)})
+
+
+def gain_fraction(entry: dict) -> float:
+    """The share of a step that 2 MiB pages save, by the verdict's timings (a ratio: both were
+    timed side by side, so a busy machine slowed both alike)."""
+    step_4k, step_2m = entry["step_s_4k"], entry["step_s_2m"]
+    return max(0.0, 1.0 - step_2m / step_4k) if step_4k > 0 else 0.0
+
+
+def move_steps(entry: dict | None) -> float | None:
+    """The recorded cost of a move in one-token steps, or None where none was timed yet."""
+    steps = (entry or {}).get("move_steps")
+    return float(steps) if isinstance(steps, (int, float)) and steps >= 0 else None
+
+
+def pays_within(entry: dict | None, passes: int) -> bool:
+    """Whether `passes` passes save, by the verdict's gain, at least the recorded cost of the
+    move. True where no move was timed yet (a move is how it gets timed)."""
+    cost = move_steps(entry)
+    if entry is None or cost is None:
+        return True
+    return passes * gain_fraction(entry) >= cost
+
+
+class Mover:
+    """When a model's waiting move starts: `due(passes)` turns true once the passes run so far
+    would, by the verdict's gain, have repaid the move's recorded cost; at once where no cost
+    is recorded (or no verdict is)."""
+
+    def __init__(self, entry: dict | None) -> None:
+        self.gain = gain_fraction(entry) if entry is not None else 0.0
+        cost = move_steps(entry)
+        self.cost = cost if self.gain > 0 else None
+
+    def due(self, passes: int) -> bool:
+        return self.cost is None or passes * self.gain >= self.cost

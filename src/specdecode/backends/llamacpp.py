@@ -30,6 +30,7 @@ import statistics
 import struct
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -270,11 +271,15 @@ class LlamaCppModel:
         threads: int | None = None,
         max_rows: int = 1,
         huge_pages: bool | None = None,
+        passes: int | None = None,
         prefix_cache_mib: int = 0,
     ) -> None:
-        """`huge_pages`: move the weights to 2 MiB pages (True), leave them in llama.cpp's
-        file mapping (False), or None: as measured once on this machine for this file
-        (`hugepages.decide`, a few one-token steps timed both ways on the first load).
+        """`huge_pages`: move the weights to 2 MiB pages (True, at once), leave them in
+        llama.cpp's file mapping (False), or None: as measured once on this machine for this
+        file (`hugepages.decide`, a few one-token steps timed both ways on the first load), and
+        only as far as the move pays: with `passes`, the most passes the caller will run, not
+        at all where they cannot repay the move's recorded cost; else from the pass at which
+        the passes so far would have (`hugepages.Mover`).
         `prefix_cache_mib`: host memory for the cache cells of sequences a joining row is about
         to overwrite (`add_rows`), so a prompt seen before is restored rather than prefilled
         even after its sequence served others; 0: only the cells still in the sequences."""
@@ -286,8 +291,15 @@ class LlamaCppModel:
         self.device = torch.device("cpu")
         if not self.path.is_file():
             raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
+        mover = None  # where the move waits until it pays
+        self._slower = False  # the weights stay in 4 KiB pages although 2 MiB would gain
         if huge_pages is None:
             huge_pages = hugepages.decide(self.path, lambda: time_huge_pages(self.path, threads))
+            entry = hugepages.recorded(self.path) if huge_pages else None
+            if huge_pages and passes is not None and not hugepages.pays_within(entry, passes):
+                huge_pages, self._slower = False, True  # mapped as shipped: no copy, no move
+            elif huge_pages:
+                mover = hugepages.Mover(entry)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         before = anonymous_regions() if huge_pages else set()
@@ -313,28 +325,65 @@ class LlamaCppModel:
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
         self.prefix_cache = PrefixCache(prefix_cache_mib << 20)
-        # the move to 2 MiB pages runs beside the first passes rather than before them: it
-        # takes seconds, which a short answer would wait for and not get back (the kernel
-        # moves each page in place; the passes read the same bytes throughout)
+        # the move to 2 MiB pages runs beside the passes rather than before them: it takes
+        # seconds, which a short answer would wait for and not get back (the kernel moves each
+        # page in place; the passes read the same bytes throughout). A decided move also waits
+        # until the passes have earned it (`_mover`)
         self._moved: list[int] = [0]
-        self._pages = None
-        if huge_pages:
-            self._pages = threading.Thread(
-                target=lambda: self._moved.__setitem__(0, collapse_new_regions(before)),
-                name=f"{role}-2MiB-pages",
-                daemon=True,
-            )
-            self._pages.start()
+        self._pages: threading.Thread | None = None
+        self._regions = before if huge_pages else None  # new regions, until the move starts
+        self._mover = mover
+        self._passes = 0  # `forward` calls so far
+        self._step_seconds: deque[float] = deque(maxlen=64)  # the latest one-token steps'
+        if huge_pages and (mover is None or mover.due(0)):
+            self._start_move()
         self.reset(0)
+
+    def _start_move(self) -> None:
+        """Move the weights' regions to 2 MiB pages in a thread. A decided move is timed and
+        its cost kept beside the verdict, in this model's one-token steps (`hugepages.Mover`
+        weighs it next time): estimated once half the pages are moved, as a short run may end
+        before the move does, and again at its end. Steps that ran beside the move count
+        slower than they are, so the cost is rather under- than overstated."""
+        before, self._regions = self._regions, None
+        if before is None:
+            return
+        timed = self._mover is not None
+        start = time.perf_counter()
+        halfway = [False]
+
+        def record(done: int, total: int) -> None:
+            if not self._step_seconds or done <= 0:
+                return
+            seconds = (time.perf_counter() - start) * total / done
+            hugepages.record_move(self.path, seconds / statistics.median(self._step_seconds))
+
+        def progress(done: int, total: int) -> None:
+            if timed and not halfway[0] and 2 * done >= total and self._step_seconds:
+                halfway[0] = True
+                record(done, total)
+
+        def move() -> None:
+            self._moved[0] = collapse_new_regions(before, progress)
+            if timed and self._moved[0]:
+                record(1, 1)
+
+        self._pages = threading.Thread(target=move, name=f"{self.role}-2MiB-pages", daemon=True)
+        self._pages.start()
 
     @property
     def moving_pages(self) -> bool:
-        """Whether the weights are still being moved to 2 MiB pages (passes run slower)."""
-        return self._pages is not None and self._pages.is_alive()
+        """Whether the weights are not yet in the 2 MiB pages this machine's verdict puts them
+        in: being moved, waiting to be, or left in 4 KiB pages for a run too short to repay the
+        move. Passes then run slower than priced (prices are timed on moved weights), and that
+        is no reason to correct the prices."""
+        moving = self._pages is not None and self._pages.is_alive()
+        return moving or self._regions is not None or self._slower
 
     @property
     def huge_page_bytes(self) -> int:
-        """Bytes of weights moved to 2 MiB pages (waits for the move to end)."""
+        """Bytes of weights moved to 2 MiB pages (starts a waiting move, and waits for it)."""
+        self._start_move()
         if self._pages is not None:
             self._pages.join()
         return self._moved[0]
@@ -496,6 +545,19 @@ class LlamaCppModel:
         tokens, valid: [batch, n] -> logits [batch, logits_to_keep, vocab] (float32; zero at a
         hole), hidden [batch, logits_to_keep, hidden] when asked.
         """
+        waiting = self._regions is not None and self._mover is not None
+        if waiting and self._mover.due(self._passes):
+            self._start_move()
+        self._passes += 1
+        start = time.perf_counter()
+        out = self._forward(tokens, valid, logits_to_keep, want_hidden)
+        if tokens.shape == (1, 1):  # a one-token step: the unit a move's cost is kept in
+            self._step_seconds.append(time.perf_counter() - start)
+        return out
+
+    def _forward(
+        self, tokens: torch.Tensor, valid: torch.Tensor, logits_to_keep: int, want_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, n = tokens.shape
         keep = min(logits_to_keep, n)
         valid_l = valid.tolist()

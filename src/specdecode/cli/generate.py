@@ -161,6 +161,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         threads=args.threads,
         compile=args.compile,
         tokenizer=tokenizer if backend == LLAMA_CPP else None,
+        # each batch of prompts runs at most one target pass per new token
+        passes=args.max_new_tokens * -(-len(prompts) // args.batch_size),
     )
     if args.retime_prices or (args.drafting == "auto" and not args.no_draft):
         known = decoder.prices(retime=args.retime_prices)  # cached, or timed and kept

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.backends.torch_eager import model_device
-
 
 class IncompatibleModelsError(ValueError):
     """Target and drafter cannot be paired."""
 
 
 def check_same_device(target: torch.nn.Module, drafter: torch.nn.Module) -> None:
-    t, d = model_device(target), model_device(drafter)
+    # read here, not through `backends.torch_eager`: importing it imports `transformers`, which
+    # the llama.cpp backend's decoding never needs
+    t, d = next(target.parameters()).device, next(drafter.parameters()).device
     if t != d:
         raise IncompatibleModelsError(
             f"target is on {t} but drafter is on {d}; put both on the same device "

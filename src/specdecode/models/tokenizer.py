@@ -7,11 +7,18 @@ Reading the tokenizer out of a GGUF means parsing its whole vocabulary and merge
 than loading a saved copy, so the copy is made once: for a catalogue model inside its cache
 folder (``model.tokenizer/``, recorded and checked like every cached file), for any other GGUF
 beside the file.
+
+Loading that copy through `transformers.AutoTokenizer` costs a second or more before the first
+token (importing `transformers`, reading `tokenizer.json` twice); `SavedTokenizer` reads the same
+`tokenizer.json` with the `tokenizers` library alone, which is what `transformers`' fast
+tokenizer runs underneath: the same ids and text, in a fraction of the time. Chat templates are
+rendered by the `transformers` tokenizer of the same folder, loaded only when one is asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -35,18 +42,17 @@ logger = logging.getLogger(__name__)
 def gguf_tokenizer(gguf: Path, cache: Path | None = None) -> Any:
     """The tokenizer stored in `gguf`; saved into `cache` (default: beside the file, or in the
     model's cache folder for a catalogue model's GGUF) the first time, written to a temporary
-    folder and renamed, so a half-written copy is never read."""
-    from transformers import AutoTokenizer
-
+    folder and renamed, so a half-written copy is never read. A `SavedTokenizer` where the saved
+    copy allows one (`saved_tokenizer`)."""
     model = cached_model_of(gguf) if cache is None else None
     if model is not None:
         with model.using("tokenizer", _make_cached_tokenizer, progress=False):
-            return AutoTokenizer.from_pretrained(
-                str(model.directory / TOKENIZER_DIR), local_files_only=True
-            )
+            return saved_tokenizer(model.directory / TOKENIZER_DIR)
     cache = cache if cache is not None else gguf.parent / f"{gguf.stem}.tokenizer"
     if (cache / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
+        return saved_tokenizer(cache)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     scratch = Path(tempfile.mkdtemp(prefix=TOKENIZER_SCRATCH, dir=gguf.parent))
     try:
@@ -99,6 +105,133 @@ def _make_cached_tokenizer(c: ModelCache, progress: bool) -> None:
         records.save()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def saved_tokenizer(folder: Path) -> Any:
+    """The tokenizer saved in `folder`: a `SavedTokenizer` where its `tokenizer.json` is a BPE
+    model (the GGUF tokenizers `transformers` reads are; for BPE, `transformers` decodes with no
+    clean-up of spaces, as `tokenizers` does), else `transformers`' own."""
+    saved = SavedTokenizer.read(folder)
+    if saved is not None:
+        return saved
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+class Encoding(dict):
+    """What calling a tokenizer returns, as `transformers`' `BatchEncoding` is read here: the ids
+    as `.input_ids` or `["input_ids"]`."""
+
+    @property
+    def input_ids(self) -> Any:
+        return self["input_ids"]
+
+
+class SavedTokenizer:
+    """A tokenizer saved by `transformers` (`tokenizer.json`, `tokenizer_config.json`), read with
+    the `tokenizers` library alone: encoding, decoding, the special tokens' ids and the
+    vocabulary, as `transformers`' fast tokenizer gives them for the same folder. What else a
+    caller reads (a chat template's rendering, `save_pretrained`, ...) comes from that
+    `transformers` tokenizer, loaded at the first such read."""
+
+    SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+    @classmethod
+    def read(cls, folder: Path) -> SavedTokenizer | None:
+        """The tokenizer saved in `folder`; None where it is missing, unreadable or not BPE."""
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except Exception:  # OSError, ValueError, or `tokenizers`' own (a plain Exception)
+            return None
+        if type(tokenizer.model).__name__ != "BPE" or not isinstance(config, dict):
+            return None
+        return cls(folder, tokenizer, config)
+
+    def __init__(self, folder: Path, tokenizer: Any, config: dict[str, Any]) -> None:
+        self.name_or_path = str(folder)
+        self._tokenizer = tokenizer
+        self.special_tokens_map: dict[str, str] = {}
+        for name in self.SPECIAL:
+            token = config.get(name)
+            if isinstance(token, dict):  # older configs write an added token's fields
+                token = token.get("content")
+            if isinstance(token, str):
+                self.special_tokens_map[name] = token
+            setattr(self, f"{name}_id", self.convert_tokens_to_ids(token))
+        template = folder / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template.read_text(encoding="utf-8")
+            if template.is_file()
+            else config.get("chat_template")
+            if isinstance(config.get("chat_template"), str)
+            else None
+        )
+        self._full: Any = None
+
+    def convert_tokens_to_ids(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
+        if isinstance(text, str):
+            return Encoding(input_ids=self.encode(text, add_special_tokens))
+        encoded = self._tokenizer.encode_batch(text, add_special_tokens=add_special_tokens)
+        return Encoding(input_ids=[e.ids for e in encoded])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(
+        self,
+        ids: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+    ) -> str:
+        """The text of `ids` (a list, or a tensor's values). `clean_up_tokenization_spaces` is
+        taken and left unapplied, as `transformers` leaves it for a BPE tokenizer."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(
+        self, rows: Any, skip_special_tokens: bool = False, **kwargs: Any
+    ) -> list[str]:
+        return [self.decode(row, skip_special_tokens, **kwargs) for row in rows]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without added tokens (as `transformers` counts it)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        """Rendered by the `transformers` tokenizer of the same folder (its template engine,
+        its globals, its handling of every argument)."""
+        return self.full().apply_chat_template(*args, **kwargs)
+
+    def full(self) -> Any:
+        """The `transformers` tokenizer of this folder (loaded once, at the first call)."""
+        if self._full is None:
+            from transformers import AutoTokenizer
+
+            self._full = AutoTokenizer.from_pretrained(self.name_or_path, local_files_only=True)
+        return self._full
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never the transformers tokenizer's private parts (nor a
+            # lookup during construction or unpickling, before `_full` exists)
+            raise AttributeError(name)
+        return getattr(self.full(), name)
 
 
 def render_chat(tokenizer: Any, chat: str | list[dict[str, Any]], what: str = "a prompt") -> str:
