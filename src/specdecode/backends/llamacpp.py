@@ -575,9 +575,13 @@ class LlamaCppModel:
             # computes the logits of) every token of a batch: only when the hidden states are read
             self.lib.llama_set_embeddings(self.ctx, want_hidden)
             self.embeddings_on = want_hidden
-        # every valid token in batch order: (row, column of its logits or -1, token, position)
+        # every valid token, rows in the order of their sequence ids: (row, column of its
+        # logits or -1, token, position). With a cache stream per row llama.cpp puts rows in
+        # one micro-batch only while their sequence ids rise one by one through the batch; a
+        # server's rows join on whichever sequence holds their prefix, so in row order a round
+        # of 8 rows ran as several passes (findings 15)
         entries: list[tuple[int, int, int, int]] = []
-        for b in range(batch):
+        for b in sorted(range(batch), key=self.seq_ids.__getitem__):
             pos = lengths_l[b]
             for j in range(n):
                 if valid_l[b][j]:
