@@ -359,14 +359,15 @@ class SpeculativeDecoder:
         prefix_cache_mib: int = 0,
         passes: int | None = None,
     ) -> SpeculativeDecoder:
-        from specdecode.backends.llamacpp import LlamaCppModel
+        from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel
         from specdecode.models.tokenizer import gguf_tokenizer
 
         path = gguf_path(target)
         tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(path)
-        sized = {"prefix_cache_mib": prefix_cache_mib} | (
-            {} if context is None else {"context": context}
-        )
+        sized = {
+            "prefix_cache_mib": prefix_cache_mib,
+            "context": DEFAULT_CONTEXT if context is None else context,
+        }
         target_lm = LlamaCppModel(path, role="target", threads=threads, passes=passes, **sized)
         if drafter is None:
             return cls(target_lm, tokenizer)

@@ -31,6 +31,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -217,6 +218,16 @@ def _gguf_skip(f, kind: int) -> None:
         raise struct.error(f"unknown GGUF value type {kind}")
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
     """Sequences' cache cells in host memory, keyed by the tokens they hold, least recently
     used dropped first past `budget` bytes. llama-server keeps such a cache of its slots
@@ -231,14 +242,7 @@ class PrefixCache:
         """The saved tokens sharing the longest prefix with `prompt`, and that length."""
         best, n = [], 0
         for held in self.entries:
-            if len(held) <= n or not held or not prompt or held[0] != prompt[0]:
-                continue
-            k = 0
-            for a, b in zip(held, prompt, strict=False):
-                if a != b:
-                    break
-                k += 1
-            if k > n:
+            if len(held) > n and (k := shared_prefix(held, prompt)) > n:
                 best, n = list(held), k
         return best, n
 
@@ -389,7 +393,7 @@ class LlamaCppModel:
         return self._moved[0]
 
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence and end-of-turn ids the GGUF names."""
+        """Every end-of-generation id of the GGUF (`end_of_generation_ids`)."""
         return self._stop_ids
 
     # ---------------------------------------------------------------- set-up
@@ -482,18 +486,11 @@ class LlamaCppModel:
                     f"{self.role}: all {self.rows_capacity} sequences are in use; reserve more rows"
                 )
 
-            def shared(seq: int, prompt: list[int] = prompt) -> int:
-                held, n = self.kept[seq], 0
-                for a, b in zip(held, prompt[: max(len(prompt) - 1, 0)], strict=False):
-                    if a != b:
-                        break
-                    n += 1
-                return n
-
-            seq = max(self.kept, key=shared)  # ties: the oldest kept (dict order)
-            n = shared(seq)
+            head = prompt[: max(len(prompt) - 1, 0)]  # the last token is fed: it starts the row
+            seq = max(self.kept, key=lambda q: shared_prefix(self.kept[q], head))  # ties: oldest
             held = self.kept.pop(seq)
-            saved, m = self.prefix_cache.longest(prompt[: max(len(prompt) - 1, 0)])
+            n = shared_prefix(held, head)
+            saved, m = self.prefix_cache.longest(head)
             if len(held) > n and (m <= n or saved != held):  # cells about to be lost
                 self._save(seq, held)
             if m > n:

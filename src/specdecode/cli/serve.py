@@ -19,6 +19,10 @@ DEFAULT_PREFIX_CACHE_MIB = 512
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.prefix_cache_mib < 0:
+        raise ValueError(
+            f"--prefix-cache-mib must be >= 0 (0: no host memory), not {args.prefix_cache_mib}"
+        )
     try:
         from specdecode.serve.server import ServeConfig, serve
     except ImportError as error:
