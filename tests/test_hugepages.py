@@ -70,6 +70,24 @@ def test_collapse_moves_new_regions_and_keeps_their_bytes(libc):
         libc.munmap(address, SIZE)
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
+def test_released_file_pages_leave_resident_memory_and_read_back_the_same(tmp_path):
+    """What llama.cpp copied out of a GGUF's mapping stops counting twice, and what is still
+    read from the mapping reads the same bytes (faulted back from the page cache)."""
+    import mmap
+
+    path = tmp_path / "weights.bin"
+    pattern = bytes(range(251)) * (SIZE // 251)
+    path.write_bytes(pattern)
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as view:
+        assert view[:] == pattern  # every page faulted in
+        assert hugepages.resident_bytes(path) >= len(pattern) - 4096
+        assert hugepages.release_file_pages(path) >= len(pattern) - 4096
+        assert hugepages.resident_bytes(path) < len(pattern) // 8
+        assert view[:] == pattern
+    assert hugepages.release_file_pages(path) == 0  # no mapping left
+
+
 @needs_thp
 def test_a_snapshot_lists_a_new_allocation_and_old_regions_are_left_alone(libc):
     """The snapshot taken before an allocation lacks it and the one after holds it; given the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,7 +292,8 @@ def test_a_block_longer_than_a_llama_batch_goes_in_pieces(smol):
 
 def test_weights_in_huge_pages_score_the_same(smol_gguf, smol):
     """The backend moves its weights to 2 MiB pages (`backends.hugepages`): the same bytes, so
-    the same logits to the bit as the file mapping llama.cpp uses by default."""
+    the same logits to the bit as the file mapping llama.cpp uses by default, whose pages are
+    released after the load (read back from the page cache where a pass needs them)."""
     from specdecode.backends import hugepages
 
     _, _, tok = smol
@@ -300,8 +302,13 @@ def test_weights_in_huge_pages_score_the_same(smol_gguf, smol):
     logits = {}
     for huge in (False, True):
         model = LlamaCppModel(smol_gguf, role="target", context=256, huge_pages=huge)
+        mapped = not huge and Path("/proc/self/smaps").exists()
+        if mapped:  # the file's pages are released once loaded, read back where a pass needs
+            assert hugepages.resident_bytes(smol_gguf) < Path(smol_gguf).stat().st_size // 4
         model.reset(1)
         logits[huge], _ = model.forward(ids, ones(n), logits_to_keep=n)
+        if mapped:
+            assert hugepages.resident_bytes(smol_gguf) > 0
         if hugepages.available():
             assert (model.huge_page_bytes > 0) == huge
         model.close()

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 from specdecode.models.packages import cache_root
 
 HUGE_PAGE = 2 * 1024 * 1024
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 MIN_REGION = 16 * 1024 * 1024  # weights and caches are larger; small heaps are left alone
@@ -101,6 +103,48 @@ def collapse_new_regions(
             if progress is not None:
                 progress(tried, total)
     return collapsed
+
+
+def resident_bytes(path: str | os.PathLike[str]) -> int:
+    """Resident bytes of this process's mappings of the file at `path` (0 off Linux)."""
+    target = str(Path(path).resolve())
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    total = 0
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        head, _, rest = block.partition("\n")
+        if head.split(maxsplit=5)[5:] == [target]:
+            found = re.search(r"^Rss:\s+(\d+) kB", rest, re.MULTILINE)
+            total += int(found.group(1)) * 1024 if found else 0
+    return total
+
+
+def release_file_pages(path: str | os.PathLike[str]) -> int:
+    """Unmap this process's pages of every mapping of the file at `path` (`MADV_DONTNEED`);
+    returns the resident bytes released (0 where none were, or not on Linux).
+
+    Why: llama.cpp maps a GGUF file, then copies most of its weights into repacked CPU buffers
+    for faster kernels, and the copied pages stay mapped, counted in the process's resident
+    memory a second time though never read again (0.7 GB of a 1.1 GB 1.5B model). The pages
+    stay in the page cache: the tensors still read from the mapping (the token embeddings, say)
+    fault back in on their first pass at the cost of a minor fault each, the rest are the
+    kernel's to reclaim.
+    """
+    target = str(Path(path).resolve())
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        madvise = _madvise()
+    except (OSError, AttributeError):  # not Linux
+        return 0
+    before = resident_bytes(target)
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            madvise(start, end - start, MADV_DONTNEED)
+    return max(0, before - resident_bytes(target))
 
 
 # ------------------------------------------------------------------ whether they pay, here

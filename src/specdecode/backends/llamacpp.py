@@ -317,6 +317,8 @@ class LlamaCppModel:
                 "architecture this llama.cpp build does not know); re-fetch it with "
                 "`specdecode models fetch NAME --force`, or use `--backend torch`"
             )
+        if not huge_pages:  # the weights llama.cpp copied out of its file mapping
+            hugepages.release_file_pages(self.path)
         vocab = lib.llama_model_get_vocab(self.model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
         self._stop_ids = end_of_generation_ids(lib, vocab, self.vocab_size)
