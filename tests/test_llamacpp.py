@@ -116,6 +116,28 @@ def test_ragged_rows_score_as_alone(smol):
     assert (step[0, -1] - ref[0, -1]).abs().max() <= NOISE
 
 
+def test_a_joining_row_takes_the_lowest_free_sequence_and_its_prefix_is_copied_there(smol):
+    """Rows join on the lowest free sequences (llama.cpp batches rows only while their ids rise
+    one by one); a prompt whose prefix another free sequence holds gets those cells copied,
+    scores as a fresh prefill does, and the other sequence keeps them."""
+    target, _, tok = smol
+    rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
+    target.reserve(4)
+    assert target.add_rows(rows) == [0, 0, 0, 0]
+    tokens, valid = left_padded(rows)
+    target.forward(tokens, valid)
+    target.select_rows(torch.tensor([1, 3]))  # the rows on sequences 0 and 2 end
+    prompt = rows[2] + [13, 14]
+    assert target.add_rows([prompt]) == [len(rows[2])]
+    assert target.seq_ids == [1, 3, 0]
+    assert target.kept == {2: rows[2]}
+    fed = torch.tensor([[13, 14]] * 3)
+    logits, _ = target.forward(fed, torch.tensor([[False, False], [False, False], [True, True]]))
+    target.reset(1)
+    fresh, _ = target.forward(torch.tensor([prompt]), ones(len(prompt)))
+    assert (logits[2, -1] - fresh[0, -1]).abs().max() <= NOISE
+
+
 def test_hidden_states_are_the_last_norm(smol):
     """The drafter's hidden states (llama.cpp's embeddings output) come with the logits and
     differ by position; the logits are the same with or without them."""

@@ -478,25 +478,35 @@ class LlamaCppModel:
         self.lengths = torch.zeros(0, dtype=torch.long)
 
     def add_rows(self, prompts: list[list[int]]) -> list[int]:
-        """Append a row per prompt on a free sequence: the one whose cells share the longest
-        prefix with the prompt, cut to that prefix, so the engine feeds only the rest. At
-        least the prompt's last token is left to feed: its logits start the row."""
+        """Append a row per prompt on the lowest free sequence, holding the longest prefix of
+        its prompt found in any free sequence or in host memory, so the engine feeds only the
+        rest. At least the prompt's last token is left to feed: its logits start the row.
+
+        The lowest, because llama.cpp runs rows in one micro-batch only while their sequence
+        ids rise one by one (`_forward`): rows that join on scattered sequences (wherever their
+        prefix happened to be) split every later pass. A prefix held by another free sequence
+        is copied over rather than joined there; that sequence keeps it."""
         reused = []
         for prompt in prompts:
             if not self.kept:
                 raise ValueError(
                     f"{self.role}: all {self.rows_capacity} sequences are in use; reserve more rows"
                 )
-
             head = prompt[: max(len(prompt) - 1, 0)]  # the last token is fed: it starts the row
-            seq = max(self.kept, key=lambda q: shared_prefix(self.kept[q], head))  # ties: oldest
+            seq = min(self.kept)
             held = self.kept.pop(seq)
             n = shared_prefix(held, head)
+            # ties: the oldest free sequence (the dict keeps the order they were freed in)
+            other = max(self.kept, key=lambda q: shared_prefix(self.kept[q], head), default=seq)
+            k = shared_prefix(self.kept.get(other, []), head)
             saved, m = self.prefix_cache.longest(head)
-            if len(held) > n and (m <= n or saved != held):  # cells about to be lost
+            source = held if n >= max(k, m) else self.kept[other] if k >= m else saved
+            keep = source is held
+            lost = held[n:] if keep else held  # cells this row overwrites
+            if lost and (keep or source != held):
                 self._save(seq, held)
-            if m > n:
-                n = m if self._restore(seq, saved) else 0
+            if not keep:
+                n = max(k, m) if self._put_cells(seq, source, other if k >= m else None) else 0
             self.lib.llama_memory_seq_rm(self.memory, seq, n, -1)
             self.seq_ids.append(seq)
             self.row_tokens.append(list(prompt[:n]))
@@ -504,23 +514,31 @@ class LlamaCppModel:
         self.lengths = torch.cat([self.lengths, torch.tensor(reused, dtype=torch.long)])
         return reused
 
+    def _cells(self, seq: int) -> ctypes.Array | None:
+        """A copy of a sequence's cache cells in host memory (None where llama.cpp gives none)."""
+        size = int(self.lib.llama_state_seq_get_size(self.ctx, seq))
+        if not size:
+            return None
+        buf = (ctypes.c_uint8 * size)()
+        copied = int(self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq))
+        return buf if copied == size else None
+
     def _save(self, seq: int, tokens: list[int]) -> None:
         """Copy a sequence's cells to host memory, keyed by the tokens they hold."""
-        if not self.prefix_cache.budget:
+        budget = self.prefix_cache.budget
+        if not budget or int(self.lib.llama_state_seq_get_size(self.ctx, seq)) > budget:
             return
-        lib = self.lib
-        size = int(lib.llama_state_seq_get_size(self.ctx, seq))
-        if not size or size > self.prefix_cache.budget:
-            return
-        buf = (ctypes.c_uint8 * size)()
-        if int(lib.llama_state_seq_get_data(self.ctx, buf, size, seq)) == size:
+        if (buf := self._cells(seq)) is not None:
             self.prefix_cache.put(tokens, buf)
 
-    def _restore(self, seq: int, tokens: list[int]) -> bool:
-        """Put saved cells back into an emptied sequence; False (the sequence empty) if
-        llama.cpp refuses them, and the row then prefills."""
-        buf = self.prefix_cache.take(tokens)
+    def _put_cells(self, seq: int, tokens: list[int], source: int | None) -> bool:
+        """Fill an emptied sequence with the cells holding `tokens`: those of free sequence
+        `source`, or else of host memory. False (the sequence empty) where llama.cpp refuses
+        them, and the row then prefills."""
+        buf = self.prefix_cache.take(tokens) if source is None else self._cells(source)
         self.lib.llama_memory_seq_rm(self.memory, seq, 0, -1)
+        if buf is None:
+            return False
         return bool(self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), seq))
 
     def pending(
