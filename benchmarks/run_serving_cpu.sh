@@ -8,9 +8,10 @@
 #   seen/              the same prompts sent once to warm, then measured, concurrency 1 8
 #   chat/              MT-Bench 81-88 as 2-turn conversations, concurrency 1 8
 #   llama-cpp-python/  ours and llama-cpp-python's server (one request at a time), 1 8
-#   servers.json       each server's command and its peak RSS over the run
+#   repeats-*/         the cells at 8 and 16 again, three passes each
+#   servers.json       each server's command and its peak RSS over the run (resumed parts too)
 # Every server gets 8 rows of 2048 tokens and 2 threads. A step whose record exists is skipped,
-# so a run cut short goes on where it stopped. About 45 minutes on a 2-core machine; run it on
+# so a run cut short goes on where it stopped. About 80 minutes on a 2-core machine; run it on
 # a quiet machine (llama.cpp's threads spin, and a busy core slows them far more than its share).
 #
 # Needs: the serve extra; llama-server built from the llama.cpp that llama-cpp-python vendors
@@ -76,6 +77,18 @@ step chat $(labels $four) --prompts mtbench --limit 8 --modes chat --turns 2 --c
 # shellcheck disable=SC2046
 step llama-cpp-python $(labels ours llama-cpp-python) --prompts humaneval --limit 8 --modes new \
   --concurrency 1 8
+# the loaded cells again, three passes each: one pass of a cell at 8 or 16 varies by several
+# percent between sittings, more than the differences the targets there ask about
+three="ours ours-plain llama-server"
+# shellcheck disable=SC2046
+step repeats-new $(labels $three) --prompts humaneval --limit 16 --modes new --concurrency 8 16 \
+  --repeats 3
+# shellcheck disable=SC2046
+step repeats-seen $(labels $three) --prompts humaneval --limit 16 --modes seen --concurrency 8 \
+  --repeats 3
+# shellcheck disable=SC2046
+step repeats-chat $(labels $three) --prompts mtbench --limit 8 --modes chat --turns 2 \
+  --concurrency 8 --repeats 3
 
 python - "$out/servers.json" <<PY
 import json, sys
@@ -88,7 +101,13 @@ def peak_gib(p):  # VmHWM: the process's peak resident set
                 return round(int(line.split()[1]) / 2**20, 2)
     except OSError:
         return None
-json.dump({n: {"command": cmds[n], "peak_rss_gib": peak_gib(p)}
-           for n, p in pids.items()}, open(sys.argv[1], "w"), indent=2)
+try:  # a resumed run: the peak over every part of it
+    before = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    before = {}
+peaks = {n: max(filter(None, [peak_gib(p), before.get(n, {}).get("peak_rss_gib")]), default=None)
+         for n, p in pids.items()}
+json.dump({n: {"command": cmds[n], "peak_rss_gib": peaks[n]} for n in pids},
+          open(sys.argv[1], "w"), indent=2)
 PY
 cat "$out/servers.json"
