@@ -123,7 +123,8 @@ def resident_bytes(path: str | os.PathLike[str]) -> int:
 
 def release_file_pages(path: str | os.PathLike[str]) -> int:
     """Unmap this process's pages of every mapping of the file at `path` (`MADV_DONTNEED`);
-    returns the resident bytes released (0 where none were, or not on Linux).
+    returns the bytes of address space released (0 where the file is not mapped, or not on
+    Linux).
 
     Why: llama.cpp maps a GGUF file, then copies most of its weights into repacked CPU buffers
     for faster kernels, and the copied pages stay mapped, counted in the process's resident
@@ -138,13 +139,14 @@ def release_file_pages(path: str | os.PathLike[str]) -> int:
         madvise = _madvise()
     except (OSError, AttributeError):  # not Linux
         return 0
-    before = resident_bytes(target)
+    released = 0
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] == target:
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            madvise(start, end - start, MADV_DONTNEED)
-    return max(0, before - resident_bytes(target))
+            if madvise(start, end - start, MADV_DONTNEED) == 0:
+                released += end - start
+    return released
 
 
 # ------------------------------------------------------------------ whether they pay, here

@@ -496,17 +496,23 @@ class LlamaCppModel:
             seq = min(self.kept)
             held = self.kept.pop(seq)
             n = shared_prefix(held, head)
-            # ties: the oldest free sequence (the dict keeps the order they were freed in)
-            other = max(self.kept, key=lambda q: shared_prefix(self.kept[q], head), default=seq)
-            k = shared_prefix(self.kept.get(other, []), head)
+            # the longest prefix elsewhere: in another free sequence (ties: the one freed
+            # first, as the dict keeps them), else in host memory
+            other = max(self.kept, key=lambda q: shared_prefix(self.kept[q], head), default=None)
+            k = 0 if other is None else shared_prefix(self.kept[other], head)
             saved, m = self.prefix_cache.longest(head)
-            source = held if n >= max(k, m) else self.kept[other] if k >= m else saved
-            keep = source is held
-            lost = held[n:] if keep else held  # cells this row overwrites
-            if lost and (keep or source != held):
-                self._save(seq, held)
-            if not keep:
-                n = max(k, m) if self._put_cells(seq, source, other if k >= m else None) else 0
+            if max(k, m) <= n:  # the row keeps its sequence's own prefix; the rest is lost
+                if len(held) > n:
+                    self._save(seq, held)
+            else:  # taken before `held` is saved, which could push them out of host memory
+                tokens, cells = (
+                    (self.kept[other], self._cells(other))
+                    if k >= m
+                    else (saved, self.prefix_cache.take(saved))
+                )
+                if held and tokens != held:
+                    self._save(seq, held)
+                n = max(k, m) if self._put_cells(seq, cells) else 0
             self.lib.llama_memory_seq_rm(self.memory, seq, n, -1)
             self.seq_ids.append(seq)
             self.row_tokens.append(list(prompt[:n]))
@@ -514,10 +520,11 @@ class LlamaCppModel:
         self.lengths = torch.cat([self.lengths, torch.tensor(reused, dtype=torch.long)])
         return reused
 
-    def _cells(self, seq: int) -> ctypes.Array | None:
-        """A copy of a sequence's cache cells in host memory (None where llama.cpp gives none)."""
+    def _cells(self, seq: int, most: int | None = None) -> ctypes.Array | None:
+        """A copy of a sequence's cache cells in host memory; None where llama.cpp gives none
+        or they are over `most` bytes."""
         size = int(self.lib.llama_state_seq_get_size(self.ctx, seq))
-        if not size:
+        if not size or (most is not None and size > most):
             return None
         buf = (ctypes.c_uint8 * size)()
         copied = int(self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq))
@@ -526,20 +533,16 @@ class LlamaCppModel:
     def _save(self, seq: int, tokens: list[int]) -> None:
         """Copy a sequence's cells to host memory, keyed by the tokens they hold."""
         budget = self.prefix_cache.budget
-        if not budget or int(self.lib.llama_state_seq_get_size(self.ctx, seq)) > budget:
-            return
-        if (buf := self._cells(seq)) is not None:
+        if budget and (buf := self._cells(seq, budget)) is not None:
             self.prefix_cache.put(tokens, buf)
 
-    def _put_cells(self, seq: int, tokens: list[int], source: int | None) -> bool:
-        """Fill an emptied sequence with the cells holding `tokens`: those of free sequence
-        `source`, or else of host memory. False (the sequence empty) where llama.cpp refuses
-        them, and the row then prefills."""
-        buf = self.prefix_cache.take(tokens) if source is None else self._cells(source)
+    def _put_cells(self, seq: int, cells: ctypes.Array | None) -> bool:
+        """Fill an emptied sequence with copied cells; False (the sequence empty) where there
+        are none or llama.cpp refuses them, and the row then prefills."""
         self.lib.llama_memory_seq_rm(self.memory, seq, 0, -1)
-        if buf is None:
-            return False
-        return bool(self.lib.llama_state_seq_set_data(self.ctx, buf, len(buf), seq))
+        return cells is not None and bool(
+            self.lib.llama_state_seq_set_data(self.ctx, cells, len(cells), seq)
+        )
 
     def pending(
         self,
