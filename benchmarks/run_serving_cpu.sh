@@ -8,10 +8,11 @@
 #   seen/              the same prompts sent once to warm, then measured, concurrency 1 8
 #   chat/              MT-Bench 81-88 as 2-turn conversations, concurrency 1 8
 #   llama-cpp-python/  ours and llama-cpp-python's server (one request at a time), 1 8
+#   repeats-c1/        HumanEval 0-7 one at a time, four servers, three passes each
 #   repeats-*/         the cells at 8 and 16 again, three passes each
 #   servers.json       each server's command and its peak RSS over the run (resumed parts too)
 # Every server gets 8 rows of 2048 tokens and 2 threads. A step whose record exists is skipped,
-# so a run cut short goes on where it stopped. About 80 minutes on a 2-core machine; run it on
+# so a run cut short goes on where it stopped. About 95 minutes on a 2-core machine; run it on
 # a quiet machine (llama.cpp's threads spin, and a busy core slows them far more than its share).
 #
 # Needs: the serve extra; llama-server built from the llama.cpp that llama-cpp-python vendors
@@ -79,6 +80,9 @@ step llama-cpp-python $(labels ours llama-cpp-python) --prompts humaneval --limi
   --concurrency 1 8
 # the loaded cells again, three passes each: one pass of a cell at 8 or 16 varies by several
 # percent between sittings, more than the differences the targets there ask about
+# shellcheck disable=SC2046
+step repeats-c1 $(labels $four) --prompts humaneval --limit 8 --modes new --concurrency 1 \
+  --repeats 3
 three="ours ours-plain llama-server"
 # shellcheck disable=SC2046
 step repeats-new $(labels $three) --prompts humaneval --limit 16 --modes new --concurrency 8 16 \

@@ -207,13 +207,22 @@ def test_counts_equal_what_was_served(fake_server, prompts_file):
         assert cell["completion_tokens"] == sum(
             r["completion_tokens"] for p in passes for r in p["requests"]
         )
+        # each pass's rate, and the pooled rate between the slowest and the fastest pass
+        each = [sum(r["completion_tokens"] for r in p["requests"]) / p["wall_s"] for p in passes]
+        assert cell["pass_tok_per_s"] == pytest.approx(each)
+        assert min(each) <= cell["output_tok_per_s"] <= max(each)
         for key in ("ttft_s", "tpot_s", "e2e_s"):
             assert cell[key]["p50"] <= cell[key]["p99"]
         assert cell["acceptance"]["drafted"] == DRAFTED * cell["requests"]
         assert cell["acceptance"]["rate"] == pytest.approx(ACCEPTED / DRAFTED)
         assert cell["acceptance"]["mean_acceptance_length"] == pytest.approx(1 + ACCEPTED / STEPS)
         assert cell["tokens_from"] == ["usage"]
-    assert "| fake | seen | 2 | 6 |" in serving_table(record)
+    table = serving_table(record)
+    assert "| fake | seen | 2 | 6 |" in table
+    seen = next(c for c in record["cells"] if c["mode"] == "seen")
+    low, high = min(seen["pass_tok_per_s"]), max(seen["pass_tok_per_s"])
+    assert f"| {seen['output_tok_per_s']:.2f} [{low:.2f}, {high:.2f}] |" in table
+    assert "chat: 2 turns" in table
 
 
 def test_chunks_counted_where_the_stream_has_no_usage(fake_server, prompts_file):

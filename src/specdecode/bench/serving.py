@@ -332,7 +332,8 @@ def percentiles(values: Sequence[float]) -> dict[str, float] | None:
 
 def cell_figures(passes: Sequence[dict]) -> dict:
     """One server x mode x concurrency from its passes: rates over the passes' summed wall
-    time, latencies over all their requests, acceptance where the server reported it."""
+    time, latencies over all their requests, acceptance where the server reported it, and each
+    pass's own output rate (their spread says how far one pass can be trusted)."""
     requests = [r for p in passes for r in p["requests"]]
     served = [r for r in requests if "error" not in r]
     wall = sum(p["wall_s"] for p in passes)
@@ -365,6 +366,7 @@ def cell_figures(passes: Sequence[dict]) -> dict:
         "completion_tokens": tokens,
         "wall_s": wall,
         "output_tok_per_s": tokens / wall if wall > 0 else None,
+        "pass_tok_per_s": [_pass_rate(p) for p in passes],
         "requests_per_s": len(served) / wall if wall > 0 else None,
         "ttft_s": percentiles([r["ttft_s"] for r in served if r["ttft_s"] is not None]),
         "tpot_s": percentiles(tpot),
@@ -372,6 +374,11 @@ def cell_figures(passes: Sequence[dict]) -> dict:
         "acceptance": acceptance,
         "tokens_from": sorted({r["tokens_from"] for r in served}),
     }
+
+
+def _pass_rate(done: dict) -> float | None:
+    tokens = sum(r["completion_tokens"] for r in done["requests"] if "error" not in r)
+    return tokens / done["wall_s"] if done["wall_s"] > 0 else None
 
 
 # ---- the run ----
@@ -530,6 +537,15 @@ def run_serving_bench(cfg: ServeBenchConfig, log: Callable[[str], None] | None =
 # ---- what a run leaves behind ----
 
 
+def _rate(cell: dict) -> str:
+    rate = cell["output_tok_per_s"]
+    if rate is None:
+        return "-"
+    each = [r for r in cell.get("pass_tok_per_s", []) if r is not None]
+    spread = f" [{min(each):.2f}, {max(each):.2f}]" if len(each) > 1 else ""
+    return f"{rate:.2f}{spread}"
+
+
 def _ms(figures: dict | None) -> str:
     return "-" if figures is None else f"{1000 * figures['p50']:.0f} / {1000 * figures['p99']:.0f}"
 
@@ -548,8 +564,9 @@ def serving_table(record: dict) -> str:
         "# specdecode bench-serve",
         "",
         f"Prompts: {cfg['prompts']} ({cfg['limit']} after the first {cfg['skip']}), at most "
-        f"{cfg['max_tokens']} tokens each, greedy, streamed; chat: {cfg['turns']} turns; "
-        f"{cfg['repeats']} pass(es) of each server per mode and level, interleaved; "
+        f"{cfg['max_tokens']} tokens each, greedy, streamed; "
+        + (f"chat: {cfg['turns']} turns; " if "chat" in cfg["modes"] else "")
+        + f"{cfg['repeats']} pass(es) of each server per mode and level, interleaved; "
         f"client machine: {machine['cpu']} ({machine['cores']} cores); {record['started']}.",
         "",
         "Servers: "
@@ -567,16 +584,17 @@ def serving_table(record: dict) -> str:
         return cfg["modes"].index(c["mode"]), c["concurrency"], labels.index(c["server"])
 
     for c in sorted(record["cells"], key=order):
-        rate, rps = c["output_tok_per_s"], c["requests_per_s"]
+        rps = c["requests_per_s"]
         lines.append(
             f"| {c['server']} | {c['mode']} | {c['concurrency']} | {c['requests']} | "
-            f"{'-' if rate is None else f'{rate:.2f}'} | {'-' if rps is None else f'{rps:.3f}'} | "
+            f"{_rate(c)} | {'-' if rps is None else f'{rps:.3f}'} | "
             f"{_ms(c['ttft_s'])} | {_ms(c['tpot_s'])} | {_ms(c['e2e_s'])} | {_acceptance(c)} | "
             f"{', '.join(c['tokens_from']) or '-'} | {c['errors']} |"
         )
     lines += [
         "",
-        "Output tok/s: completion tokens over the passes' wall time; TTFT: to the first chunk "
+        "Output tok/s: completion tokens over the passes' wall time (with several passes, the "
+        "lowest and highest pass in brackets); TTFT: to the first chunk "
         "with text; TPOT: the rest of a request's time over its remaining tokens. Tokens from "
         "`usage` or `timings` are the server's count; from `chunks`, chunks with text.",
     ]
