@@ -165,44 +165,50 @@ def plan_lengths(
 ) -> list[int]:
     """Tokens to draft per row this round: the allocation with the most expected committed
     tokens per unit of cost, grown a token at a time where it gains the most per its cost.
-    `catch_up[b]`: what row b's first model token costs besides (its drafter cache's lag)."""
+    `catch_up[b]`: what row b's first model token costs besides (its drafter cache's lag).
+
+    The prices are read once into tables (the pass by its tokens, the drafter step by its
+    rows): a plan runs every round, and at a full batch reading them per candidate token cost
+    milliseconds of a round in which nothing else runs."""
     batch = len(rates)
+    most = sum(caps)
+    # pass_by_tokens[t]: a pass over all the rows holding batch + t tokens
+    pass_by_tokens = [prices.pass_cost(batch, batch + t) for t in range(most + 1)]
+    models = sum(uses_model)
+    draft_by_rows = [0.0] + [prices.draft_cost(r) or 0.0 for r in range(1, models + 1)]
     k = [0] * batch
     depth_rows = [0] * (max(caps, default=0) + 2)  # model rows drafting position i (1-based)
-    tokens = batch
+    drafted = 0
     expected = float(batch)
-    cost = prices.pass_cost(batch, tokens)
+    cost = pass_by_tokens[0]
     best, best_ratio = list(k), expected / cost
-
-    def draft_step(rows: int) -> float:
-        return (prices.draft_cost(rows) or 0.0) if rows else 0.0
-
-    while True:
+    while drafted < most:
         pick, pick_score, pick_cost = -1, 0.0, 0.0
         # one more token in the target's pass: the same for every row
-        grown = prices.pass_cost(batch, tokens + 1) - prices.pass_cost(batch, tokens)
+        grown = pass_by_tokens[drafted + 1] - pass_by_tokens[drafted]
         for b in range(batch):
             if k[b] >= caps[b]:
                 continue
             added = grown
             if uses_model[b]:
                 rows = depth_rows[k[b] + 1]  # one more row in the drafter's step at this depth
-                added += draft_step(rows + 1) - draft_step(rows)
+                added += draft_by_rows[rows + 1] - draft_by_rows[rows]
                 if k[b] == 0 and catch_up is not None:
                     added += catch_up[b]
             score = rates[b] ** (k[b] + 1) / max(added, 1e-9)
             if score > pick_score:
                 pick, pick_score, pick_cost = b, score, added
         if pick < 0:
-            return best
+            break
         expected += rates[pick] ** (k[pick] + 1)
         cost += pick_cost
-        tokens += 1
+        drafted += 1
         k[pick] += 1
         if uses_model[pick]:
             depth_rows[k[pick]] += 1
         if expected / cost > best_ratio:
             best, best_ratio = list(k), expected / cost
+    return best
 
 
 class PricedPlanner:
