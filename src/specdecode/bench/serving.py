@@ -541,7 +541,7 @@ def _rate(cell: dict) -> str:
     rate = cell["output_tok_per_s"]
     if rate is None:
         return "-"
-    each = [r for r in cell.get("pass_tok_per_s", []) if r is not None]
+    each = [r for r in cell["pass_tok_per_s"] if r is not None]
     spread = f" [{min(each):.2f}, {max(each):.2f}]" if len(each) > 1 else ""
     return f"{rate:.2f}{spread}"
 

@@ -168,8 +168,7 @@ def plan_lengths(
     `catch_up[b]`: what row b's first model token costs besides (its drafter cache's lag).
 
     The prices are read once into tables (the pass by its tokens, the drafter step by its
-    rows): a plan runs every round, and at a full batch reading them per candidate token cost
-    milliseconds of a round in which nothing else runs."""
+    rows) rather than per candidate token: a plan runs every round, on the engine's thread."""
     batch = len(rates)
     most = sum(caps)
     # pass_by_tokens[t]: a pass over all the rows holding batch + t tokens
