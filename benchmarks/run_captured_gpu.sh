@@ -6,10 +6,13 @@
 # Compiling dominates a short call: on an H100 (2026-11-26) the 7B pair had not finished in 170 s
 # with 4 prompts and three draft lengths, nor the Qwen3 pair in 240 s with 16 prompts.
 #
-#   benchmarks/run_captured_gpu.sh OUT
+#   benchmarks/run_captured_gpu.sh OUT [STEP...]    STEP: tests, 7b, qwen3 (default: all three;
+#   together they can outlast one 10-minute call, so a call may take one or two)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1
+shift
+steps=" ${*:-tests 7b qwen3} "
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
@@ -23,10 +26,12 @@ bench() {  # NAME SECONDS ARGS...: one bench, its table and record kept under OU
   mkdir -p "$out/$name" && cp "/tmp/$name/table.md" "/tmp/$name/record.json" "$out/$name/" 2>/dev/null
 }
 
-echo "== tests/test_cuda.py ($(date -u +%T))"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
-bench gpu-captured-7b 240 --shapes qwen2.5-7b qwen2.5-coder-0.5b --limit 2 --batch-sizes 1 \
+if [[ $steps == *" tests "* ]]; then
+  echo "== tests/test_cuda.py ($(date -u +%T))"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+fi
+[[ $steps == *" 7b "* ]] && bench gpu-captured-7b 240 --shapes qwen2.5-7b qwen2.5-coder-0.5b --limit 2 --batch-sizes 1 \
   --num-draft-tokens 3 4 5 --methods ar sd eager-ar hf-static graph-ar
-bench gpu-captured-qwen3 300 --shapes qwen3-4b qwen3-0.6b --limit 16 --batch-sizes 1 16 \
+[[ $steps == *" qwen3 "* ]] && bench gpu-captured-qwen3 300 --shapes qwen3-4b qwen3-0.6b --limit 16 --batch-sizes 1 16 \
   --num-draft-tokens 3 --methods ar sd eager-ar hf-static
 echo "== done ($(date -u +%T))"
