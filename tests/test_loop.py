@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from specdecode import SpeculativeDecoder
 from specdecode.core.config import SamplingConfig
-from specdecode.core.engine import RowRequest, prompt_allotment
+from specdecode.core.engine import RowRequest
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23], [40], [7, 7, 7, 7, 7, 7]]
 
@@ -52,60 +50,6 @@ def test_rows_joining_mid_run_decode_as_alone(tiny_llama, chunk):
     assert finished == set(keys)
     for got, p, n in zip(texts, PROMPTS, budgets, strict=True):
         assert got == alone(decoder, p, n, drafting="model", num_draft_tokens=3)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=10), st.integers(1, 64))
-def test_a_pass_feeds_its_budget_to_the_oldest_rows_first(lags, budget):
-    grant = prompt_allotment(torch.tensor(lags), budget).tolist()
-    assert all(1 <= g <= lag for g, lag in zip(grant, lags, strict=True))  # every row moves
-    if sum(lags) <= budget:
-        assert grant == lags
-    ahead = 0
-    for i, (g, lag) in enumerate(zip(grant, lags, strict=True)):
-        if ahead >= budget:
-            assert g == 1  # past the budget: one token, so a decoding row still decodes
-        else:
-            assert g == min(lag, budget - ahead)  # whole while the budget lasts
-        if g < lag:  # cut short: no later row takes more than its one token
-            assert all(later == 1 for later in grant[i + 1 :])
-        ahead += lag
-
-
-def test_a_burst_of_prompts_is_fed_a_budget_a_pass_while_a_running_row_decodes(tiny_llama):
-    """Three long prompts join a running row at once: no pass feeds more than the chunk beyond
-    one token a row, the running row gets a token every round meanwhile, and every row's text
-    is its text alone."""
-    decoder = SpeculativeDecoder(tiny_llama(seed=0))
-    loop = decoder.loop(max_rows=4, prefill_chunk=6, use_drafter=False)
-    fed: list[int] = []
-    forward = loop.target.forward
-
-    def counting(tokens, valid, *args, **kwargs):
-        fed.append(int(valid.sum()))
-        return forward(tokens, valid, *args, **kwargs)
-
-    loop.target.forward = counting
-    long = [list(range(3 + i, 14 + i)) for i in range(3)]  # 11 tokens each
-    first = loop.add(RowRequest(PROMPTS[3], 20))
-    (update,) = loop.step()  # the first row's prompt; it decodes from here on
-    keys = [loop.add(RowRequest(p, 6)) for p in long]
-    got: dict[int, list[int]] = {k: [] for k in keys}
-    got[first] = list(update.tokens)
-    rounds_for_first = []
-    while len(loop):
-        updates = loop.step()
-        rounds_for_first.append(next((len(u.tokens) for u in updates if u.key == first), None))
-        for u in updates:
-            got[u.key] += u.tokens
-    assert max(fed[1:]) <= 6 + 4  # the chunk, plus one token for each row past it
-    assert fed[1] < 1 + 3 * 11  # the burst did not go in whole
-    burst_rounds = rounds_for_first[: 3 * 11 // 6]  # while the burst is fed
-    assert all(n == 1 for n in burst_rounds)
-    texts = [got[first]] + [got[k] for k in keys]
-    prompts, budgets = [PROMPTS[3], *long], [20, 6, 6, 6]
-    for text, p, n in zip(texts, prompts, budgets, strict=True):
-        assert text == alone(decoder, p, n, use_drafter=False)
 
 
 def test_cancelled_row_leaves_and_the_others_go_on(tiny_llama):

@@ -554,9 +554,8 @@ class SpeculativeDecoder:
     ) -> DecodeLoop:
         """The engine's loop for rows that come and go (a server): each row brings its own
         prompt ids, budget, law and seed (`RowRequest`); up to `max_rows` decode together and
-        a round feeds at most `prefill_chunk` prompt tokens over all rows (the oldest first).
-        The drafting settings are the keyword arguments `generate` takes; sampling ones are per
-        row here."""
+        a long prompt is fed `prefill_chunk` tokens a round. The drafting settings are the
+        keyword arguments `generate` takes; sampling ones are per row here."""
         sampling = RowSampling()
         cfg = replace(self.config(**kwargs), sampling=sampling)
         if cfg.length_policy in HEAD_POLICIES:

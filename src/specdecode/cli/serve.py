@@ -141,10 +141,7 @@ def add_subcommands(subparsers) -> None:
         help="on SIGTERM, how long running requests may take to finish before the server exits",
     )
     p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=256,
-        help="most prompt tokens one round prefills, over all joining rows (the oldest first)",
+        "--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per round per row"
     )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")

@@ -207,11 +207,10 @@ def speculative_step(
 ) -> Round:
     """One round for every running row: draft, verify in one target pass, roll back, commit.
 
-    `prefill_chunk` bounds the prompt tokens the pass feeds over all rows (`prompt_allotment`):
-    a row whose prompt does not fit gets its next piece and nothing else (not ready), so rows
-    joining a running batch together hold the others up a chunk at a time, not a chunk each.
-    `pending_width`: how many committed tokens the target's cache lacks at most, where the
-    caller knows it on the host.
+    A row whose prompt is longer than `prefill_chunk` tokens still to feed gets its next chunk
+    in this pass and nothing else (not ready): a long prompt joining a running batch holds
+    the other rows up a chunk at a time. `pending_width`: how many committed tokens the
+    target's cache lacks at most, where the caller knows it on the host.
     """
     t0 = time.perf_counter()
     if rng is not None:
@@ -220,8 +219,8 @@ def speculative_step(
     ready = torch.ones_like(seq_lens, dtype=torch.bool)
     if prefill_chunk is not None:
         held = target.lengths.to(seq_lens.device)
-        seq_lens = held + prompt_allotment(seq_lens - held, prefill_chunk)  # what this pass feeds
-        ready = seq_lens == batch.seq_lens
+        ready = seq_lens - held <= prefill_chunk
+        seq_lens = torch.where(ready, seq_lens, held + prefill_chunk)  # what this pass feeds
         pending_width = None
     max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens) * ready  # +1 comes free
     drafting = drafter is not None and (
@@ -264,18 +263,6 @@ def speculative_step(
     accepted = torch.minimum(verdict.num_accepted, draft.lengths)
     fed = pending_valid.sum(1) + draft.lengths  # [batch]
     return Round(block, counts, accepted, draft.lengths, passes, done & ready, ready, fed, invalid)
-
-
-def prompt_allotment(lag: torch.Tensor, budget: int) -> torch.Tensor:
-    """[batch] tokens each row feeds this pass, of the `lag` ([batch]) committed tokens its
-    target cache lacks: rows in the order they joined take theirs whole while `budget` lasts,
-    and every row takes at least one. A decoding row lags one token, so it always moves; a
-    burst of new prompts is fed a pass's budget at a time, the oldest first, instead of a
-    pass that prefills them all while the running rows wait for it. Rows that got their
-    prompt start decoding beside the others' pieces.
-    """
-    before = torch.cumsum(lag, 0) - lag  # [batch] tokens of the rows ahead
-    return (budget - before).clamp(min=1).minimum(lag)
 
 
 def check_finite(invalid: bool) -> None:
