@@ -119,7 +119,8 @@ class FakeLoop:
                 byte = prompt[row.produced % len(prompt)]
                 row.produced += 1
                 tokens.append(EOS if byte == ord("#") else byte)
-                if tokens[-1] == EOS or row.produced >= row.request.max_new_tokens:
+                ends = tokens[-1] in row.request.stop_token_ids
+                if ends or row.produced >= row.request.max_new_tokens:
                     finished = True
                     break
             if finished:

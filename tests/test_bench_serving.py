@@ -246,6 +246,20 @@ def test_concurrency_is_honoured(fake_server, prompts_file, level):
     assert record["cells"][0]["concurrency"] == level
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_is_asked_of_every_request_only_when_set(fake_server, prompts_file, ignore_eos):
+    fake, url = fake_server
+    fake.reset()
+    record = run_serving_bench(
+        config(url, prompts_file("alpha", "beta"), ignore_eos=ignore_eos), log=quiet
+    )
+    asked = [e["body"].get("ignore_eos") for e in fake.state.log]
+    assert asked == [True if ignore_eos else None] * len(asked) and len(asked) >= 3
+    header = serving_table(record).splitlines()[2]
+    assert ("exactly 5 tokens each (ignore_eos)" in header) == ignore_eos
+    assert ("at most 5 tokens each" in header) != ignore_eos
+
+
 def test_new_prompts_are_all_distinct(fake_server, prompts_file):
     fake, url = fake_server
     fake.reset()

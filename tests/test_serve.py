@@ -166,6 +166,14 @@ def test_end_id_finishes_with_stop(live):
     assert out.usage.completion_tokens == 3  # the end id counts
 
 
+def test_ignore_eos_runs_to_max_tokens(live):
+    """vLLM's and llama-server's extension: the end id no longer ends the row."""
+    body = {"ignore_eos": True}
+    out = live.client().completions.create(model=MODEL, prompt="ab#", max_tokens=7, extra_body=body)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 7
+    assert out.choices[0].text.replace("<eos>", "") == "ababa"  # a b end a b end a
+
+
 def test_list_of_prompts_and_token_ids(live):
     prompts = ["one two ", "three ", "fourfour"]
     out = live.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 7})
@@ -347,6 +355,7 @@ def bad_requests():
     yield "five stops", {**ok, "stop": list("abcde")}, "stop"
     yield "over the context", {**ok, "max_tokens": 511}, "max_tokens"
     yield "stream type", {**ok, "stream": "yes"}, "stream"
+    yield "ignore_eos type", {**ok, "ignore_eos": 1}, "ignore_eos"
     for name, value in [
         ("presence_penalty", 0.5),
         ("frequency_penalty", 1),

@@ -2,8 +2,11 @@
 
 The same load goes to every server (ours, llama-server, llama-cpp-python's server): streamed,
 greedy requests, so that the time to the first token is seen, and nothing a peer might not
-honour (no `ignore_eos`: outputs end where each server's model ends them, and every figure
-counts the tokens actually served). Three modes ask different questions of a server:
+honour: outputs end where each server's model ends them, and every figure counts the tokens
+actually served. Greedy texts of a quantized model move with the batch's shape, so two servers
+(or two passes of one) can serve texts of different lengths and tokens/s then weighs unequal
+work: `ignore_eos` (vLLM's extension, honoured by llama-server and ours) runs every request to
+`max_tokens`, the same work on every server. Three modes ask different questions of a server:
 
 - `new`: every prompt begins with a random tag of its own, so no prompt cache helps; this
   measures batching alone.
@@ -94,6 +97,7 @@ class ServeBenchConfig:
     repeats: int = 1  # passes of each server per mode and level, interleaved A B A B
     api_key: str | None = None
     timeout_s: float = 600.0  # the longest wait for a server's next bytes
+    ignore_eos: bool = False  # every request runs to max_tokens (equal work)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -135,6 +139,7 @@ class Client:
     server: Server
     model: str
     max_tokens: int
+    ignore_eos: bool = False
     clock_zero: float = field(default_factory=time.perf_counter)
 
     async def complete(self, prompt: str, **record: Any) -> dict:
@@ -157,6 +162,8 @@ class Client:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         sent = time.perf_counter()
         first = None
         pieces: list[str] = []
@@ -384,7 +391,9 @@ def _pass_rate(done: dict) -> float | None:
 # ---- the run ----
 
 
-async def _connect(http: Any, server: Server, max_tokens: int) -> tuple[Client, dict]:
+async def _connect(
+    http: Any, server: Server, max_tokens: int, ignore_eos: bool
+) -> tuple[Client, dict]:
     """The server's model id and what it says of itself; a clear error if it does not answer."""
     import httpx
 
@@ -419,7 +428,8 @@ async def _connect(http: Any, server: Server, max_tokens: int) -> tuple[Client, 
             about["props"] = {k: v for k, v in props.json().items() if k in keep}
     except (httpx.HTTPError, ValueError):
         pass
-    return Client(http=http, server=server, model=model, max_tokens=max_tokens), about
+    client = Client(http, server, model, max_tokens, ignore_eos)
+    return client, about
 
 
 async def _pass(
@@ -459,7 +469,7 @@ async def _run(cfg: ServeBenchConfig, prompts: list[Prompt], log: Callable[[str]
     ) as http:
         clients, servers = [], []
         for server in cfg.servers:
-            client, about = await _connect(http, server, cfg.max_tokens)
+            client, about = await _connect(http, server, cfg.max_tokens, cfg.ignore_eos)
             text, tag = _tagged(prompts[0].text)
             waking = replace(client, max_tokens=min(WARMUP_TOKENS, cfg.max_tokens))
             warm = await waking.complete(text, prompt_id=prompts[0].id, tag=tag)
@@ -563,8 +573,11 @@ def serving_table(record: dict) -> str:
     lines = [
         "# specdecode bench-serve",
         "",
-        f"Prompts: {cfg['prompts']} ({cfg['limit']} after the first {cfg['skip']}), at most "
-        f"{cfg['max_tokens']} tokens each, greedy, streamed; "
+        f"Prompts: {cfg['prompts']} ({cfg['limit']} after the first {cfg['skip']}), "
+        + ("exactly " if cfg["ignore_eos"] else "at most ")
+        + f"{cfg['max_tokens']} tokens each"
+        + (" (ignore_eos)" if cfg["ignore_eos"] else "")
+        + ", greedy, streamed; "
         + (f"chat: {cfg['turns']} turns; " if "chat" in cfg["modes"] else "")
         + f"{cfg['repeats']} pass(es) of each server per mode and level, interleaved; "
         f"client machine: {machine['cpu']} ({machine['cores']} cores); {record['started']}.",

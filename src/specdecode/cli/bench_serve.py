@@ -33,6 +33,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         api_key=args.api_key,
         timeout_s=args.timeout,
+        ignore_eos=args.ignore_eos,
     )
     record = run_serving_bench(cfg, log=(lambda line: None) if args.quiet else None)
     out = Path(args.out)
@@ -93,6 +94,13 @@ def add_subcommands(subparsers) -> None:
         type=int,
         default=1,
         help="passes of each server per mode and level, interleaved A B A B",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask every server to run each request to --max-tokens (vLLM's extension, honoured "
+        "by llama-server and ours): the same work on every server, whatever greedy text each "
+        "serves",
     )
     p.add_argument("--api-key", default=None, help="sent as a Bearer token to every server")
     p.add_argument(

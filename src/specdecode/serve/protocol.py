@@ -72,7 +72,6 @@ UNSUPPORTED: dict[str, Any] = {
     "function_call": lambda v: v is None or v == "none",
     "parallel_tool_calls": _neutral_none,
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "ignore_eos": lambda v: v is None or v is False,
     "stop_token_ids": lambda v: v is None or v == [],
     "include_stop_str_in_output": lambda v: v is None or v is False,
     "prediction": _neutral_none,
@@ -82,7 +81,17 @@ UNSUPPORTED: dict[str, Any] = {
 }
 # fields that change nothing in the output
 HARMLESS = {"user", "metadata", "store", "service_tier", "stream_options"}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "ignore_eos",
+}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -96,6 +105,9 @@ class Sampling:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    # vLLM's and llama-server's extension: the end-of-text tokens do not end the row, so a
+    # request runs to max_tokens (equal work for every server a benchmark compares)
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +226,7 @@ def _sampling(body: dict, max_tokens: int | None) -> Sampling:
         top_k=max(0, top_k),  # -1 (vLLM's "off") is 0 here
         seed=seed,
         stop=_stops(body),
+        ignore_eos=_bool(body, "ignore_eos"),
     )
 
 

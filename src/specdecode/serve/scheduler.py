@@ -256,7 +256,7 @@ class RowStream:
         self.aloop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         decoder = scheduler.decoder
-        self.stop_ids = tuple(decoder.default_stop_ids())
+        self.stop_ids = () if sampling.ignore_eos else tuple(decoder.default_stop_ids())
         try:
             request = row_request(prompt, max_tokens, sampling, self.stop_ids)
         except ValueError as error:  # what the engine's own checks refuse
