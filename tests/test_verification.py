@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.core.config import SamplingConfig
-from specdecode.core.sampling import RowRandom, logits_to_probs, sample_from
+from specdecode.core.sampling import RowRandom, argmax_last, logits_to_probs, sample_from
 from specdecode.core.verification import (
     GreedyRule,
     LosslessSamplingRule,
@@ -88,6 +88,16 @@ def test_distribution_converges_to_target(rule_cls, should_match):
         assert distances[-1] * 5 < to_references
     else:
         assert distances[-1] > 0.05, "the negative control must fail the same test"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 4), st.integers(1, 3), st.integers(2, 300))
+def test_argmax_last_is_torchs_argmax_ties_and_views_included(seed, batch, width, vocab):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (batch, width, vocab), generator=gen).float()  # many ties
+    for view in (x, x[:, -1], x[:, :, : max(1, vocab // 2)], x.transpose(0, 1)):
+        got = argmax_last(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(-1))
 
 
 def test_hand_built_logits_force_outcomes():

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from specdecode.core.config import SamplingConfig
-from specdecode.core.sampling import RowRandom, logits_to_probs, sample_from
+from specdecode.core.sampling import RowRandom, argmax_last, logits_to_probs, sample_from
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class GreedyRule:
         del sampling  # greedy ignores temperature, top-k and top-p by definition
 
     def verify(self, draft_tokens, draft_probs, target_logits, num_drafted, rng) -> Verdict:
-        best = target_logits.argmax(-1)  # [batch, k + 1]
+        best = argmax_last(target_logits)  # [batch, k + 1]
         k = draft_tokens.shape[1]
         accept = (draft_tokens == best[:, :k]) & drafted_mask(num_drafted, k)  # [batch, k]
         num_accepted = leading_true(accept)  # [batch]

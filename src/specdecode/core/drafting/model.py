@@ -16,7 +16,7 @@ from specdecode.backends.base import ModelBackend
 from specdecode.core.config import SamplingConfig
 from specdecode.core.drafting.base import Draft
 from specdecode.core.length_policies import DraftedPosition, LengthPolicy
-from specdecode.core.sampling import bad_logits, logits_to_probs, sample_from
+from specdecode.core.sampling import argmax_last, bad_logits, logits_to_probs, sample_from
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ class ModelDrafter:
             invalid = invalid | bad_logits(logits)
             probs = None
             if self.sampling.greedy:
-                token = logits.argmax(-1)  # [batch]
+                token = argmax_last(logits)  # [batch]
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [batch, vocab]
                 # only rows still drafting draw a number: a row's stream depends on it alone
