@@ -95,7 +95,7 @@ def test_distribution_converges_to_target(rule_cls, should_match):
 def test_argmax_last_is_torchs_argmax_ties_and_views_included(seed, batch, width, vocab):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 4, (batch, width, vocab), generator=gen).float()  # many ties
-    for view in (x, x[:, -1], x[:, :, : max(1, vocab // 2)], x.transpose(0, 1)):
+    for view in (x, x[:, -1], x[0, 0], x[:, :, : max(1, vocab // 2)], x.transpose(0, 1)):
         got = argmax_last(view)
         assert got.dtype == torch.int64 and torch.equal(got, view.argmax(-1))
 

@@ -570,14 +570,15 @@ def _acceptance(cell: dict) -> str:
 
 def serving_table(record: dict) -> str:
     cfg, machine = record["config"], record["machine"]
+    n = cfg["max_tokens"]
+    length = (
+        f"exactly {n} tokens each (ignore_eos)" if cfg["ignore_eos"] else f"at most {n} tokens each"
+    )
     lines = [
         "# specdecode bench-serve",
         "",
-        f"Prompts: {cfg['prompts']} ({cfg['limit']} after the first {cfg['skip']}), "
-        + ("exactly " if cfg["ignore_eos"] else "at most ")
-        + f"{cfg['max_tokens']} tokens each"
-        + (" (ignore_eos)" if cfg["ignore_eos"] else "")
-        + ", greedy, streamed; "
+        f"Prompts: {cfg['prompts']} ({cfg['limit']} after the first {cfg['skip']}), {length}, "
+        "greedy, streamed; "
         + (f"chat: {cfg['turns']} turns; " if "chat" in cfg["modes"] else "")
         + f"{cfg['repeats']} pass(es) of each server per mode and level, interleaved; "
         f"client machine: {machine['cpu']} ({machine['cores']} cores); {record['started']}.",

@@ -40,7 +40,8 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     at several rows on llama.cpp. Both return the first of tied maxima."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
         return x.argmax(-1)
-    return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+    best = np.argmax(x.numpy(), axis=-1)  # a NumPy scalar for a 1-D x
+    return torch.from_numpy(np.asarray(best, dtype=np.int64))
 
 
 def bad_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,7 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig | RowSampling) -> 
         return cfg.probs(logits)
     logits = logits.float()
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax_last(logits), logits.shape[-1]).float()
     logits = logits / cfg.temperature
     if 0 < cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -129,7 +130,7 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     tokens = tokens.clamp_(max=probs.shape[-1] - 1)
     # rounding can land on a zero-probability tail token; fall back to the mode there
     zero = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) <= 0
-    return torch.where(zero, probs.argmax(-1), tokens)
+    return torch.where(zero, argmax_last(probs), tokens)
 
 
 def row_seed_list(
