@@ -7,7 +7,6 @@ priced plan does is decided by the prices alone, not by this machine's timings.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from specdecode.core.drafting.factory import Sources, make_drafter
 from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, plan_lengths
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
+from specdecode.core.prices import Prices
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
 
@@ -30,24 +30,26 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 8, 9, 8, 9, 8], [4, 11, 2], [1, 2, 3, 4, 5
 GREEDY = dict(max_new_tokens=24, stop_token_ids=[])
 
 
-@dataclass(frozen=True)
-class FakePrices:
-    """A pass of `rows` rows costs `base(rows)` plus `per_token(rows)` a token past one a row;
-    a drafter step `draft` a row it runs over."""
+def priced(
+    per_token_1: float = 0.05,
+    per_token_8: float = 0.05,
+    draft: float | None = 0.1,
+    layout: str = "padded",
+) -> Prices:
+    """Prices where an even pass of r rows holding t tokens each costs 1 + 0.05 (r - 1) plus a
+    share of a step, `per_token(r)`, for each token past one a row (from `per_token_1` at one
+    row to `per_token_8` at eight); a drafter step `draft` a row it runs over."""
 
-    per_token_1: float = 0.05  # one row: a verify pass grows little per token
-    per_token_8: float = 0.05  # eight rows and more
-    draft: float | None = 0.1
-
-    def per_token(self, rows: int) -> float:
+    def per_token(rows: int) -> float:
         share = min(max(rows - 1, 0) / 7, 1.0)
-        return self.per_token_1 + share * (self.per_token_8 - self.per_token_1)
+        return per_token_1 + share * (per_token_8 - per_token_1)
 
-    def pass_cost(self, rows: int, tokens: int) -> float:
-        return 1.0 + 0.05 * (rows - 1) + self.per_token(rows) * (tokens - rows)
-
-    def draft_cost(self, rows: int) -> float | None:
-        return None if self.draft is None else self.draft * rows
+    rows = (1, 2, 4, 8)
+    passes = [
+        [1.0 + 0.05 * (r - 1) + per_token(r) * r * (t - 1) for t in range(1, 13)] for r in rows
+    ]
+    drafts = None if draft is None else tuple(draft * r for r in rows)
+    return Prices(rows, tuple(map(tuple, passes)), drafts, layout=layout)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def decoder(pair) -> SpeculativeDecoder:
     return SpeculativeDecoder(target, drafter=drafter)
 
 
-def run_with_prices(pair, prices: FakePrices, prompts=PROMPTS, model: bool = True):
+def run_with_prices(pair, prices: Prices, prompts=PROMPTS, model: bool = True):
     """Greedy drafting `auto` on the tiny pair at the given prices -> (new tokens, stats)."""
     target, drafter = pair
     cfg = DecodeConfig(**GREEDY)
@@ -90,7 +92,7 @@ def run_with_prices(pair, prices: FakePrices, prompts=PROMPTS, model: bool = Tru
 
 def test_a_dear_drafter_step_is_never_planned(pair, decoder) -> None:
     plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
-    tokens, stats = run_with_prices(pair, FakePrices(draft=5.0))
+    tokens, stats = run_with_prices(pair, priced(draft=5.0))
     assert tokens == plain
     assert stats.total.drafter_calls == 0 and stats.drafter_forwards == 0  # the model: never
     assert stats.total.drafted > 0  # lookup (no drafter pass) still pays on repeating texts
@@ -98,58 +100,94 @@ def test_a_dear_drafter_step_is_never_planned(pair, decoder) -> None:
 
 def test_cheap_passes_make_the_model_draft(pair, decoder) -> None:
     plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
-    tokens, stats = run_with_prices(pair, FakePrices(per_token_1=0.01, per_token_8=0.01))
+    tokens, stats = run_with_prices(pair, priced(per_token_1=0.01, per_token_8=0.01))
     assert tokens == plain
     assert stats.total.drafter_calls > 0 and stats.drafter_forwards > 0
 
 
 def test_dear_passes_make_nothing_pay(pair) -> None:
     """Where every token in a pass costs a full step, no draft can pay: plain steps only."""
-    _, stats = run_with_prices(pair, FakePrices(per_token_1=1.0, per_token_8=1.0))
+    _, stats = run_with_prices(pair, priced(per_token_1=1.0, per_token_8=1.0))
     assert stats.total.drafted == 0
 
 
 def test_more_rows_at_a_dearer_token_draft_less() -> None:
     """The plan reads rows x tokens: the same rows' acceptance, one row alone against eight
     rows whose pass grows by a larger share of a step per token, drafts less a row."""
-    prices = FakePrices(per_token_1=0.05, per_token_8=0.2, draft=0.02)
-    alone = plan_lengths([0.8], [8], [True], prices)
-    eight = plan_lengths([0.8] * 8, [8] * 8, [True] * 8, prices)
+    prices = priced(per_token_1=0.05, per_token_8=0.2, draft=0.02)
+    alone, _ = plan_lengths([0.8], [8], [8], [True], prices)
+    eight, _ = plan_lengths([0.8] * 8, [8] * 8, [8] * 8, [True] * 8, prices)
     assert alone[0] > 0
     assert sum(eight) / 8 < alone[0]
-    flat = FakePrices(per_token_1=0.05, per_token_8=0.05, draft=0.02)  # as dear as one row
-    assert sum(eight) < sum(plan_lengths([0.8] * 8, [8] * 8, [True] * 8, flat))
+    flat = priced(per_token_1=0.05, per_token_8=0.05, draft=0.02)  # as dear as one row
+    assert sum(eight) < sum(plan_lengths([0.8] * 8, [8] * 8, [8] * 8, [True] * 8, flat)[0])
 
 
-def test_plan_respects_caps_and_prefers_the_likelier_source() -> None:
-    prices = FakePrices(per_token_1=0.02, per_token_8=0.02, draft=0.6)
-    plan = plan_lengths([0.9, 0.2, 0.9], [3, 8, 8], [False, False, True], prices)
-    assert plan[0] == 3  # a likely lookup row drafts all it found, no more
-    assert plan[1] < plan[0]  # an unlikely one, less
-    assert all(k <= cap for k, cap in zip(plan, [3, 8, 8], strict=True))
-    assert plan_lengths([0.9], [0], [False], prices) == [0]
+def test_plan_respects_caps_and_budgets() -> None:
+    prices = priced(per_token_1=0.02, per_token_8=0.02, draft=0.6)
+    real, pads = plan_lengths([0.9, 0.2, 0.9], [3, 8, 8], [8, 2, 8], [False, False, True], prices)
+    assert real[0] == 3  # a likely lookup row drafts all it found
+    assert all(r <= c for r, c in zip(real, [3, 8, 8], strict=True))
+    assert all(r + p <= b for r, p, b in zip(real, pads, [8, 2, 8], strict=True))
+    assert plan_lengths([0.9], [0], [8], [False], prices) == ([0], [0])  # nothing found
+    assert plan_lengths([0.9], [4], [0], [False], prices) == ([0], [0])  # no room
+
+
+def test_a_pass_run_by_levels_is_kept_even() -> None:
+    """llama.cpp with a cache stream per row runs a ragged pass as a pass per level: where six
+    of eight rows found a likely continuation, the two others pad with a filler so that the
+    pass stays one even pass, not an even pass and another of six rows."""
+    prices = priced(per_token_1=0.1, per_token_8=0.05, draft=None, layout="levels")
+    rates, caps = [0.7] * 6 + [0.75, 0.75], [4] * 6 + [0, 0]
+    real, pads = plan_lengths(rates, caps, [4] * 8, [False] * 8, prices)
+    assert real[6:] == [0, 0] and min(pads[6:]) > 0  # nothing to draft: a filler
+    counts = [1 + r + p for r, p in zip(real, pads, strict=True)]
+    assert len(set(counts)) == 1 and counts[0] > 1  # one even pass
+    unpadded = prices.shape_cost([1 + r for r in real])
+    assert prices.shape_cost(counts) < unpadded
+
+
+def test_fillers_keep_greedy_exact(pair, decoder, monkeypatch) -> None:
+    """Rounds with filler tokens (prices where an even pass is cheap and a ragged one dear)
+    give what plain decoding gives."""
+    from specdecode.core.drafting import planners
+
+    plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
+    planned = []
+    real_plan = planners.plan_lengths
+
+    def spy(*args, **kwargs):
+        planned.append(real_plan(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(planners, "plan_lengths", spy)
+    prices = priced(per_token_1=0.05, per_token_8=0.01, draft=None, layout="levels")
+    tokens, stats = run_with_prices(pair, prices, model=False)
+    assert tokens == plain
+    assert any(sum(pads) for _, pads in planned)  # fillers were drafted
+    assert stats.total.drafted > 0
 
 
 def test_priced_planner_learns_a_source_that_fails() -> None:
     """A model row whose drafts are all refused is planned shorter than at the start."""
-    planner = PricedPlanner(4, True, FakePrices(per_token_1=0.02, draft=0.05), max_tokens=8)
+    planner = PricedPlanner(4, True, priced(per_token_1=0.02, draft=0.05), max_tokens=8)
     planner.start(1)
-    first = planner.plan([0], [0], [8], [1])[0]
+    first = planner.plan([0], [0], [8], [1])[0][0]
     for _ in range(6):
         planner.observe([0], [max(first, 1)], [0])
-    assert planner.plan([0], [0], [8], [1])[0] < first
+    assert planner.plan([0], [0], [8], [1])[0][0] < first
 
 
 def test_a_model_needs_a_priced_step() -> None:
     with pytest.raises(ValueError, match="needs its step's price"):
-        PricedPlanner(4, True, FakePrices(draft=None), max_tokens=8)
+        PricedPlanner(4, True, priced(draft=None), max_tokens=8)
 
 
 def test_fixed_planner_drafts_what_lookup_found_else_the_budget() -> None:
     planner = FixedPlanner(ConstantLength(4))
     budget = planner.budget(torch.tensor([6, 2, 4]))
     assert budget == [4, 2, 4]
-    assert planner.plan([3, 0, 4], [2, 0, 4], budget, [0, 0, 0]) == [2, 2, 4]
+    assert planner.plan([3, 0, 4], [2, 0, 4], budget, [0, 0, 0]) == ([2, 2, 4], [0, 0, 0])
 
 
 # --- every setting is lossless ----------------------------------------------------------------
@@ -173,7 +211,7 @@ def test_auto_with_lookup_alone_equals_plain(pair) -> None:
     decoder = SpeculativeDecoder(target, drafter=PromptLookup())
     plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
     assert decoder.generate(PROMPTS, drafting="auto", **GREEDY).new_tokens == plain
-    tokens, stats = run_with_prices(pair, FakePrices(), model=False)
+    tokens, stats = run_with_prices(pair, priced(), model=False)
     assert tokens == plain and stats.total.drafted > 0 and stats.drafter_forwards == 0
 
 
@@ -243,8 +281,8 @@ def test_model_settings_need_a_drafter_model(pair, drafting) -> None:
 def test_a_drafter_far_behind_pays_its_catch_up_first() -> None:
     """A model row whose drafter cache lacks many tokens must feed them before it drafts: at
     prices where a row one token behind drafts, one a whole text behind does not."""
-    prices = FakePrices(per_token_1=0.05, draft=0.1)
+    prices = priced(per_token_1=0.05, draft=0.1)
     planner = PricedPlanner(4, True, prices, 4)
     planner.start(1)
-    assert planner.plan([0], [0], [4], [1])[0] > 0
-    assert planner.plan([0], [0], [4], [400])[0] == 0
+    assert planner.plan([0], [0], [4], [1])[0][0] > 0
+    assert planner.plan([0], [0], [4], [400])[0][0] == 0

@@ -138,6 +138,29 @@ def test_a_joining_row_takes_the_lowest_free_sequence_and_its_prefix_is_copied_t
     assert (logits[2, -1] - fresh[0, -1]).abs().max() <= NOISE
 
 
+def test_rows_left_scattered_move_down_and_score_as_before(smol):
+    """Rows that end with none joining in their place leave the others on scattered sequences,
+    which llama.cpp would run as a pass per run of sequences: the next pass first moves them
+    down to 0..n-1 (their cells copied), they score as a fresh prefill does, and the sequence
+    a row left keeps its tokens for a later prompt."""
+    target, _, tok = smol
+    rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
+    target.reserve(4)
+    target.add_rows(rows)
+    tokens, valid = left_padded(rows)
+    target.forward(tokens, valid)
+    target.select_rows(torch.tensor([1, 3]))  # the rows on sequences 0 and 2 end
+    assert target.seq_ids == [1, 3]
+    logits, _ = target.forward(torch.tensor([[13], [13]]), torch.ones(2, 1, dtype=torch.bool))
+    assert target.seq_ids == [1, 0]  # the row on sequence 3 moved to 0
+    assert target.kept[3] == rows[3] and 0 not in target.kept
+    for b, row in ((0, rows[1]), (1, rows[3])):
+        prompt = row + [13]
+        target.reset(1)
+        fresh, _ = target.forward(torch.tensor([prompt]), ones(len(prompt)))
+        assert (logits[b, -1] - fresh[0, -1]).abs().max() <= NOISE
+
+
 def test_hidden_states_are_the_last_norm(smol):
     """The drafter's hidden states (llama.cpp's embeddings output) come with the logits and
     differ by position; the logits are the same with or without them."""
@@ -256,7 +279,7 @@ def test_pass_prices_extrapolate_the_measured_growth():
     assert noisy_end.pass_cost(1, 72) > 3.5 + 60 * 0.2
     assert noisy_end.pass_cost(1, 13) > noisy_end.pass_cost(1, 12)
     # at batch 8, drafts of a 0.8-acceptance drafter model do not pay at these prices
-    assert plan_lengths([0.8] * 8, [8] * 8, [True] * 8, noisy_end) == [0] * 8
+    assert plan_lengths([0.8] * 8, [8] * 8, [8] * 8, [True] * 8, noisy_end) == ([0] * 8, [0] * 8)
 
 
 def test_bad_inputs_are_named(smol_gguf, tmp_path, monkeypatch):

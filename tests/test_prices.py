@@ -15,8 +15,8 @@ from specdecode.backends.torch_eager import CachedModel
 from specdecode.core import prices as pricing
 from specdecode.core.prices import Prices, PriceWatch, monotone
 
-# one row: 1..4 tokens; two and four rows: each row one token but one, which holds 1..4 (a
-# round's ragged pass). A drafter step: 0.5, 0.6, 0.8 steps.
+# one, two and four rows holding 1..4 tokens each (even passes). A drafter step: 0.5, 0.6, 0.8
+# steps. Padded (the default layout): a ragged pass costs the even pass of its longest row.
 ONE = (1.0, 1.2, 1.5, 2.0)
 TWO = (1.3, 1.8, 2.4, 3.2)
 FOUR = (1.8, 2.9, 4.0, 5.5)
@@ -71,6 +71,42 @@ def test_stated_prices_as_a_round_view() -> None:
     assert rounds.added_cost(2, 2) == pytest.approx(0.2 + 0.1)
     at_two = TABLE.rounds(2)  # a row drafting m at 2 rows: it holds m + 1, the other one
     assert at_two.verify(1) == pytest.approx(1.8) and at_two.draft == pytest.approx(0.6)
+
+
+def test_a_ragged_pass_by_layout() -> None:
+    """Padded: as wide as its longest row. Levels (llama.cpp, a cache stream per row): a pass
+    per level of the counts, so half the rows drafting costs more than all of them."""
+    levels = Prices(TABLE.rows, TABLE.passes, TABLE.drafts, TABLE.step_seconds, "levels")
+    assert TABLE.shape_cost([2, 1, 1, 1]) == pytest.approx(2.9)
+    assert TABLE.shape_cost([2, 2, 2, 2]) == pytest.approx(2.9)
+    assert levels.shape_cost([2, 2, 2, 2]) == pytest.approx(2.9)
+    assert levels.shape_cost([1, 2, 1, 2]) == pytest.approx(1.8 + 1.3)  # 4 rows x 1, 2 x 1
+    assert levels.shape_cost([3, 1]) == pytest.approx(1.3 + 1.2)  # 2 rows x 1, 1 row x 2
+    assert levels.shape_cost([1, 1, 1, 1]) == TABLE.shape_cost([1] * 4) == pytest.approx(1.8)
+    assert levels.pass_cost(4, 5) == pytest.approx(1.8 + 1.0)  # one row drafting one
+    assert levels.shape_cost([2, 2, 1, 1]) > levels.shape_cost([2, 2, 2, 2])
+    assert Prices.from_json(levels.to_json()) == levels
+    with pytest.raises(ValueError, match="pass layout"):
+        Prices((1,), (ONE,), layout="diagonal")
+    with pytest.raises(ValueError, match="at least one row and one token"):
+        levels.shape_cost([2, 0])
+
+
+@given(
+    counts=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    layout=st.sampled_from(["padded", "levels"]),
+)
+@settings(max_examples=80, deadline=None)
+def test_a_ragged_pass_lies_between_its_even_bounds(counts: list[int], layout: str) -> None:
+    """No layout prices a pass below the even pass of its shortest row or above that of its
+    longest row taken once a level; one more token in a row never makes it cheaper under
+    padding."""
+    prices = Prices(TABLE.rows, TABLE.passes, TABLE.drafts, TABLE.step_seconds, layout)
+    cost = prices.shape_cost(counts)
+    assert cost >= prices.even_cost(len(counts), min(counts)) - 1e-9
+    if layout == "padded":
+        assert cost == pytest.approx(prices.even_cost(len(counts), max(counts)))
+        assert prices.shape_cost([counts[0] + 1, *counts[1:]]) >= cost - 1e-9
 
 
 def test_refusals_name_what_is_wrong() -> None:
@@ -164,8 +200,8 @@ def test_models_built_in_memory_are_not_cached(tiny_llama, tmp_path) -> None:
 def rounds(watch: PriceWatch, slower: float, count: int, rows: int = 1) -> list[bool]:
     """`count` rounds of `rows` rows of 3 tokens with 2 drafter steps, `slower` times what
     `TABLE` predicts."""
-    seconds = slower * PriceWatch(TABLE).predicted_seconds(rows, 3 * rows, [rows, rows])
-    return [watch.observe(rows, 3 * rows, [rows, rows], seconds) for _ in range(count)]
+    seconds = slower * PriceWatch(TABLE).predicted_seconds([3] * rows, [rows, rows])
+    return [watch.observe([3] * rows, [rows, rows], seconds) for _ in range(count)]
 
 
 def test_a_sustained_slowdown_rescales_the_prices() -> None:
@@ -187,6 +223,14 @@ def test_a_single_outlier_does_not() -> None:
     assert not watch.changed and watch.prices == TABLE
 
 
+def test_a_round_beyond_the_timed_tokens_is_not_judged() -> None:
+    """A prompt's piece in a round (a row of many tokens) is priced by extrapolation: a round
+    holding one is not held against the prices, however long it took."""
+    watch = PriceWatch(TABLE, window=16, least=8)
+    assert not any(watch.observe([40, 1], [], 10.0) for _ in range(12))
+    assert watch.prices == TABLE and not any(q for q in watch.ratios)
+
+
 def test_a_row_count_dearer_than_priced_is_rescaled_alone() -> None:
     """Passes of 4 rows a fifth dearer than timed: their curve grows, the unit stays."""
     watch = PriceWatch(TABLE, window=16, least=8)
@@ -203,7 +247,7 @@ def test_the_decoder_drops_a_disagreeing_cache_entry(saved_pair, tmp_path, monke
     known = saved_pair.prices()
     (entry,) = tmp_path.glob("*.json")
     slow = 2.0 * known.pass_cost(1, 4) * known.step_seconds
-    changed = [saved_pair.observe_round(1, 4, [], slow) for _ in range(8)]
+    changed = [saved_pair.observe_round([4], [], slow) for _ in range(8)]
     assert changed[-1] and not any(changed[:-1])
     assert not entry.exists()  # the next load times afresh
     assert saved_pair.prices().step_seconds == pytest.approx(2 * known.step_seconds)
@@ -224,8 +268,10 @@ def test_timer_through_the_backend_gives_steps(tiny_llama) -> None:
     for curve in prices.passes:
         assert list(curve) == sorted(curve)  # made non-decreasing
     assert target.lengths.numel() == 0 and drafter.lengths.numel() == 0  # left empty
+    assert prices.layout == "padded"  # a PyTorch block: as wide as its longest row
+    target.pass_layout = "levels"  # what a backend that splits ragged passes says
     alone = pricing.measure_prices(target, None, vocab, None, max_tokens=2, reps=1)
-    assert alone.drafts is None and alone.draft_cost(1) is None
+    assert alone.drafts is None and alone.draft_cost(1) is None and alone.layout == "levels"
     with pytest.raises(ValueError, match="do not fit the context"):
         pricing.measure_prices(target, None, vocab, 5, max_tokens=12, reps=1)
 
@@ -243,12 +289,16 @@ def test_timer_rolls_each_pass_back(tiny_llama) -> None:
     seen: list[list[int]] = []
     real = backend.forward
 
-    def forward(tokens, valid, **kwargs):
+    valid: list[torch.Tensor] = []
+
+    def forward(tokens, mask, **kwargs):
         seen.append(backend.lengths.tolist())
-        return real(tokens, valid, **kwargs)
+        valid.append(mask.clone())
+        return real(tokens, mask, **kwargs)
 
     backend.forward = forward
     (seconds,) = pricing.pass_seconds([(backend, [1, 3])], list(range(5, 25)), reps=2, rows=2)
     assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
     assert seen[0] == [0, 0] and all(lengths == [20, 20] for lengths in seen[1:])
+    assert all(v.all() for v in valid[1:])  # even passes: every row holds every token
     assert torch.is_tensor(backend.lengths)

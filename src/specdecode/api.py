@@ -147,8 +147,11 @@ class LivePrices:
     def __init__(self, decoder: SpeculativeDecoder) -> None:
         self.decoder = decoder
 
-    def pass_cost(self, rows: int, tokens: int) -> float:
-        return self.decoder._prices.pass_cost(rows, tokens)
+    def shape_cost(self, counts: Sequence[int]) -> float:
+        return self.decoder._prices.shape_cost(counts)
+
+    def even_cost(self, rows: int, per_row: float) -> float:
+        return self.decoder._prices.even_cost(rows, per_row)
 
     def draft_cost(self, rows: int) -> float | None:
         return self.decoder._prices.draft_cost(rows)
@@ -433,10 +436,10 @@ class SpeculativeDecoder:
         return LivePrices(self)
 
     def observe_round(
-        self, rows: int, tokens: int, draft_rows: Sequence[int], seconds: float
+        self, counts: Sequence[int], draft_rows: Sequence[int], seconds: float
     ) -> bool:
-        """Feed one timed round (a target pass over `rows` rows of `tokens` tokens in all, the
-        drafter steps' row counts, its seconds) to the prices' watch (`prices.PriceWatch`).
+        """Feed one timed round (a target pass whose rows hold `counts[b]` tokens, the drafter
+        steps' row counts, its seconds) to the prices' watch (`prices.PriceWatch`).
         Where the rounds stray from the prices, this decoder goes on with rescaled prices and
         the cached entry is dropped, so the next load times afresh. True when they changed."""
         if self._prices is None or self._prices.step_seconds is None:
@@ -445,7 +448,7 @@ class SpeculativeDecoder:
             return False
         if self._price_watch is None:
             self._price_watch = PriceWatch(self._prices)
-        if not self._price_watch.observe(rows, tokens, draft_rows, seconds):
+        if not self._price_watch.observe(counts, draft_rows, seconds):
             return False
         from specdecode.core.prices import forget_prices
 

@@ -266,6 +266,10 @@ class PrefixCache:
 class LlamaCppModel:
     """A GGUF decoder on llama.cpp with one sequence per batch row (a `ModelBackend`)."""
 
+    # with a cache stream per row, llama_decode splits a batch into passes where every row
+    # with tokens left gives the same number: a ragged round runs a pass per level
+    pass_layout = "levels"
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -530,6 +534,31 @@ class LlamaCppModel:
         copied = int(self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq))
         return buf if copied == size else None
 
+    def _compact(self) -> None:
+        """Move the rows on the highest sequences into the free ones below them, so that the
+        rows hold sequences 0..n-1. llama.cpp runs rows in one micro-batch only while their
+        sequence ids rise one by one: rows that end with none joining in their place (the
+        last requests of a burst, a load under the batch's rows) leave the others scattered,
+        and a scattered batch runs a pass per run of sequences (docs/findings.md). Called
+        before a pass, after the round's newcomers took the lowest free sequences. A move
+        copies the row's cells (its own tokens', not the whole stream); the free sequence's
+        prefix goes to host memory first (within its budget), and the sequence the row left
+        keeps the row's tokens for a later prompt that shares them."""
+        while self.kept and self.seq_ids and min(self.kept) < max(self.seq_ids):
+            low, high = min(self.kept), max(self.seq_ids)
+            cells = self._cells(high)
+            if cells is None:
+                return
+            held = self.kept.pop(low)
+            if held:
+                self._save(low, held)
+            if not self._put_cells(low, cells):
+                self.kept[low] = []  # emptied and not filled: the rows stay where they are
+                return
+            b = self.seq_ids.index(high)
+            self.seq_ids[b] = low
+            self.kept[high] = list(self.row_tokens[b])
+
     def _save(self, seq: int, tokens: list[int]) -> None:
         """Copy a sequence's cells to host memory, keyed by the tokens they hold."""
         budget = self.prefix_cache.budget
@@ -591,6 +620,7 @@ class LlamaCppModel:
                     f"{self.role}: row {b} would hold {lengths_l[b] + counts[b]} tokens, beyond "
                     f"this llama.cpp context of {self.context_length} per row"
                 )
+        self._compact()
         if want_hidden != self.embeddings_on:  # with embeddings on, llama.cpp outputs (and
             # computes the logits of) every token of a batch: only when the hidden states are read
             self.lib.llama_set_embeddings(self.ctx, want_hidden)

@@ -347,7 +347,7 @@ class DecodeLoop:
         capacity: int | None = None,
         joins: bool = False,
         prefill_chunk: int | None = None,
-        observe: Callable[[int, int, list[int], float], object] | None = None,
+        observe: Callable[[list[int], list[int], float], object] | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -494,7 +494,7 @@ class DecodeLoop:
             # a decoding round (no prompt in it): what it took, for the prices' watch
             deepest = max(host.passes, default=0)
             steps = [sum(p > i for p in host.passes) for i in range(deepest)]
-            self.observe(len(host.fed), sum(host.fed), steps, seconds)
+            self.observe(host.fed, steps, seconds)
         if self.first_round and any(host.ready):  # it holds the prefills
             self.stats.end_first_round(before, time.perf_counter() - start, sum(host.counts))
             self.first_round = False
@@ -533,7 +533,7 @@ def decode(
     cfg: DecodeConfig,
     stats: DecodeStats | None = None,
     sampling: RowSampling | None = None,
-    observe: Callable[[int, int, list[int], float], object] | None = None,
+    observe: Callable[[list[int], list[int], float], object] | None = None,
 ) -> Iterator[StepEvent]:
     """Run a fixed batch to completion on `DecodeLoop`, yielding what each round commits.
 

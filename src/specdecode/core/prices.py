@@ -44,6 +44,7 @@ PRICED_ROWS = (1, 2, 4, 8)  # row counts timed, up to the batch asked for; more 
 STATED_TOKENS = 25  # a stated price table's length: rounds of up to 24 drafted tokens exactly
 PRICES_DIR = "prices"  # under the cache root
 PRICES_ENV = "SPECDECODE_PRICES"  # a folder for them elsewhere (the tests keep theirs apart)
+LAYOUTS = ("padded", "levels")  # how a backend runs a pass whose rows hold different counts
 
 
 @dataclass(frozen=True)
@@ -51,22 +52,30 @@ class Prices:
     """What a target pass and a drafter step cost here, in steps: one step is a target pass of
     one row and one token, `step_seconds` long (None where the prices were stated, not timed).
 
-    `passes[i][t - 1]` is a target pass over `rows[i]` rows holding one token each but one,
-    which holds t: the shape of a round where one row drafts t - 1 tokens (at one row, a pass
-    of t tokens). Ragged, because that is what a round is, and a backend may pay for it far
-    more than for an even pass of as many tokens (llama.cpp with a cache stream per row splits
-    a ragged batch into a pass per extra position). `drafts[i]` a drafter step over `rows[i]`
-    rows (None: no drafter model priced). Between the measured row counts and tokens the cost
-    is read linearly; beyond them it is extrapolated so as not to undersell a pass
-    (`pass_cost`).
+    `passes[i][t - 1]` is a target pass over `rows[i]` rows holding t tokens each (an even
+    pass); `drafts[i]` a drafter step over `rows[i]` rows (None: no drafter model priced).
+    `layout` says how the backend runs a round's ragged pass, whose rows hold different
+    counts (`shape_cost`):
+
+    * `padded` (PyTorch): one block as wide as its longest row; the shorter rows ride free.
+    * `levels` (llama.cpp, a cache stream per row): a pass per level of the counts (every row
+      with tokens left gives the same number to each), so a pass where four of eight rows
+      draft one token costs an even pass of eight rows and another of four, more than the
+      even pass where all eight draft one.
+
+    Between the measured row counts and tokens the cost is read linearly; beyond them it is
+    extrapolated so as not to undersell a pass (`even_cost`).
     """
 
     rows: tuple[int, ...]
     passes: tuple[tuple[float, ...], ...]
     drafts: tuple[float, ...] | None = None
     step_seconds: float | None = None
+    layout: str = "padded"
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"a pass layout is one of {LAYOUTS}, got {self.layout!r}")
         object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
         object.__setattr__(self, "passes", tuple(tuple(map(float, p)) for p in self.passes))
         if self.drafts is not None:
@@ -119,19 +128,36 @@ class Prices:
         """Tokens per row timed (or stated); longer passes are extrapolated."""
         return len(self.passes[0])
 
-    def pass_cost(self, rows: int, tokens: int) -> float:
-        """A target pass over `rows` rows holding `tokens` tokens in all, in steps.
+    def even_cost(self, rows: int, per_row: float) -> float:
+        """A target pass over `rows` rows holding `per_row` tokens each, in steps. Between
+        measured row counts the cost is linear in the rows; past the largest, R, a pass of n
+        rows costs n / R passes of R rows: no gain from batching is assumed that was not
+        measured."""
+        if rows < 1 or per_row < 1:
+            raise ValueError(f"a pass holds at least one row and one token, got {rows}, {per_row}")
+        return self._by_rows(rows, [_along(curve, per_row) for curve in self.passes])
 
-        The tokens beyond one a row are priced as if one row held them all (`passes`): never
-        less than the pass a round pays, whichever rows draft. Between measured row counts the
-        cost is linear in the rows;
-        past the largest, R, a pass of n rows costs n / R passes of R rows: no gain from
-        batching is assumed that was not measured.
-        """
+    def shape_cost(self, counts: Sequence[int]) -> float:
+        """A target pass whose rows hold `counts[b]` tokens (each >= 1), in steps, as the
+        backend runs it (`layout`)."""
+        if not counts or min(counts) < 1:
+            raise ValueError(f"a pass holds at least one row and one token a row, got {counts}")
+        if self.layout == "padded":
+            return self.even_cost(len(counts), max(counts))
+        cost, below, rows = 0.0, 0, len(counts)
+        for level in sorted(counts):  # the rows holding more than `below` give a pass each
+            if level > below:
+                cost += self.even_cost(rows, level - below)
+                below = level
+            rows -= 1
+        return cost
+
+    def pass_cost(self, rows: int, tokens: int) -> float:
+        """A pass over `rows` rows holding `tokens` tokens in all, every token beyond one a row
+        in one row: the round where one row drafts and the others decode."""
         if rows < 1 or tokens < 1:
             raise ValueError(f"a pass holds at least one row and one token, got {rows}, {tokens}")
-        longest = 1 + max(tokens - rows, 0)  # the row holding every token beyond one a row
-        return self._by_rows(rows, [_along(curve, longest) for curve in self.passes])
+        return self.shape_cost([1 + max(tokens - rows, 0)] + [1] * (rows - 1))
 
     def draft_cost(self, rows: int) -> float | None:
         """A drafter step over `rows` rows, in steps (None: no drafter model priced)."""
@@ -177,7 +203,7 @@ class Prices:
             passes = " / ".join(f"{v:.2f}" for v in self.passes[i])
             drafter = f"; a drafter step {self.drafts[i]:.2f}" if self.drafts is not None else ""
             parts.append(f"{rows} row(s), 1.. tokens each: {passes}{drafter}")
-        return seconds + " | ".join(parts) + " (steps)"
+        return seconds + " | ".join(parts) + f" (steps; ragged passes {self.layout})"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,6 +216,7 @@ class Prices:
             tuple(tuple(p) for p in data["passes"]),
             tuple(drafts) if drafts is not None else None,
             data.get("step_seconds"),
+            data.get("layout", "padded"),
         )
 
 
@@ -197,7 +224,7 @@ class Prices:
 class RoundCosts:
     """A row's round at `rows` rows, in steps: `draft` a drafted token (a drafter step over the
     rows), `verify(m)` the target's pass in which this row holds its m drafted tokens and the
-    next one, the others one token each (the ragged pass `Prices.passes` times).
+    next one, the others one token each (`Prices.pass_cost`).
 
     The SpecDec++ threshold rule is the optimal stop when every verify pass costs the same. A
     real pass does not: on a CPU its products turn compute-bound past a few tokens, on a GPU at
@@ -282,13 +309,12 @@ def pass_seconds(
     reps: int,
     rows: int = 1,
 ) -> list[dict[int, float]]:
-    """Median seconds of one pass over `rows` rows, each after `context`, the first holding n
-    tokens and the others one (a round's ragged shape, `Prices.passes`),
-    for each backend and each n of its counts. Every round times every pass of every backend,
-    interleaved, so a stall of the machine (a neighbour's burst; on two cores llama.cpp's
-    spinning threads lose whole time slices to any other process) lands on one sample of each
-    rather than on every sample of the one timed while it lasted. Each pass is rolled back
-    after it, so every one sees the same cache."""
+    """Median seconds of one pass over `rows` rows, each after `context` and holding n tokens
+    (an even pass, `Prices.passes`), for each backend and each n of its counts. Every round
+    times every pass of every backend, interleaved, so a stall of the machine (a neighbour's
+    burst; on two cores llama.cpp's spinning threads lose whole time slices to any other
+    process) lands on one sample of each rather than on every sample of the one timed while it
+    lasted. Each pass is rolled back after it, so every one sees the same cache."""
     device = jobs[0][0].device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
@@ -300,9 +326,7 @@ def pass_seconds(
 
     def timed(backend: ModelBackend, start: torch.Tensor, held: torch.Tensor, n: int):
         tokens = start[:, -n:] if len(context) >= n else start[:, -1:].repeat(1, n)  # [rows, n]
-        valid = torch.zeros_like(tokens, dtype=torch.bool)  # [rows, n] a round's ragged block:
-        valid[0] = True  # one row of n tokens, the others one each (left-padded)
-        valid[:, -1] = True
+        valid = torch.ones_like(tokens, dtype=torch.bool)  # [rows, n]
 
         def run() -> None:
             backend.forward(tokens, valid, logits_to_keep=n)
@@ -342,8 +366,9 @@ def measure_prices(
     max_tokens: int = PRICED_TOKENS,
     reps: int = 3,
 ) -> Prices:
-    """Time target passes of 1..max_tokens tokens per row and a drafter step, at each row count
-    of `timed_rows(rows)`; every curve is made non-decreasing in tokens (`monotone`)."""
+    """Time even target passes of 1..max_tokens tokens per row and a drafter step, at each row
+    count of `timed_rows(rows)`; every curve is made non-decreasing in tokens (`monotone`).
+    The target's `pass_layout` (default `padded`) says how its ragged passes go."""
     room = (context_length or 1 << 30) - max_tokens - 1
     if room < 1:
         raise ValueError(f"passes of {max_tokens} tokens do not fit the context")
@@ -362,6 +387,7 @@ def measure_prices(
         tuple(tuple(v / step for v in curve) for curve in measured),
         tuple(d / step for d in drafts) if drafter is not None else None,
         step,
+        getattr(target, "pass_layout", "padded"),
     )
 
 
@@ -419,7 +445,7 @@ def price_key(target: ModelBackend, drafter: ModelBackend | None) -> dict[str, A
         machine = torch.cuda.get_device_name(target.device)
     else:
         machine = cpu_name()
-    plan = {"context": PRICE_CONTEXT_TOKENS, "tokens": PRICED_TOKENS, "passes": "ragged"}
+    plan = {"context": PRICE_CONTEXT_TOKENS, "tokens": PRICED_TOKENS, "passes": "even"}
     return {"target": target_id, "drafter": drafter_id, "machine": machine, "plan": plan}
 
 
@@ -476,15 +502,16 @@ def forget_prices(key: dict[str, Any], folder: Path) -> None:
 class PriceWatch:
     """Checks the prices against the rounds decoding takes, and corrects them where they stray.
 
-    Each observed round (a target pass over `rows` rows of `tokens` tokens in all, drafter
-    steps over the given row counts, the seconds it took) is compared with what the prices
-    predict. Ratios are kept per measured row count (the nearest to the round's); once
-    `least` rounds of one have been seen and the median of the last `window` strays from 1 by
-    more than `tolerance`, that row count's prices are rescaled by the median of its last
-    `least` rounds (the first row count's rescales the step's seconds, the unit of them all)
-    and `changed` is set. Medians, not means: one round stalled by another process moves
-    nothing. The tolerance leaves room for what a round costs besides its passes (sampling,
-    the engine's bookkeeping), which the prices do not hold.
+    Each observed round (a target pass whose rows hold `counts[b]` tokens, drafter steps over
+    the given row counts, the seconds it took) is compared with what the prices predict.
+    Ratios are kept per measured row count (the nearest to the round's); once `least` rounds
+    of one have been seen and the median of the last `window` strays from 1 by more than
+    `tolerance`, that row count's prices are rescaled by the median of its last `least` rounds
+    (the first row count's rescales the step's seconds, the unit of them all) and `changed` is
+    set. Medians, not means: one round stalled by another process moves nothing. The tolerance
+    leaves room for what a round costs besides its passes (sampling, the engine's
+    bookkeeping), which the prices do not hold. A round with a row past the timed tokens (a
+    prompt's piece) is not judged: its price is an extrapolation, not a measurement.
     """
 
     def __init__(
@@ -498,16 +525,19 @@ class PriceWatch:
         self.ratios = [deque(maxlen=window) for _ in prices.rows]
         self.changed = False
 
-    def predicted_seconds(self, rows: int, tokens: int, draft_rows: Sequence[int] = ()) -> float:
+    def predicted_seconds(self, counts: Sequence[int], draft_rows: Sequence[int] = ()) -> float:
         p = self.prices
-        steps = p.pass_cost(rows, tokens) + sum(p.draft_cost(r) or 0.0 for r in draft_rows)
+        steps = p.shape_cost(counts) + sum(p.draft_cost(r) or 0.0 for r in draft_rows)
         return steps * p.step_seconds
 
-    def observe(self, rows: int, tokens: int, draft_rows: Sequence[int], seconds: float) -> bool:
+    def observe(self, counts: Sequence[int], draft_rows: Sequence[int], seconds: float) -> bool:
         """Record one round; True when it led to rescaled prices."""
-        if not (math.isfinite(seconds) and seconds > 0):
+        if not (math.isfinite(seconds) and seconds > 0) or not counts:
             return False
-        ratio = seconds / self.predicted_seconds(rows, tokens, draft_rows)
+        if max(counts) > self.prices.most_tokens:
+            return False
+        rows = len(counts)
+        ratio = seconds / self.predicted_seconds(counts, draft_rows)
         distance = [abs(math.log(r / rows)) for r in self.prices.rows]
         index = distance.index(min(distance))  # the nearest timed row count
         seen = self.ratios[index]

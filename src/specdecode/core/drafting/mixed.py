@@ -35,7 +35,8 @@ class MixedDrafter:
     ) -> None:
         self.lookup, self.model, self.planner = lookup, model, planner
         self.vocab_size = vocab_size
-        self.round: tuple[list[int], list[int]] | None = None  # (match length or 0, drafted)
+        # (match length or 0, tokens from the source, tokens from the model) per row
+        self.round: tuple[list[int], list[int], list[int]] | None = None
 
     def start(self, batch_size: int) -> None:
         self.planner.start(batch_size)
@@ -52,17 +53,23 @@ class MixedDrafter:
         ]
         ngrams = [n for _, n in found]  # 0: no match, the model drafts (if there is one)
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
-        plan = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
-        self.round = (ngrams, plan)
-        device = sequences.device
-        use = torch.tensor([n > 0 for n in ngrams], device=device)  # [batch] lookup rows
+        plan, pads = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
         model_k = [0 if n else k for n, k in zip(ngrams, plan, strict=True)]
-        if self.model is not None and max(model_k, default=0) > 0:
+        if self.model is None:
+            model_k = [0] * len(lens)
+        self.round = (ngrams, plan, model_k)
+        device = sequences.device
+        use = torch.tensor([k == 0 for k in model_k], device=device)  # [batch] not the model's
+        if max(model_k, default=0) > 0:
             limits = torch.tensor(model_k, device=device)  # [batch]
             draft = self.model.propose(sequences, seq_lens, limits, rng)
         else:
             draft = Draft.empty(len(lens), device)
-        looked = [c[:k] if n else c[:0] for (c, n), k in zip(found, plan, strict=True)]
+        looked = []  # a filler (the row's last token) evens the pass where the plan asks one
+        for b, ((tokens, n), k, pad) in enumerate(zip(found, plan, pads, strict=True)):
+            source = tokens[:k] if n else tokens[:0]
+            filler = texts[b, lens[b] - 1 : lens[b]].repeat(pad)  # [pad]
+            looked.append(torch.cat([source, filler]) if pad else source)
         return merge_lookup(draft, looked, use)
 
     def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
@@ -75,12 +82,12 @@ class MixedDrafter:
             if self.model is not None:
                 self.model.rollback(lengths, num_drafted, num_accepted)
             return
-        ngrams, plan = self.round
+        ngrams, plan, model_k = self.round
         self.planner.observe(ngrams, plan, num_accepted.tolist())
         if self.model is not None:
-            # the model's policy hears only its own rows: a looked-up row drafted nothing
-            # with the model (a heuristic k stays as it was)
-            looked = torch.tensor([n > 0 for n in ngrams], device=num_drafted.device)
+            # the model's policy hears only its own rows: a looked-up or padded row drafted
+            # nothing with the model (a heuristic k stays as it was)
+            looked = torch.tensor([k == 0 for k in model_k], device=num_drafted.device)
             self.model.rollback(lengths, num_drafted.masked_fill(looked, 0), num_accepted)
         self.round = None  # heard: a round the engine runs plain next leaves nothing to learn
 

@@ -17,14 +17,18 @@ machine; this one plans every round from the prices (`PriceModel`) and the accep
 source has had.
 
 Expected tokens of a row drafting k with per-token acceptance a are 1 + a + ... + a^k; the
-round's cost is the target's pass over all rows and all their tokens plus, at each drafted
-depth, one drafter step over the model rows drafting that deep. Tokens are added one at a time
-where they add the most expected tokens per added cost, and the round keeps the allocation with
-the most expected tokens per unit of cost seen along the way, which is no drafting at all (a
-plain step) when nothing pays. Acceptance is estimated online: per row for the model, per match
-length for lookup (matches of 3 tokens are right far more often than matches of 1), with counts
-that decay so the estimate follows the text; a source that was not tried for a while drifts
-back to its prior and is tried again.
+round's cost is the target's pass over all rows and all their tokens, in the shape the backend
+runs it (`PriceModel.shape_cost`), plus, at each drafted depth, one drafter step over the model
+rows drafting that deep. The shape matters: llama.cpp with a cache stream per row runs a ragged
+pass as a pass per level of its rows' counts, so eight rows drafting one token each cost less
+than four doing so and four not. A row with nothing worth drafting can then pad its draft with
+a filler token (its last token: free, and never counted on) to keep the pass even. Tried each
+round: every row to one depth (its model rows drafting with the model, or padding), and from
+the best of those, the rows that gain most raised a token at a time while the ratio of expected
+tokens to cost grows; a plain step where nothing beats it. Acceptance is estimated online: per
+row for the model, per match length for lookup (matches of 3 tokens are right far more often
+than matches of 1), with counts that decay so the estimate follows the text; a source that was
+not tried for a while drifts back to its prior and is tried again.
 
 A plan only chooses how many tokens are drafted, never which, so outputs stay exact under
 greedy decoding and the sampled law stays the target's (the lengths are a stopping time).
@@ -32,6 +36,7 @@ greedy decoding and the sampled law stays the target's (the lengths are a stoppi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -45,8 +50,12 @@ MEMORY = 0.8  # weight of the past in each update: about the last five rounds co
 class PriceModel(Protocol):
     """What a planner reads of a machine's prices, in steps (a one-row, one-token target pass)."""
 
-    def pass_cost(self, rows: int, tokens: int) -> float:
-        """A target pass over `rows` rows holding `tokens` tokens in all."""
+    def shape_cost(self, counts: Sequence[int]) -> float:
+        """A target pass whose rows hold `counts[b]` tokens each, as the backend runs it."""
+        ...
+
+    def even_cost(self, rows: int, per_row: float) -> float:
+        """A target pass over `rows` rows holding `per_row` tokens each."""
         ...
 
     def draft_cost(self, rows: int) -> float | None:
@@ -65,13 +74,16 @@ class Planner(Protocol):
 
     def plan(
         self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
-    ) -> list[int]:
-        """Tokens per row: `ngrams[b]` the match length lookup found (0: none, the model's
-        row), `found[b]` how many tokens it found (<= budget[b]), `behind[b]` the committed
-        tokens the drafter model's cache lacks for the row."""
+    ) -> tuple[list[int], list[int]]:
+        """Tokens per row from its source (lookup, or the model), and filler tokens after them:
+        `ngrams[b]` the match length lookup found (0: none, the model's row), `found[b]` how
+        many tokens it found (<= budget[b]), `behind[b]` the committed tokens the drafter
+        model's cache lacks for the row."""
         ...
 
-    def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None: ...
+    def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
+        """`drafted[b]`: the row's tokens from its source this round (fillers not counted)."""
+        ...
 
     def select_rows(self, keep: list[int]) -> None: ...
 
@@ -92,10 +104,11 @@ class FixedPlanner:
 
     def plan(
         self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
-    ) -> list[int]:
-        return [f if n else b for n, f, b in zip(ngrams, found, budget, strict=True)]
+    ) -> tuple[list[int], list[int]]:
+        lengths = [f if n else b for n, f, b in zip(ngrams, found, budget, strict=True)]
+        return lengths, [0] * len(lengths)
 
-    def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None:
+    def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
         pass
 
     def select_rows(self, keep: list[int]) -> None:
@@ -147,10 +160,10 @@ def model_can_pay(prices: PriceModel, max_tokens: int, rows: int) -> bool:
     if draft is None:
         return False
     for r in sorted({1, max(rows, 1)}):
-        plain = r / prices.pass_cost(r, r)
+        plain = r / prices.even_cost(r, 1)
         for k in range(1, max_tokens + 1):
             expected = r * sum(BEST_RATE**i for i in range(k + 1))
-            cost = prices.pass_cost(r, r * (k + 1)) + k * (prices.draft_cost(r) or 0.0)
+            cost = prices.even_cost(r, k + 1) + k * (prices.draft_cost(r) or 0.0)
             if expected / cost > plain:
                 return True
     return False
@@ -159,55 +172,66 @@ def model_can_pay(prices: PriceModel, max_tokens: int, rows: int) -> bool:
 def plan_lengths(
     rates: list[float],
     caps: list[int],
+    budget: list[int],
     uses_model: list[bool],
     prices: PriceModel,
     catch_up: list[float] | None = None,
-) -> list[int]:
-    """Tokens to draft per row this round: the allocation with the most expected committed
-    tokens per unit of cost, grown a token at a time where it gains the most per its cost.
-    `catch_up[b]`: what row b's first model token costs besides (its drafter cache's lag).
+) -> tuple[list[int], list[int]]:
+    """Tokens each row drafts this round from its source, and filler tokens after them (see
+    the module's note): row b's source gives up to `caps[b]` tokens, each kept with
+    probability `rates[b]` while the ones before were; it drafts `budget[b]` tokens at most in
+    all. `uses_model[b]`: its source is the drafter model, whose steps cost; `catch_up[b]`:
+    what its first model token costs besides (its drafter cache's lag).
 
-    The prices are read once into tables (the pass by its tokens, the drafter step by its
-    rows) rather than per candidate token: a plan runs every round, on the engine's thread."""
+    The drafter's step prices are read once into a table: a plan runs every round, on the
+    engine's thread."""
     batch = len(rates)
-    most = sum(caps)
-    # pass_by_tokens[t]: a pass over all the rows holding batch + t tokens
-    pass_by_tokens = [prices.pass_cost(batch, batch + t) for t in range(most + 1)]
+    catch = catch_up if catch_up is not None else [0.0] * batch
     models = sum(uses_model)
     draft_by_rows = [0.0] + [prices.draft_cost(r) or 0.0 for r in range(1, models + 1)]
-    k = [0] * batch
-    depth_rows = [0] * (max(caps, default=0) + 2)  # model rows drafting position i (1-based)
-    drafted = 0
-    expected = float(batch)
-    cost = pass_by_tokens[0]
-    best, best_ratio = list(k), expected / cost
-    while drafted < most:
-        pick, pick_score, pick_cost = -1, 0.0, 0.0
-        # one more token in the target's pass: the same for every row
-        grown = pass_by_tokens[drafted + 1] - pass_by_tokens[drafted]
-        for b in range(batch):
-            if k[b] >= caps[b]:
-                continue
-            added = grown
-            if uses_model[b]:
-                rows = depth_rows[k[b] + 1]  # one more row in the drafter's step at this depth
-                added += draft_by_rows[rows + 1] - draft_by_rows[rows]
-                if k[b] == 0 and catch_up is not None:
-                    added += catch_up[b]
-            score = rates[b] ** (k[b] + 1) / max(added, 1e-9)
-            if score > pick_score:
-                pick, pick_score, pick_cost = b, score, added
-        if pick < 0:
+    gained = []  # gained[b][j]: expected tokens of the row's first j source tokens
+    for rate, cap in zip(rates, caps, strict=True):
+        sums = [0.0]
+        for j in range(1, cap + 1):
+            sums.append(sums[-1] + rate**j)
+        gained.append(sums)
+
+    def ratio(k: list[int], real: list[int]) -> float:
+        """Expected committed tokens per unit of cost: k[b] drafted, the first real[b] of them
+        from the row's source."""
+        expected = batch + sum(g[r] for g, r in zip(gained, real, strict=True))
+        cost = prices.shape_cost([1 + x for x in k])
+        model_real = [r for r, m in zip(real, uses_model, strict=True) if m and r]
+        for depth in range(1, max(model_real, default=0) + 1):
+            cost += draft_by_rows[sum(r >= depth for r in model_real)]
+        cost += sum(c for c, r, m in zip(catch, real, uses_model, strict=True) if m and r)
+        return expected / cost
+
+    plain = [0] * batch
+    best, best_real, best_ratio = plain, plain, ratio(plain, plain)
+    modes = (True, False) if models else (True,)
+    for with_model in modes:  # the model rows draft with the model, or pad
+        for depth in range(1, max(budget, default=0) + 1):
+            k = [min(depth, room) for room in budget]
+            real = [
+                min(x, cap) if with_model or not m else 0
+                for x, cap, m in zip(k, caps, uses_model, strict=True)
+            ]
+            if (value := ratio(k, real)) > best_ratio:
+                best, best_real, best_ratio = k, real, value
+    while True:  # raise the rows that gain most by a source token, as many as pays
+        open_rows = [b for b in range(batch) if best_real[b] == best[b] < min(budget[b], caps[b])]
+        open_rows.sort(key=lambda b: -(rates[b] ** (best_real[b] + 1)))
+        k, real, step = list(best), list(best_real), None
+        for b in open_rows:
+            k[b] += 1
+            real[b] += 1
+            if (value := ratio(k, real)) > best_ratio:
+                step, best_ratio = (list(k), list(real)), value
+        if step is None:
             break
-        expected += rates[pick] ** (k[pick] + 1)
-        cost += pick_cost
-        drafted += 1
-        k[pick] += 1
-        if uses_model[pick]:
-            depth_rows[k[pick]] += 1
-        if expected / cost > best_ratio:
-            best, best_ratio = list(k), expected / cost
-    return best
+        best, best_real = step
+    return best_real, [x - r for x, r in zip(best, best_real, strict=True)]
 
 
 class PricedPlanner:
@@ -230,7 +254,7 @@ class PricedPlanner:
 
     def plan(
         self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
-    ) -> list[int]:
+    ) -> tuple[list[int], list[int]]:
         rates = [self.by_ngram.rate(n) if n else self.by_row.rate(b) for b, n in enumerate(ngrams)]
         model_cap = budget if self.has_model else [0] * len(budget)
         caps = [f if n else c for n, f, c in zip(ngrams, found, model_cap, strict=True)]
@@ -238,21 +262,21 @@ class PricedPlanner:
         catch_up = [
             self.catch_up(lag) if m else 0.0 for m, lag in zip(uses_model, behind, strict=True)
         ]
-        return plan_lengths(rates, caps, uses_model, self.prices, catch_up)
+        return plan_lengths(rates, caps, budget, uses_model, self.prices, catch_up)
 
     def catch_up(self, lag: int) -> float:
         """Steps the drafter spends feeding a row's `lag` missing tokens before it drafts:
         its step's price, grown as a pass over that many more tokens grows."""
         prices = self.prices
-        grown = prices.pass_cost(1, lag + 1) - prices.pass_cost(1, 1)
+        grown = prices.even_cost(1, lag + 1) - prices.even_cost(1, 1)
         return (prices.draft_cost(1) or 0.0) * grown
 
-    def observe(self, ngrams: list[int], plan: list[int], accepted: list[int]) -> None:
-        for b, (n, k) in enumerate(zip(ngrams, plan, strict=True)):
-            if k and n:
-                self.by_ngram.observe(n, k, accepted[b])
+    def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
+        for b, (n, k) in enumerate(zip(ngrams, drafted, strict=True)):
+            if k and n:  # a filler after the source's tokens does not count
+                self.by_ngram.observe(n, k, min(accepted[b], k))
             elif k:
-                self.by_row.observe(b, k, accepted[b])
+                self.by_row.observe(b, k, min(accepted[b], k))
             elif not n:
                 self.by_row.relax(b)
         for n in range(1, len(self.by_ngram.kept)):
