@@ -10,8 +10,9 @@
 #   llama-cpp-python/  ours and llama-cpp-python's server (one request at a time), 1 8
 #   repeats-c1/        HumanEval 0-7 one at a time, four servers, three passes each
 #   repeats-*/         the cells at 8 and 16 again, three passes each
-#   equal-*/           at 8 and 16 (new), 8 (seen) and 1, three passes each, every request
-#                      run to 64 tokens (--ignore-eos): the same work on every server
+#   equal-*/           at 8 and 16 (new), 8 (seen) and 1, three passes each, and 4 (new), two,
+#                      every request run to 64 tokens (--ignore-eos): the same work on every
+#                      server
 #   servers.json       each server's command and its peak RSS over the run (resumed parts too)
 # Every server gets 8 rows of 2048 tokens and 2 threads. A step whose record exists is skipped,
 # so a run cut short goes on where it stopped. About two hours on a 2-core machine; run it on
@@ -103,6 +104,9 @@ step equal-new $(labels $three) --prompts humaneval --limit 16 --modes new --con
 # shellcheck disable=SC2046
 step equal-seen $(labels $three) --prompts humaneval --limit 16 --modes seen --concurrency 8 \
   --repeats 3 --ignore-eos
+# shellcheck disable=SC2046
+step equal-c4 $(labels $three) --prompts humaneval --limit 16 --modes new --concurrency 4 \
+  --repeats 2 --ignore-eos
 # shellcheck disable=SC2046
 step equal-c1 $(labels $four) --prompts humaneval --limit 8 --modes new --concurrency 1 \
   --repeats 3 --ignore-eos
