@@ -54,9 +54,7 @@ class MixedDrafter:
         ngrams = [n for _, n in found]  # 0: no match, the model drafts (if there is one)
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
         plan, pads = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
-        model_k = [0 if n else k for n, k in zip(ngrams, plan, strict=True)]
-        if self.model is None:
-            model_k = [0] * len(lens)
+        model_k = [0 if n or self.model is None else k for n, k in zip(ngrams, plan, strict=True)]
         self.round = (ngrams, plan, model_k)
         device = sequences.device
         use = torch.tensor([k == 0 for k in model_k], device=device)  # [batch] not the model's
@@ -68,8 +66,9 @@ class MixedDrafter:
         looked = []  # a filler (the row's last token) evens the pass where the plan asks one
         for b, ((tokens, n), k, pad) in enumerate(zip(found, plan, pads, strict=True)):
             source = tokens[:k] if n else tokens[:0]
-            filler = texts[b, lens[b] - 1 : lens[b]].repeat(pad)  # [pad]
-            looked.append(torch.cat([source, filler]) if pad else source)
+            if pad:
+                source = torch.cat([source, texts[b, lens[b] - 1 : lens[b]].repeat(pad)])
+            looked.append(source)
         return merge_lookup(draft, looked, use)
 
     def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:

@@ -210,8 +210,10 @@ def plan_lengths(
     plain = [0] * batch
     best, best_real, best_ratio = plain, plain, ratio(plain, plain)
     modes = (True, False) if models else (True,)
+    # past every row's source tokens a depth only adds fillers: more cost, nothing expected
+    deepest = max(map(min, budget, caps), default=0)
     for with_model in modes:  # the model rows draft with the model, or pad
-        for depth in range(1, max(budget, default=0) + 1):
+        for depth in range(1, deepest + 1):
             k = [min(depth, room) for room in budget]
             real = [
                 min(x, cap) if with_model or not m else 0
