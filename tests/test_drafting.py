@@ -115,8 +115,8 @@ def test_more_rows_at_a_dearer_token_draft_less() -> None:
     """The plan reads rows x tokens: the same rows' acceptance, one row alone against eight
     rows whose pass grows by a larger share of a step per token, drafts less a row."""
     prices = priced(per_token_1=0.05, per_token_8=0.2, draft=0.02)
-    alone, _ = plan_lengths([0.8], [8], [8], [True], prices)
-    eight, _ = plan_lengths([0.8] * 8, [8] * 8, [8] * 8, [True] * 8, prices)
+    alone, _, _ = plan_lengths([0.8], [8], [8], [True], prices)
+    eight, _, _ = plan_lengths([0.8] * 8, [8] * 8, [8] * 8, [True] * 8, prices)
     assert alone[0] > 0
     assert sum(eight) / 8 < alone[0]
     flat = priced(per_token_1=0.05, per_token_8=0.05, draft=0.02)  # as dear as one row
@@ -125,12 +125,13 @@ def test_more_rows_at_a_dearer_token_draft_less() -> None:
 
 def test_plan_respects_caps_and_budgets() -> None:
     prices = priced(per_token_1=0.02, per_token_8=0.02, draft=0.6)
-    real, pads = plan_lengths([0.9, 0.2, 0.9], [3, 8, 8], [8, 2, 8], [False, False, True], prices)
+    rates, caps, budget = [0.9, 0.2, 0.9], [3, 8, 8], [8, 2, 8]
+    real, pads, _ = plan_lengths(rates, caps, budget, [False, False, True], prices)
     assert real[0] == 3  # a likely lookup row drafts all it found
     assert all(r <= c for r, c in zip(real, [3, 8, 8], strict=True))
     assert all(r + p <= b for r, p, b in zip(real, pads, [8, 2, 8], strict=True))
-    assert plan_lengths([0.9], [0], [8], [False], prices) == ([0], [0])  # nothing found
-    assert plan_lengths([0.9], [4], [0], [False], prices) == ([0], [0])  # no room
+    assert plan_lengths([0.9], [0], [8], [False], prices)[:2] == ([0], [0])  # nothing found
+    assert plan_lengths([0.9], [4], [0], [False], prices)[:2] == ([0], [0])  # no room
 
 
 def test_a_pass_run_by_levels_is_kept_even() -> None:
@@ -139,12 +140,30 @@ def test_a_pass_run_by_levels_is_kept_even() -> None:
     pass stays one even pass, not an even pass and another of six rows."""
     prices = priced(per_token_1=0.1, per_token_8=0.05, draft=None, layout="levels")
     rates, caps = [0.7] * 6 + [0.75, 0.75], [4] * 6 + [0, 0]
-    real, pads = plan_lengths(rates, caps, [4] * 8, [False] * 8, prices)
+    real, pads, _ = plan_lengths(rates, caps, [4] * 8, [False] * 8, prices)
     assert real[6:] == [0, 0] and min(pads[6:]) > 0  # nothing to draft: a filler
     counts = [1 + r + p for r, p in zip(real, pads, strict=True)]
     assert len(set(counts)) == 1 and counts[0] > 1  # one even pass
     unpadded = prices.shape_cost([1 + r for r in real])
     assert prices.shape_cost(counts) < unpadded
+
+
+def test_a_short_match_drafts_by_lookup_or_by_model_whichever_pays() -> None:
+    """Eight rows whose texts end in a 2-token match (kept half the time) and a drafter model
+    kept 9 times in 10: where a drafter step costs a good part of a target step, the rows draft
+    their matches; where the drafter is nearly free, the model drafts them."""
+    for draft, by_model in ((0.07, False), (0.001, True)):
+        planner = PricedPlanner(4, True, priced(per_token_8=0.03, draft=draft), 4, first_ngram=3)
+        planner.start(8)
+        planner.by_ngram.kept[2], planner.by_ngram.rejected[2] = 1.0, 1.0
+        planner.by_row.kept, planner.by_row.rejected = [9.0] * 8, [1.0] * 8
+        plan = planner.plan([2] * 8, [4] * 8, [4] * 8, [0] * 8)
+        assert plan.by_model == [by_model] * 8
+        assert min(plan.lengths) > 0
+    # a match of first_ngram tokens or more is always drafted by lookup
+    planner = PricedPlanner(4, True, priced(draft=0.001), 4, first_ngram=3)
+    planner.start(2)
+    assert planner.plan([3, 0], [4, 0], [4, 4], [0, 0]).by_model == [False, True]
 
 
 def test_fillers_keep_greedy_exact(pair, decoder, monkeypatch) -> None:
@@ -164,7 +183,7 @@ def test_fillers_keep_greedy_exact(pair, decoder, monkeypatch) -> None:
     prices = priced(per_token_1=0.05, per_token_8=0.01, draft=None, layout="levels")
     tokens, stats = run_with_prices(pair, prices, model=False)
     assert tokens == plain
-    assert any(sum(pads) for _, pads in planned)  # fillers were drafted
+    assert any(sum(pads) for _, pads, _ in planned)  # fillers were drafted
     assert stats.total.drafted > 0
 
 
@@ -187,7 +206,11 @@ def test_fixed_planner_drafts_what_lookup_found_else_the_budget() -> None:
     planner = FixedPlanner(ConstantLength(4))
     budget = planner.budget(torch.tensor([6, 2, 4]))
     assert budget == [4, 2, 4]
-    assert planner.plan([3, 0, 4], [2, 0, 4], budget, [0, 0, 0]) == ([2, 2, 4], [0, 0, 0])
+    assert planner.plan([3, 0, 4], [2, 0, 4], budget, [0, 0, 0]) == (
+        [2, 2, 4],
+        [0, 0, 0],
+        [False, True, False],
+    )
 
 
 # --- every setting is lossless ----------------------------------------------------------------

@@ -93,7 +93,8 @@ def _lookup_first(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
 
 def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
     """Lookup and the drafter model (if any), each as far as it pays at this machine's prices:
-    matches of 3-4 tokens before a drafter model, of 1-4 with no model."""
+    matches of 3-4 tokens before a drafter model; shorter ones where the plan finds them worth
+    more than the model's drafts (`PricedPlanner`)."""
     if cfg.length_policy != "constant":
         raise ValueError(
             f"drafting {setting!r} plans each round's length from this machine's prices, so it "
@@ -110,8 +111,10 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
             return ModelDrafter(sources.model, cfg.sampling, sources.vocab_size, policy)
 
         model = DeferredModelDrafter(made)
-    lookup = sources.lookup or (LOOKUP_FIRST if model is not None else LOOKUP_ALONE)
-    planner = PricedPlanner(lookup.max_ngram, model is not None, prices, cfg.max_draft_tokens)
+    lookup = sources.lookup or LOOKUP_ALONE
+    planner = PricedPlanner(
+        lookup.max_ngram, model is not None, prices, cfg.max_draft_tokens, LOOKUP_FIRST.min_ngram
+    )
     return MixedDrafter(lookup, model, planner, sources.vocab_size)
 
 

@@ -1,11 +1,12 @@
 """One drafter for lookup and a model together, under a planner (`planners`).
 
 Per row and round: if the text's last n tokens (n >= `lookup.min_ngram`) occurred before, the
-row drafts what followed them, at no model pass; the other rows draft with the model (if there
-is one). The planner says how far each row drafts: `FixedPlanner` as far as the model's length
-policy allows (drafting `lookup-first`), `PricedPlanner` as far as it pays at this machine's
-prices (drafting `auto`). A row's model cache catches up on the committed tokens the next time
-it drafts with the model (`ModelBackend.pending`).
+row may draft what followed them, at no model pass; the other rows draft with the model (if
+there is one). The planner says which rows draft by model and how far each row drafts:
+`FixedPlanner` every match by lookup, as far as the model's length policy allows (drafting
+`lookup-first`), `PricedPlanner` a short match by lookup or by model, whichever plan pays more,
+as far as it pays at this machine's prices (drafting `auto`). A row's model cache catches up
+on the committed tokens the next time it drafts with the model (`ModelBackend.pending`).
 
 Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
 lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
@@ -51,11 +52,13 @@ class MixedDrafter:
             lookup_continuation(texts[b, : lens[b]], budget[b], self.lookup, with_ngram=True)
             for b in range(len(lens))
         ]
-        ngrams = [n for _, n in found]  # 0: no match, the model drafts (if there is one)
+        ngrams = [n for _, n in found]  # 0: no match
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
-        plan, pads = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
-        model_k = [0 if n or self.model is None else k for n, k in zip(ngrams, plan, strict=True)]
-        self.round = (ngrams, plan, model_k)
+        plan, pads, by_model = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
+        by_model = [m and self.model is not None for m in by_model]
+        model_k = [k if m else 0 for m, k in zip(by_model, plan, strict=True)]
+        # what the planner learns from: the match length of a row that drafted by lookup
+        self.round = ([0 if m else n for n, m in zip(ngrams, by_model, strict=True)], plan, model_k)
         device = sequences.device
         use = torch.tensor([k == 0 for k in model_k], device=device)  # [batch] not the model's
         if max(model_k, default=0) > 0:
@@ -64,8 +67,8 @@ class MixedDrafter:
         else:
             draft = Draft.empty(len(lens), device)
         looked = []  # a filler (the row's last token) evens the pass where the plan asks one
-        for b, ((tokens, n), k, pad) in enumerate(zip(found, plan, pads, strict=True)):
-            source = tokens[:k] if n else tokens[:0]
+        for b, ((tokens, _), k, pad, m) in enumerate(zip(found, plan, pads, by_model, strict=True)):
+            source = tokens[:0] if m else tokens[:k]
             if pad:
                 source = torch.cat([source, texts[b, lens[b] - 1 : lens[b]].repeat(pad)])
             looked.append(source)

@@ -37,7 +37,7 @@ greedy decoding and the sampled law stays the target's (the lengths are a stoppi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -63,6 +63,15 @@ class PriceModel(Protocol):
         ...
 
 
+class Plan(NamedTuple):
+    """A round's plan: per row, tokens from its source, filler tokens after them, and whether
+    the source is the drafter model (else the row's lookup match)."""
+
+    lengths: list[int]
+    fillers: list[int]
+    by_model: list[bool]
+
+
 class Planner(Protocol):
     """Says how many tokens each row drafts this round, given what lookup found."""
 
@@ -74,15 +83,17 @@ class Planner(Protocol):
 
     def plan(
         self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
-    ) -> tuple[list[int], list[int]]:
-        """Tokens per row from its source (lookup, or the model), and filler tokens after them:
-        `ngrams[b]` the match length lookup found (0: none, the model's row), `found[b]` how
+    ) -> Plan:
+        """Each row's source (its lookup match, or the model) and tokens from it, and filler
+        tokens after them: `ngrams[b]` the match length lookup found (0: none), `found[b]` how
         many tokens it found (<= budget[b]), `behind[b]` the committed tokens the drafter
         model's cache lacks for the row."""
         ...
 
     def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
-        """`drafted[b]`: the row's tokens from its source this round (fillers not counted)."""
+        """`ngrams[b]`: the match length of a row that drafted by lookup, 0 for the model's
+        rows; `drafted[b]`: the row's tokens from its source this round (fillers not
+        counted)."""
         ...
 
     def select_rows(self, keep: list[int]) -> None: ...
@@ -104,9 +115,9 @@ class FixedPlanner:
 
     def plan(
         self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
-    ) -> tuple[list[int], list[int]]:
+    ) -> Plan:
         lengths = [f if n else b for n, f, b in zip(ngrams, found, budget, strict=True)]
-        return lengths, [0] * len(lengths)
+        return Plan(lengths, [0] * len(lengths), [n == 0 for n in ngrams])
 
     def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
         pass
@@ -176,12 +187,13 @@ def plan_lengths(
     uses_model: list[bool],
     prices: PriceModel,
     catch_up: list[float] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Tokens each row drafts this round from its source, and filler tokens after them (see
-    the module's note): row b's source gives up to `caps[b]` tokens, each kept with
-    probability `rates[b]` while the ones before were; it drafts `budget[b]` tokens at most in
-    all. `uses_model[b]`: its source is the drafter model, whose steps cost; `catch_up[b]`:
-    what its first model token costs besides (its drafter cache's lag).
+) -> tuple[list[int], list[int], float]:
+    """Tokens each row drafts this round from its source, filler tokens after them (see the
+    module's note), and the plan's expected committed tokens per unit of cost: row b's source
+    gives up to `caps[b]` tokens, each kept with probability `rates[b]` while the ones before
+    were; it drafts `budget[b]` tokens at most in all. `uses_model[b]`: its source is the
+    drafter model, whose steps cost; `catch_up[b]`: what its first model token costs besides
+    (its drafter cache's lag).
 
     The drafter's step prices are read once into a table: a plan runs every round, on the
     engine's thread."""
@@ -233,18 +245,30 @@ def plan_lengths(
         if step is None:
             break
         best, best_real = step
-    return best_real, [x - r for x, r in zip(best, best_real, strict=True)]
+    return best_real, [x - r for x, r in zip(best, best_real, strict=True)], best_ratio
 
 
 class PricedPlanner:
-    """Each source as far as it pays at `prices`, at most `max_tokens` a row and round."""
+    """Each source as far as it pays at `prices`, at most `max_tokens` a row and round.
+
+    With a drafter model, a row whose match is shorter than `first_ngram` tokens has two
+    sources: its match (free, right less often) or the model (dear, right more often). Both
+    assignments are planned each round, the model taking such rows or leaving them to their
+    match, and the better plan is kept: at one row on a GPU the model wins them, at eight rows
+    on a CPU, where a drafter step costs half a target step, their matches do."""
 
     def __init__(
-        self, lookup_ngrams: int, has_model: bool, prices: PriceModel, max_tokens: int
+        self,
+        lookup_ngrams: int,
+        has_model: bool,
+        prices: PriceModel,
+        max_tokens: int,
+        first_ngram: int = 1,
     ) -> None:
         if has_model and prices.draft_cost(1) is None:
             raise ValueError("pricing a drafter model's rounds needs its step's price")
         self.has_model, self.prices, self.max_tokens = has_model, prices, max_tokens
+        self.first_ngram = first_ngram
         self.by_ngram = Acceptance(lookup_ngrams + 1)  # lookup acceptance by match length
         self.by_row = Acceptance(0)  # the model's acceptance, per row
 
@@ -256,15 +280,31 @@ class PricedPlanner:
 
     def plan(
         self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
-    ) -> tuple[list[int], list[int]]:
-        rates = [self.by_ngram.rate(n) if n else self.by_row.rate(b) for b, n in enumerate(ngrams)]
-        model_cap = budget if self.has_model else [0] * len(budget)
-        caps = [f if n else c for n, f, c in zip(ngrams, found, model_cap, strict=True)]
-        uses_model = [n == 0 and self.has_model for n in ngrams]
-        catch_up = [
-            self.catch_up(lag) if m else 0.0 for m, lag in zip(uses_model, behind, strict=True)
-        ]
-        return plan_lengths(rates, caps, budget, uses_model, self.prices, catch_up)
+    ) -> Plan:
+        if not self.has_model:
+            choices = [[False] * len(ngrams)]
+        else:  # the model takes the rows with short matches, or only those with none
+            short, unmatched = [n < self.first_ngram for n in ngrams], [n == 0 for n in ngrams]
+            choices = [short] if short == unmatched else [short, unmatched]
+        best: tuple[float, Plan] | None = None
+        for by_model in choices:
+            rates = [
+                self.by_row.rate(b) if m else self.by_ngram.rate(n)
+                for b, (n, m) in enumerate(zip(ngrams, by_model, strict=True))
+            ]
+            caps = [
+                c if m else (f if n else 0)
+                for n, f, c, m in zip(ngrams, found, budget, by_model, strict=True)
+            ]
+            catch_up = [
+                self.catch_up(lag) if m else 0.0 for m, lag in zip(by_model, behind, strict=True)
+            ]
+            prices = self.prices
+            real, fillers, value = plan_lengths(rates, caps, budget, by_model, prices, catch_up)
+            if best is None or value > best[0]:
+                best = value, Plan(real, fillers, by_model)
+        assert best is not None
+        return best[1]
 
     def catch_up(self, lag: int) -> float:
         """Steps the drafter spends feeding a row's `lag` missing tokens before it drafts:
