@@ -17,6 +17,7 @@ from specdecode.bench.llamacpp import LLAMA
 from specdecode.bench.methods import CAUSAL
 from specdecode.cli.main import build_parser, main
 from specdecode.core.config import DEFAULT_DRAFTING, DRAFTINGS, DecodeConfig, PromptLookup
+from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.drafting.factory import Sources, make_drafter
 from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, plan_lengths
 from specdecode.core.engine import decode
@@ -64,7 +65,9 @@ def decoder(pair) -> SpeculativeDecoder:
     return SpeculativeDecoder(target, drafter=drafter)
 
 
-def run_with_prices(pair, prices: Prices, prompts=PROMPTS, model: bool = True):
+def run_with_prices(
+    pair, prices: Prices, prompts=PROMPTS, model: bool = True, corpus: CorpusIndex | None = None
+):
     """Greedy drafting `auto` on the tiny pair at the given prices -> (new tokens, stats)."""
     target, drafter = pair
     cfg = DecodeConfig(**GREEDY)
@@ -76,6 +79,7 @@ def run_with_prices(pair, prices: Prices, prompts=PROMPTS, model: bool = True):
         device=torch.device("cpu"),
         head=lambda: None,
         prices=lambda: prices,
+        corpus=corpus,
     )
     drafting = make_drafter("auto", cfg, sources)
     stats = DecodeStats([RowStats() for _ in prompts])
@@ -166,6 +170,46 @@ def test_a_short_match_drafts_by_lookup_or_by_model_whichever_pays() -> None:
     assert planner.plan([3, 0], [4, 0], [4, 4], [0, 0]).by_model == [False, True]
 
 
+def test_corpus_drafts_keep_greedy_exact_and_are_drafted(pair, decoder) -> None:
+    """A corpus holding the very texts plain decoding gives drafts them (more tokens kept than
+    without it), and one of unrelated texts drafts wrong: greedy output is plain's either way."""
+    plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
+    prices = priced(per_token_1=0.05, per_token_8=0.02, draft=None)
+    _, alone = run_with_prices(pair, prices, model=False)
+    right = CorpusIndex.build([p + t for p, t in zip(PROMPTS, plain, strict=True)] * 2)
+    tokens, stats = run_with_prices(pair, prices, model=False, corpus=right)
+    assert tokens == plain
+    assert stats.total.accepted > alone.total.accepted
+    g = torch.Generator().manual_seed(0)
+    wrong = CorpusIndex.build([torch.randint(0, 32, (200,), generator=g).tolist()] * 2)
+    tokens, stats = run_with_prices(pair, prices, model=False, corpus=wrong)
+    assert tokens == plain
+
+
+def test_a_corpus_draft_competes_with_the_model() -> None:
+    """A corpus draft's key is no long match: where the drafter is nearly free and right far
+    more often, the model drafts the row instead."""
+    planner = PricedPlanner(
+        4, True, priced(draft=0.001), 4, first_ngram=3, corpus_priors=(0.8, 0.6, 0.3)
+    )
+    planner.start(1)
+    key = 4 + 1 + 2  # a corpus draft of the least clear band
+    planner.by_ngram.kept[key], planner.by_ngram.rejected[key] = 1.0, 3.0
+    planner.by_row.kept, planner.by_row.rejected = [9.0], [1.0]
+    assert planner.plan([key], [4], [4], [0]).by_model == [True]
+
+
+def test_a_corpus_band_starts_from_its_own_prior() -> None:
+    """Before any draft is judged, a corpus draft whose choice was clear in the corpus drafts
+    where one whose choice was not does not."""
+    prices = priced(per_token_1=0.4, draft=None)
+    planner = PricedPlanner(4, False, prices, 4, corpus_priors=(0.8, 0.6, 0.3))
+    planner.start(1)
+    clear, unclear = 4 + 1, 4 + 3
+    assert planner.plan([clear], [2], [4], [0]).lengths[0] > 0
+    assert planner.plan([unclear], [2], [4], [0]).lengths == [0]
+
+
 def test_fillers_keep_greedy_exact(pair, decoder, monkeypatch) -> None:
     """Rounds with filler tokens (prices where an even pass is cheap and a ragged one dear)
     give what plain decoding gives."""
@@ -195,6 +239,21 @@ def test_priced_planner_learns_a_source_that_fails() -> None:
     for _ in range(6):
         planner.observe([0], [max(first, 1)], [0])
     assert planner.plan([0], [0], [8], [1])[0][0] < first
+
+
+def test_a_failing_match_length_stays_off_for_many_rounds() -> None:
+    """One-token matches whose drafts fail are not drafted again after twenty rounds of other
+    matches: a match length's acceptance is the texts', so it drifts back to the prior slowly
+    (as fast as a model row's, it was tried again every third round), while a match length
+    never tried still drafts at its prior."""
+    planner = PricedPlanner(4, False, priced(per_token_1=0.3, draft=None), max_tokens=4)
+    planner.start(1)
+    for _ in range(8):
+        planner.observe([1], [2], [0])
+    for _ in range(20):
+        planner.observe([4], [0], [0])
+    assert planner.plan([1], [4], [4], [0]).lengths == [0]
+    assert planner.plan([4], [4], [4], [0]).lengths[0] > 0
 
 
 def test_a_model_needs_a_priced_step() -> None:

@@ -282,6 +282,7 @@ EARLY_BAD_INPUTS = {
     "head-on-llama": (["--backend", "llama.cpp", "--length-policy", "head"], "PyTorch backends"),
     "llama-dtype": (["--backend", "llama.cpp", "--dtype", "float16"], "options of the torch"),
     "missing-head": (["--length-policy", "head", "--head", "{root}/no-head"], "no acceptance head"),
+    "missing-corpus": (["--corpus", "{root}/no-corpus"], "no corpus .*no-corpus"),
     "empty-prompt": (["--prompt", ""], "prompt 0 is empty"),
     "missing-prompt-file": (["--prompts", "{root}/missing.jsonl"], "nor an existing .jsonl"),
     "empty-prompt-file": (["--prompts", "{root}/empty.jsonl"], r"empty\.jsonl: no prompts in"),

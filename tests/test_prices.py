@@ -241,15 +241,30 @@ def test_a_row_count_dearer_than_priced_is_rescaled_alone() -> None:
     assert watch.prices.passes[:2] == TABLE.passes[:2]
 
 
-def test_the_decoder_drops_a_disagreeing_cache_entry(saved_pair, tmp_path, monkeypatch) -> None:
+def test_the_decoder_drops_a_disagreeing_cache_entry(
+    saved_pair, tmp_path, monkeypatch, caplog
+) -> None:
     monkeypatch.setenv(pricing.PRICES_ENV, str(tmp_path))
     counting(monkeypatch)
-    known = saved_pair.prices()
+    known = saved_pair.prices(2)  # timed at 1 and 2 rows
     (entry,) = tmp_path.glob("*.json")
     slow = 2.0 * known.pass_cost(1, 4) * known.step_seconds
-    changed = [saved_pair.observe_round([4], [], slow) for _ in range(8)]
+    with caplog.at_level("WARNING", logger="specdecode"):
+        changed = [saved_pair.observe_round([4], [], slow) for _ in range(8)]
     assert changed[-1] and not any(changed[:-1])
-    assert not entry.exists()  # the next load times afresh
+    # one row's rounds rescale the step's seconds alone: no price in steps moved, so no plan,
+    # and the entry stands
+    assert entry.exists()
+    # said where it happens: a server's log shows which rounds strayed, and by how much
+    (said,) = [r.getMessage() for r in caplog.records if "prices rescaled" in r.getMessage()]
+    assert "1 row(s) took 2.00x" in said and "dropped" not in said
+    rows = known.rows[-1]
+    slow = (
+        2.0 * saved_pair.known_prices.shape_cost([4] * rows) * saved_pair.known_prices.step_seconds
+    )
+    changed = [saved_pair.observe_round([4] * rows, [], slow) for _ in range(8)]
+    assert changed[-1]
+    assert not entry.exists()  # passes of many rows dearer in steps: the next load times afresh
     assert saved_pair.prices().step_seconds == pytest.approx(2 * known.step_seconds)
 
 

@@ -17,6 +17,8 @@ autoregressive decoding on the same engine, the baseline of every speedup.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +43,7 @@ from specdecode.core.config import (
     SamplingConfig,
 )
 from specdecode.core.drafting.base import Drafter
+from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.drafting.factory import Sources, make_drafter
 from specdecode.core.engine import DecodeLoop, StepEvent, decode
 from specdecode.core.prices import Prices, PriceWatch
@@ -49,6 +52,7 @@ from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
 from specdecode.models.tokenizer import render_chat
 
+log = logging.getLogger("specdecode")
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 RENAMED_ARGUMENTS = {  # decoding arguments that were renamed: what to write instead
     "lookup_first": ": drafting is one setting now, write drafting='lookup-first' (and "
@@ -207,6 +211,7 @@ class SpeculativeDecoder:
         self._price_entry: tuple[dict, Path] | None = None  # the cache key and root they came by
         self.vocab_size = self._target_lm.vocab_size
         self.context = self._target_lm.context_length
+        self.corpus: CorpusIndex | None = None  # drafting auto's corpus (`use_corpus`)
 
     @property
     def target_backend(self) -> ModelBackend:
@@ -429,6 +434,30 @@ class SpeculativeDecoder:
         would time a minute afresh. They are not stored anew."""
         self._prices, self._price_watch, self._price_entry = prices, None, None
 
+    def use_corpus(self, corpus: str | CorpusIndex | None, cache_dir: str | Path | None = None):
+        """Draft from a corpus where a row's own text has no match (drafting `auto`): "stdlib"
+        (this Python's standard library, for code), a text file or a folder of them, an index
+        built already, or None (no corpus). A named corpus is tokenized and indexed once, then
+        read from the cache (`<cache>/corpora`)."""
+        if corpus is None or isinstance(corpus, CorpusIndex):
+            self.corpus = corpus
+            return
+        from specdecode.core.drafting.corpus import corpus_files, corpus_index
+        from specdecode.models.packages import cache_root
+
+        corpus_files(corpus)  # a wrong name or path is refused before the tokenizer runs
+        if self.tokenizer is None:
+            raise ValueError(
+                "a named corpus is tokenized with the target's tokenizer: none is loaded"
+            )
+        vocab = sorted(self.tokenizer.get_vocab().items())
+        tokenizer_id = hashlib.sha256(repr(vocab).encode()).hexdigest()
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+        self.corpus = corpus_index(corpus, encode, tokenizer_id, cache_root(cache_dir) / "corpora")
+
     def _live_prices(self, rows: int) -> LivePrices:
         """This decoder's prices as they stand at each reading: a plan made after the watch
         rescaled them (`observe_round`) reads the rescaled ones."""
@@ -440,8 +469,9 @@ class SpeculativeDecoder:
     ) -> bool:
         """Feed one timed round (a target pass whose rows hold `counts[b]` tokens, the drafter
         steps' row counts, its seconds) to the prices' watch (`prices.PriceWatch`).
-        Where the rounds stray from the prices, this decoder goes on with rescaled prices and
-        the cached entry is dropped, so the next load times afresh. True when they changed."""
+        Where the rounds stray from the prices, this decoder goes on with rescaled prices and,
+        where a price in steps changed, the cached entry is dropped, so the next load times
+        afresh. True when they changed."""
         if self._prices is None or self._prices.step_seconds is None:
             return False
         if getattr(self._target_lm, "moving_pages", False):  # slower for now, not mispriced
@@ -453,7 +483,18 @@ class SpeculativeDecoder:
         from specdecode.core.prices import forget_prices
 
         self._prices = self._price_watch.prices
-        if self._price_entry is not None:
+        rows, factor = self._price_watch.last_change or (0, 1.0)
+        # the unit's row count rescales the seconds of a step and no price in steps, so no
+        # plan: the cached entry stands (a step runs faster once the weights sit on 2 MiB
+        # pages, which a timing before the move did not see)
+        drop = self._price_entry is not None and rows != self._prices.rows[0]
+        log.warning(
+            "prices rescaled: rounds of about %d row(s) took %.2fx their timed price%s",
+            rows,
+            factor,
+            "; the cached entry is dropped, the next load times afresh" if drop else "",
+        )
+        if drop:
             forget_prices(*self._price_entry)
         return True
 
@@ -600,6 +641,7 @@ class SpeculativeDecoder:
             head=lambda: self._checked_head(cfg, rule),
             prices=lambda: cfg.prices or self._live_prices(drafting_rows),
             rows=drafting_rows,
+            corpus=self.corpus,
         )
         return make_drafter(cfg.drafting, cfg, sources)
 

@@ -13,9 +13,11 @@ import os
 from typing import Any
 
 from specdecode.core.config import (
+    DEFAULT_CORPUS,
     DEFAULT_DRAFTING,
     DEFAULT_MAX_NEW_TOKENS,
     DRAFTINGS,
+    NO_CORPUS,
     POLICIES,
     PROMPT_LOOKUP,
     RETIRED_POLICIES,
@@ -68,6 +70,25 @@ def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
         const="lookup-first",
         help="the same as --drafting lookup-first",
     )
+
+    parser.add_argument(
+        "--corpus",
+        default=DEFAULT_CORPUS,
+        help="drafting auto also drafts from a corpus where a row's own text has no match: "
+        "stdlib (this Python's standard library sources: for serving code), a text file or a "
+        f"folder of them (indexed once, then cached), or {NO_CORPUS} (default: "
+        f"{DEFAULT_CORPUS}: a code corpus's drafts cost more than they keep on chat)",
+    )
+
+
+def checked_corpus(args: argparse.Namespace) -> str | None:
+    """The corpus drafting auto reads (None: none), its files found before any model loads."""
+    if args.corpus == NO_CORPUS or args.drafting != "auto" or getattr(args, "no_draft", False):
+        return None
+    from specdecode.core.drafting.corpus import corpus_files
+
+    corpus_files(args.corpus)
+    return args.corpus
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:

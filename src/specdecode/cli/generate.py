@@ -23,6 +23,7 @@ from specdecode.cli.common import (
     add_model_arguments,
     check_decoding_arguments,
     check_device,
+    checked_corpus,
     decoding_backend,
     read_prompts,
     set_threads,
@@ -140,6 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     backend, prompts, settings = checked_arguments(args)
     check_device(args.device)
     set_threads(args.threads)
+    corpus = checked_corpus(args)
     tokenizer = fitted_tokenizer(args, backend, prompts, args.max_new_tokens)
     from specdecode.api import TORCH_BACKENDS, SpeculativeDecoder
     from specdecode.backends.kernels import int8_draft_wanted
@@ -164,6 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # each batch of prompts runs at most one target pass per new token
         passes=args.max_new_tokens * -(-len(prompts) // args.batch_size),
     )
+    decoder.use_corpus(corpus)
     if args.retime_prices or (args.drafting == "auto" and not args.no_draft):
         known = decoder.prices(retime=args.retime_prices)  # cached, or timed and kept
         if not args.json:

@@ -10,6 +10,7 @@ from pathlib import Path
 from specdecode.cli.common import (
     add_drafting_arguments,
     add_model_arguments,
+    checked_corpus,
     length_policy_option,
 )
 from specdecode.core.config import HEAD_POLICIES, POLICIES
@@ -30,6 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"the server needs the serve extra ({error.name} is missing): "
             "pip install 'specdecode[serve]'"
         ) from None
+    corpus = checked_corpus(args)
     # lookup drafts with no model: none is loaded for it
     draft = None if args.no_draft or args.drafting == "lookup" else args.draft
     config = ServeConfig(
@@ -72,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             context=config.context if on_llamacpp else None,
             prefix_cache_mib=args.prefix_cache_mib if on_llamacpp else 0,
         )
+        decoder.use_corpus(corpus)
         if config.context and config.context > decoder.context:
             print(
                 f"[serve] --context {config.context} is over the model's {decoder.context} "

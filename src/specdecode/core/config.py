@@ -75,6 +75,12 @@ LOOKUP_ALONE = PromptLookup(max_ngram=4, min_ngram=1)  # priced lookup: every ma
 # each priced by its own acceptance, shorter ones than LOOKUP_FIRST's against the drafter
 # model's drafts where there is one (`drafting.planners.PricedPlanner`)
 
+# Where drafting auto drafts from a corpus (`drafting.corpus`): "stdlib" (this Python's standard
+# library sources: code every machine holds), a text file or folder, or "none". None by
+# default: on chat a code corpus's drafts cost more than they keep (`docs/findings.md` 20)
+NO_CORPUS = "none"
+DEFAULT_CORPUS = NO_CORPUS
+
 # How tokens are drafted, one setting apart from how many (the length policy); built by
 # `drafting.factory.make_drafter`, which alone maps these names to drafters.
 DRAFTINGS = {

@@ -524,6 +524,7 @@ class PriceWatch:
         self.prices, self.least, self.tolerance = prices, least, tolerance
         self.ratios = [deque(maxlen=window) for _ in prices.rows]
         self.changed = False
+        self.last_change: tuple[int, float] | None = None  # (row count, factor) rescaled last
 
     def predicted_seconds(self, counts: Sequence[int], draft_rows: Sequence[int] = ()) -> float:
         p = self.prices
@@ -549,6 +550,7 @@ class PriceWatch:
         # rescaled by the latest rounds': the window's median, over a change, is a mixture
         latest = statistics.median(list(seen)[-self.least :])
         self.prices = self.prices.scaled(index, latest)
+        self.last_change = self.prices.rows[index], latest
         for other in self.ratios if index == 0 else [seen]:  # judged against the old prices
             other.clear()
         self.changed = True

@@ -23,6 +23,7 @@ from specdecode.core.config import (
     PromptLookup,
 )
 from specdecode.core.drafting.base import Drafter
+from specdecode.core.drafting.corpus import BAND_PRIORS, CorpusIndex
 from specdecode.core.drafting.lookup import PromptLookupDrafter
 from specdecode.core.drafting.mixed import MixedDrafter
 from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
@@ -49,6 +50,7 @@ class Sources:
     prices: Callable[[], PriceModel]  # this machine's prices, for drafting auto
     has_model: bool = True  # whether there is a drafter model to load
     rows: int = 1  # the most rows a batch of this drafter holds
+    corpus: CorpusIndex | None = None  # drafts where the row's own text has none (auto only)
 
     @property
     def model(self) -> ModelBackend | None:
@@ -92,9 +94,10 @@ def _lookup_first(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
 
 
 def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
-    """Lookup and the drafter model (if any), each as far as it pays at this machine's prices:
-    matches of 3-4 tokens before a drafter model; shorter ones where the plan finds them worth
-    more than the model's drafts (`PricedPlanner`)."""
+    """Lookup, the corpus (if any) and the drafter model (if any), each as far as it pays at
+    this machine's prices: matches of 3-4 tokens before a drafter model (of 1-4 with none), and
+    the corpus's drafts where the plan finds them worth more than the model's
+    (`PricedPlanner`)."""
     if cfg.length_policy != "constant":
         raise ValueError(
             f"drafting {setting!r} plans each round's length from this machine's prices, so it "
@@ -111,11 +114,16 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
             return ModelDrafter(sources.model, cfg.sampling, sources.vocab_size, policy)
 
         model = DeferredModelDrafter(made)
-    lookup = sources.lookup or LOOKUP_ALONE
+    lookup = sources.lookup or (LOOKUP_FIRST if model is not None else LOOKUP_ALONE)
     planner = PricedPlanner(
-        lookup.max_ngram, model is not None, prices, cfg.max_draft_tokens, LOOKUP_FIRST.min_ngram
+        lookup.max_ngram,
+        model is not None,
+        prices,
+        cfg.max_draft_tokens,
+        LOOKUP_FIRST.min_ngram,
+        corpus_priors=BAND_PRIORS if sources.corpus is not None else (),
     )
-    return MixedDrafter(lookup, model, planner, sources.vocab_size)
+    return MixedDrafter(lookup, model, planner, sources.vocab_size, sources.corpus)
 
 
 BUILDERS: dict[str, Callable[[str, DecodeConfig, Sources], Drafter]] = {

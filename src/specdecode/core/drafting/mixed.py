@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.core.config import PromptLookup
+from specdecode.core.config import LOOKUP_FIRST, PromptLookup
 from specdecode.core.drafting.base import Draft
+from specdecode.core.drafting.corpus import ORDERS, CorpusIndex
 from specdecode.core.drafting.lookup import lookup_continuation, lookup_law
 from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import Planner
@@ -33,9 +34,10 @@ class MixedDrafter:
         model: ModelDrafter | DeferredModelDrafter | None,
         planner: Planner,
         vocab_size: int,
+        corpus: CorpusIndex | None = None,
     ) -> None:
         self.lookup, self.model, self.planner = lookup, model, planner
-        self.vocab_size = vocab_size
+        self.vocab_size, self.corpus = vocab_size, corpus
         # (match length or 0, tokens from the source, tokens from the model) per row
         self.round: tuple[list[int], list[int], list[int]] | None = None
 
@@ -52,6 +54,10 @@ class MixedDrafter:
             lookup_continuation(texts[b, : lens[b]], budget[b], self.lookup, with_ngram=True)
             for b in range(len(lens))
         ]
+        if self.corpus is not None:
+            found = [
+                self._corpus_draft(texts[b, : lens[b]], f, budget[b]) for b, f in enumerate(found)
+            ]
         ngrams = [n for _, n in found]  # 0: no match
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
         plan, pads, by_model = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
@@ -73,6 +79,19 @@ class MixedDrafter:
                 source = torch.cat([source, texts[b, lens[b] - 1 : lens[b]].repeat(pad)])
             looked.append(source)
         return merge_lookup(draft, looked, use)
+
+    def _corpus_draft(
+        self, text: torch.Tensor, found: tuple[torch.Tensor, int], limit: int
+    ) -> tuple[torch.Tensor, int]:
+        """The corpus's draft where the row's own text has no match, or only a short one and
+        the corpus's choice is clear; its key is `corpus_key` of its share band."""
+        n = found[1]
+        if n >= LOOKUP_FIRST.min_ngram or limit < 1:
+            return found
+        drafted, band = self.corpus.continuation(text[-ORDERS:].tolist(), limit)
+        if not drafted or (n and band > 0):
+            return found
+        return torch.tensor(drafted, dtype=torch.long), corpus_key(self.lookup, band)
 
     def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
         if self.model is None:
@@ -104,6 +123,11 @@ class MixedDrafter:
         self.round = None
         if self.model is not None:
             self.model.add_rows(prompts)
+
+
+def corpus_key(lookup: PromptLookup, band: int) -> int:
+    """The acceptance key of a corpus draft of share band `band`: past the match lengths."""
+    return lookup.max_ngram + 1 + band
 
 
 def merge_lookup(draft: Draft, looked: list[torch.Tensor], use: torch.Tensor) -> Draft:
