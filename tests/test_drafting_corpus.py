@@ -138,3 +138,23 @@ def test_a_missing_corpus_is_refused_before_anything_loads(command, tmp_path, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"specdecode {command}: error: no corpus" in err and "Traceback" not in err
+
+
+def test_a_decoder_indexes_a_named_corpus_with_its_tokenizer(
+    tiny_llama, word_tokenizer, tmp_path
+) -> None:
+    from specdecode import SpeculativeDecoder
+
+    tokenizer = word_tokenizer()
+    decoder = SpeculativeDecoder(tiny_llama(seed=0), tokenizer)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("t5 t6 t7 t8 t5 t6 t7 t9")
+    decoder.use_corpus(str(docs), cache_dir=tmp_path / "cache")
+    context = tokenizer("t5 t6", add_special_tokens=False)["input_ids"]
+    assert decoder.corpus.next_token(context) == (tokenizer.convert_tokens_to_ids("t7"), 1.0)
+    assert list((tmp_path / "cache" / "corpora").glob("corpus-*.npz"))
+    with pytest.raises(ValueError, match="no corpus"):
+        decoder.use_corpus(str(tmp_path / "missing"))
+    decoder.use_corpus(None)
+    assert decoder.corpus is None

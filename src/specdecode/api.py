@@ -434,7 +434,9 @@ class SpeculativeDecoder:
         would time a minute afresh. They are not stored anew."""
         self._prices, self._price_watch, self._price_entry = prices, None, None
 
-    def use_corpus(self, corpus: str | CorpusIndex | None, cache_dir: str | Path | None = None):
+    def use_corpus(
+        self, corpus: str | CorpusIndex | None, cache_dir: str | Path | None = None
+    ) -> None:
         """Draft from a corpus where a row's own text has no match (drafting `auto`): "stdlib"
         (this Python's standard library, for code), a text file or a folder of them, an index
         built already, or None (no corpus). A named corpus is tokenized and indexed once, then

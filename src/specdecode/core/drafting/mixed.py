@@ -1,12 +1,14 @@
 """One drafter for lookup and a model together, under a planner (`planners`).
 
 Per row and round: if the text's last n tokens (n >= `lookup.min_ngram`) occurred before, the
-row may draft what followed them, at no model pass; the other rows draft with the model (if
+row may draft what followed them, at no model pass; where they did not, a corpus (if given,
+`corpus.CorpusIndex`) may know what follows them; the other rows draft with the model (if
 there is one). The planner says which rows draft by model and how far each row drafts:
 `FixedPlanner` every match by lookup, as far as the model's length policy allows (drafting
-`lookup-first`), `PricedPlanner` a short match by lookup or by model, whichever plan pays more,
-as far as it pays at this machine's prices (drafting `auto`). A row's model cache catches up
-on the committed tokens the next time it drafts with the model (`ModelBackend.pending`).
+`lookup-first`), `PricedPlanner` a corpus draft by the corpus or by the model, whichever plan
+pays more, as far as it pays at this machine's prices (drafting `auto`). A row's model cache
+catches up on the committed tokens the next time it drafts with the model
+(`ModelBackend.pending`).
 
 Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
 lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
@@ -83,8 +85,9 @@ class MixedDrafter:
     def _corpus_draft(
         self, text: torch.Tensor, found: tuple[torch.Tensor, int], limit: int
     ) -> tuple[torch.Tensor, int]:
-        """The corpus's draft where the row's own text has no match, or only a short one and
-        the corpus's choice is clear; its key is `corpus_key` of its share band."""
+        """The corpus's draft where the row's own text has no match, or only one of 1-2 tokens
+        (lookup with no drafter model) and the corpus's choice is clear; its key is
+        `corpus_key` of its share band."""
         n = found[1]
         if n >= LOOKUP_FIRST.min_ngram or limit < 1:
             return found
