@@ -283,6 +283,7 @@ EARLY_BAD_INPUTS = {
     "llama-dtype": (["--backend", "llama.cpp", "--dtype", "float16"], "options of the torch"),
     "missing-head": (["--length-policy", "head", "--head", "{root}/no-head"], "no acceptance head"),
     "missing-corpus": (["--corpus", "{root}/no-corpus"], "no corpus .*no-corpus"),
+    "corpus-not-auto": (["--drafting", "model", "--corpus", "stdlib"], "--corpus drafts under"),
     "empty-prompt": (["--prompt", ""], "prompt 0 is empty"),
     "missing-prompt-file": (["--prompts", "{root}/missing.jsonl"], "nor an existing .jsonl"),
     "empty-prompt-file": (["--prompts", "{root}/empty.jsonl"], r"empty\.jsonl: no prompts in"),

@@ -83,8 +83,14 @@ def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
 
 def checked_corpus(args: argparse.Namespace) -> str | None:
     """The corpus drafting auto reads (None: none), its files found before any model loads."""
-    if args.corpus == NO_CORPUS or args.drafting != "auto" or getattr(args, "no_draft", False):
+    if args.corpus == NO_CORPUS:
         return None
+    if args.drafting != "auto" or getattr(args, "no_draft", False):
+        how = "--no-draft" if getattr(args, "no_draft", False) else f"--drafting {args.drafting}"
+        raise ValueError(
+            f"--corpus drafts under drafting auto (the default) only, and {how} does not read "
+            "it: leave --corpus out, or use drafting auto"
+        )
     from specdecode.core.drafting.corpus import corpus_files
 
     corpus_files(args.corpus)

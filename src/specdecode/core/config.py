@@ -71,9 +71,8 @@ class PromptLookup:
 LOOKUP_FIRST = PromptLookup(max_ngram=4, min_ngram=3)  # lookup before a drafter model: only
 # matches of 3 tokens or more, whose drafts the default pair's greedy HumanEval outputs accept
 # 2.7 of 4 at a time, against 2.4 with 2-gram matches allowed (`drafting.mixed.MixedDrafter`)
-LOOKUP_ALONE = PromptLookup(max_ngram=4, min_ngram=1)  # priced lookup: every match length,
-# each priced by its own acceptance, shorter ones than LOOKUP_FIRST's against the drafter
-# model's drafts where there is one (`drafting.planners.PricedPlanner`)
+LOOKUP_ALONE = PromptLookup(max_ngram=4, min_ngram=1)  # priced lookup with no drafter model:
+# every match length, each priced by its own acceptance (`drafting.planners.PricedPlanner`)
 
 # Where drafting auto drafts from a corpus (`drafting.corpus`): "stdlib" (this Python's standard
 # library sources: code every machine holds), a text file or folder, or "none". None by
