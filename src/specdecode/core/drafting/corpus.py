@@ -173,7 +173,12 @@ def corpus_files(spec: str) -> list[Path]:
     """The files a corpus setting names: `STDLIB`, a file, or a folder (its files, hidden ones
     left out). Refused at once where there are none, before any model loads."""
     if spec == STDLIB:
-        return stdlib_sources()
+        if sources := stdlib_sources():
+            return sources
+        raise ValueError(
+            "this Python's standard library has no .py sources to index (a zipped or stripped "
+            "install): give a corpus file or folder with --corpus PATH"
+        )
     path = Path(spec).expanduser()
     if path.is_file():
         return [path]
