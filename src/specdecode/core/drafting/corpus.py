@@ -50,7 +50,7 @@ def _context_keys(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0, np.uint64), np.zeros(0, np.int64)
     keys = np.zeros(length, np.uint64)  # [length]
     crossing = tokens[n:] < 0  # [length]
-    with np.errstate(over="ignore"):  # the hash wraps at 64 bits, as `_key` masks
+    with np.errstate(over="ignore"):  # the hash wraps at 64 bits, as `_suffix_keys` masks
         for j in range(n):
             window = tokens[j : j + length]
             keys = keys * np.uint64(MULTIPLIER) + (window + 1).astype(np.uint64)
@@ -58,11 +58,16 @@ def _context_keys(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return keys[~crossing], tokens[n:][~crossing]
 
 
-def _key(context: Sequence[int]) -> int:
-    key = 0
-    for token in context:
-        key = (key * MULTIPLIER + token + 1) & MASK
-    return key
+def _suffix_keys(context: Sequence[int]) -> list[int]:
+    """[n - 1] the hash of the context's last n tokens, for n = 1..ORDERS: the hash weighs the
+    token i places from the end by MULTIPLIER**i (`_context_keys` builds it left to right), so
+    each suffix's hash is the shorter one's plus one term."""
+    keys, key, power = [], 0, 1
+    for token in reversed(context[-ORDERS:]):
+        key = (key + (token + 1) * power) & MASK
+        power = (power * MULTIPLIER) & MASK
+        keys.append(key)
+    return keys
 
 
 class CorpusIndex:
@@ -115,11 +120,12 @@ class CorpusIndex:
     def next_token(self, context: Sequence[int]) -> tuple[int, float] | None:
         """The most frequent next token after the longest known context that ends `context`,
         with its share; None where not even its last token is known."""
+        suffixes = _suffix_keys(context)
         for n in self.orders:
-            if n > len(context):
+            if n > len(suffixes):
                 continue
             keys, after, share = self.tables[n]
-            key = np.uint64(_key(context[-n:]))
+            key = np.uint64(suffixes[n - 1])
             i = int(np.searchsorted(keys, key))
             if i < keys.size and keys[i] == key:
                 return int(after[i]), float(share[i])

@@ -312,6 +312,8 @@ class PricedPlanner:
             short = [n not in self.long_matches for n in ngrams]
             unmatched = [n == 0 for n in ngrams]
             choices = [short] if short == unmatched else [short, unmatched]
+        # what a row's first model token costs besides, were the model to draft it
+        lags = [self.catch_up(lag) for lag in behind] if self.has_model else [0.0] * len(behind)
         best: tuple[float, Plan] | None = None
         for by_model in choices:
             rates = [
@@ -322,9 +324,7 @@ class PricedPlanner:
                 c if m else (f if n else 0)
                 for n, f, c, m in zip(ngrams, found, budget, by_model, strict=True)
             ]
-            catch_up = [
-                self.catch_up(lag) if m else 0.0 for m, lag in zip(by_model, behind, strict=True)
-            ]
+            catch_up = [c if m else 0.0 for m, c in zip(by_model, lags, strict=True)]
             prices = self.prices
             real, fillers, value = plan_lengths(rates, caps, budget, by_model, prices, catch_up)
             if best is None or value > best[0]:
