@@ -15,8 +15,9 @@
 #                      server
 #   servers.json       each server's command and its peak RSS over the run (resumed parts too)
 # Every server gets 8 rows of 2048 tokens and 2 threads; ours drafts from the standard library
-# corpus too (--corpus stdlib: the prompts are code; records before 2026-11-26 12:30 without). A step whose record exists is skipped,
-# so a run cut short goes on where it stopped. About two hours on a 2-core machine; run it on
+# corpus too (its default since 2026-11-26 15:30; from 12:30 that day --corpus stdlib, before
+# then without). A step whose record exists is skipped, so a run cut short goes on where it
+# stopped. About two hours on a 2-core machine; run it on
 # a quiet machine (llama.cpp's threads spin, and a busy core slows them far more than its share).
 #
 # Needs: the serve extra; llama-server built from the llama.cpp that llama-cpp-python vendors
@@ -37,7 +38,7 @@ print(gguf_file('qwen2.5-coder-1.5b', progress=False), gguf_file('qwen2.5-coder-
 declare -A port=([ours]=8180 [ours-plain]=8181 [llama-server]=8182 [llama-server-draft]=8183
   [llama-cpp-python]=8184)
 declare -A cmd=(
-  [ours]="specdecode serve --port 8180 --max-batch 8 --context 2048 --threads 2 --corpus stdlib"
+  [ours]="specdecode serve --port 8180 --max-batch 8 --context 2048 --threads 2"
   [ours-plain]="specdecode serve --port 8181 --max-batch 8 --context 2048 --threads 2 --no-draft"
   [llama-server]="$LLAMA_SERVER -m $target -t 2 -tb 2 -np 8 -c 16384 --port 8182"
   [llama-server-draft]="$LLAMA_SERVER -m $target -md $draft --spec-type draft-simple \

@@ -210,6 +210,39 @@ def test_a_corpus_band_starts_from_its_own_prior() -> None:
     assert planner.plan([unclear], [2], [4], [0]).lengths == [0]
 
 
+def test_a_row_whose_prompt_the_corpus_missed_does_not_ask_it() -> None:
+    """At one row, where a drafted token costs 0.4 of a step: a row whose prompt the corpus
+    knew (its choices right 8 times in 10) drafts the corpus's clear guess, one whose prompt it
+    missed (1 in 10) does not. A row's own refused drafts turn it off too, and the next row
+    starts from the band's rate over the rows before it, which its own prompt can outweigh."""
+    clear = 4 + 1
+
+    def planner_for(evidence: list[tuple[int, int]] | None) -> PricedPlanner:
+        planner = PricedPlanner(
+            4, False, priced(per_token_1=0.4, draft=None), 4, corpus_priors=(0.8, 0.6, 0.3)
+        )
+        planner.start(1)
+        if evidence is not None:
+            planner.prime(0, evidence + [(0, 0), (0, 0)])
+        return planner
+
+    def drafts(planner: PricedPlanner) -> bool:
+        return planner.plan([clear], [2], [4], [0]).lengths[0] > 0
+
+    assert drafts(planner_for([(10, 8)]))
+    assert not drafts(planner_for([(10, 1)]))
+    planner = planner_for(None)
+    assert drafts(planner)  # no evidence: the band's prior
+    for _ in range(10):
+        planner.observe([clear], [1], [0])
+    assert not drafts(planner)
+    planner.add_rows(1)
+    planner.select_rows([1])  # a new row: the band's rate over the rows before, now low
+    assert not drafts(planner)
+    planner.prime(0, [(20, 19), (0, 0), (0, 0)])
+    assert drafts(planner)
+
+
 def test_fillers_keep_greedy_exact(pair, decoder, monkeypatch) -> None:
     """Rounds with filler tokens (prices where an even pass is cheap and a ragged one dear)
     give what plain decoding gives."""

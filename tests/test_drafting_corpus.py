@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.core.config import LOOKUP_ALONE
+from specdecode.cli.common import checked_corpus
+from specdecode.core.config import DEFAULT_CORPUS, LOOKUP_ALONE
+from specdecode.core.drafting import corpus as corpus_module
 from specdecode.core.drafting.corpus import (
     CHAIN_SHARE,
     ORDERS,
@@ -67,6 +70,24 @@ def test_lookups_match_counting_by_hand(documents, context) -> None:
     else:
         assert found is not None and found[0] == expected[0]
         assert found[1] == pytest.approx(expected[1], rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=4),
+    st.lists(st.integers(0, 4), min_size=0, max_size=40),
+)
+def test_evidence_counts_the_choices_a_text_would_have_met(documents, text) -> None:
+    """Per share band, the positions of a text where the index had a choice and how many of
+    those choices were the text's next token: the same as asking `next_token` at each."""
+    index = CorpusIndex.build(documents)
+    counts = [[0, 0] for _ in range(3)]
+    for p in range(1, len(text)):
+        found = index.next_token(text[:p])
+        if found is not None:
+            counts[share_band(found[1])][0] += 1
+            counts[share_band(found[1])][1] += found[0] == text[p]
+    assert index.evidence(text) == [tuple(c) for c in counts]
 
 
 def test_a_draft_chains_clear_choices_and_reports_its_first_band() -> None:
@@ -158,3 +179,31 @@ def test_a_decoder_indexes_a_named_corpus_with_its_tokenizer(
         decoder.use_corpus(str(tmp_path / "missing"))
     decoder.use_corpus(None)
     assert decoder.corpus is None
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, STDLIB),
+        ({"corpus": "none"}, None),
+        ({"drafting": "model"}, None),
+        ({"no_draft": True}, None),
+    ],
+)
+def test_drafting_auto_reads_the_standard_library_by_default(options, expected) -> None:
+    """Left out, the corpus is the standard library where drafting auto reads one, and none
+    where another drafting or --no-draft would not."""
+    assert DEFAULT_CORPUS == STDLIB
+    args = argparse.Namespace(**{"drafting": "auto", "corpus": None, "no_draft": False, **options})
+    assert checked_corpus(args) == expected
+
+
+def test_a_python_without_sources_drafts_without_the_default_corpus(monkeypatch, capsys) -> None:
+    """The default corpus where this Python holds no sources: none, and said so; asked for by
+    name, refused."""
+    monkeypatch.setattr(corpus_module, "stdlib_sources", lambda: [])
+    args = argparse.Namespace(drafting="auto", corpus=None, no_draft=False)
+    assert checked_corpus(args) is None
+    assert "without a corpus" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"no \.py sources"):
+        checked_corpus(argparse.Namespace(drafting="auto", corpus=STDLIB, no_draft=False))

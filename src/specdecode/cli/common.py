@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from specdecode.core.config import (
@@ -73,26 +74,37 @@ def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--corpus",
-        default=DEFAULT_CORPUS,
+        default=None,
         help="drafting auto also drafts from a corpus where a row's own text has no match: "
-        "stdlib (this Python's standard library sources: for serving code), a text file or a "
-        f"folder of them (indexed once, then cached), or {NO_CORPUS} (default: "
-        f"{DEFAULT_CORPUS}: a code corpus's drafts cost more than they keep on chat)",
+        "stdlib (this Python's standard library sources), a text file or a folder of them "
+        f"(indexed once, then cached), or {NO_CORPUS} (default: {DEFAULT_CORPUS} under "
+        f"drafting auto, {NO_CORPUS} otherwise; a row asks the corpus only while it pays)",
     )
 
 
 def checked_corpus(args: argparse.Namespace) -> str | None:
     """The corpus drafting auto reads (None: none), its files found before any model loads."""
+    from specdecode.core.drafting.corpus import corpus_files
+
+    no_draft = getattr(args, "no_draft", False)
+    drafts_auto = args.drafting == "auto" and not no_draft
+    if args.corpus is None:  # the default: the standard library where drafting auto reads it
+        if not drafts_auto:
+            return None
+        try:
+            corpus_files(DEFAULT_CORPUS)
+        except ValueError as error:  # a Python installed without its sources
+            print(f"[corpus] drafting without a corpus: {error}", file=sys.stderr)
+            return None
+        return DEFAULT_CORPUS
     if args.corpus == NO_CORPUS:
         return None
-    if args.drafting != "auto" or getattr(args, "no_draft", False):
-        how = "--no-draft" if getattr(args, "no_draft", False) else f"--drafting {args.drafting}"
+    if not drafts_auto:
+        how = "--no-draft" if no_draft else f"--drafting {args.drafting}"
         raise ValueError(
             f"--corpus drafts under drafting auto (the default) only, and {how} does not read "
             "it: leave --corpus out, or use drafting auto"
         )
-    from specdecode.core.drafting.corpus import corpus_files
-
     corpus_files(args.corpus)
     return args.corpus
 

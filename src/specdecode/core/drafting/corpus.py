@@ -33,6 +33,7 @@ SHARE_BANDS = (0.8, 0.6)  # a draft's band by its first token's share: >= 0.8, >
 # how often each band's first token is taken to be right before any is judged: its floor share
 # (the last band's choices are a third of their contexts' on the standard library)
 BAND_PRIORS = (0.8, 0.6, 0.3)
+EVIDENCE_TOKENS = 1024  # a row's text scored by `CorpusIndex.evidence`: its last this many
 MULTIPLIER = 0x9E3779B97F4A7C15  # of the polynomial hash over a context's tokens
 MASK = (1 << 64) - 1
 
@@ -145,6 +146,32 @@ class CorpusIndex:
             drafted.append(token)
             context = context[1:] + [token] if len(context) >= ORDERS else context + [token]
         return drafted, band
+
+    def evidence(self, text: Sequence[int]) -> list[tuple[int, int]]:
+        """Per share band (`share_band`): at how many positions of `text` the index had a choice
+        for the next token, and how many of those choices were the token that came. What the
+        corpus would have got right in a row's prompt is the first evidence of what it will get
+        right in the answer: a code corpus knows a code prompt's next tokens about three times
+        as often as a chat prompt's. One binary search per order over every position at once."""
+        tokens = np.asarray(text[-EVIDENCE_TOKENS:], np.int64)  # [length]
+        choice = np.full(tokens.shape, -1, np.int64)  # [length] the choice for position p
+        share = np.zeros(tokens.shape, np.float32)  # [length]
+        for n in sorted(self.tables):  # a longer known context overrides a shorter one
+            keys, _ = _context_keys(tokens, n)  # [length - n] the context before p = i + n
+            table_keys, after, shares = self.tables[n]
+            if not keys.size or not table_keys.size:
+                continue
+            at = np.searchsorted(table_keys, keys).clip(max=table_keys.size - 1)  # [length - n]
+            hit = table_keys[at] == keys
+            positions = np.flatnonzero(hit) + n
+            choice[positions], share[positions] = after[at[hit]], shares[at[hit]]
+        known = choice >= 0
+        band = sum((share < floor).astype(np.int64) for floor in SHARE_BANDS)  # [length]
+        right = known & (choice == tokens)
+        return [
+            (int((known & (band == b)).sum()), int((right & (band == b)).sum()))
+            for b in range(len(SHARE_BANDS) + 1)
+        ]
 
     def save(self, path: Path) -> None:
         arrays = {

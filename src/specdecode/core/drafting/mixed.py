@@ -42,9 +42,11 @@ class MixedDrafter:
         self.vocab_size, self.corpus = vocab_size, corpus
         # (match length or 0, tokens from the source, tokens from the model) per row
         self.round: tuple[list[int], list[int], list[int]] | None = None
+        self.primed: list[bool] = []  # per row: the planner has heard the corpus on its prompt
 
     def start(self, batch_size: int) -> None:
         self.planner.start(batch_size)
+        self.primed = [False] * batch_size
         if self.model is not None:
             self.model.start(batch_size)
 
@@ -57,6 +59,10 @@ class MixedDrafter:
             for b in range(len(lens))
         ]
         if self.corpus is not None:
+            for b, primed in enumerate(self.primed):
+                if not primed:  # a new row: how well the corpus knew its prompt
+                    self.planner.prime(b, self.corpus.evidence(texts[b, : lens[b]].tolist()))
+                    self.primed[b] = True
             found = [
                 self._corpus_draft(texts[b, : lens[b]], f, budget[b]) for b, f in enumerate(found)
             ]
@@ -116,13 +122,16 @@ class MixedDrafter:
         self.round = None  # heard: a round the engine runs plain next leaves nothing to learn
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.planner.select_rows(rows.tolist())
+        keep = rows.tolist()
+        self.planner.select_rows(keep)
+        self.primed = [self.primed[b] for b in keep]
         self.round = None
         if self.model is not None:
             self.model.select_rows(rows)
 
     def add_rows(self, prompts: list[list[int]]) -> None:
         self.planner.add_rows(len(prompts))
+        self.primed += [False] * len(prompts)
         self.round = None
         if self.model is not None:
             self.model.add_rows(prompts)

@@ -101,6 +101,11 @@ class Planner(Protocol):
         counted)."""
         ...
 
+    def prime(self, row: int, evidence: Sequence[tuple[int, int]]) -> None:
+        """What a corpus would have got right in row `row`'s text so far, per share band
+        (`CorpusIndex.evidence`: positions with a choice, right choices)."""
+        ...
+
     def select_rows(self, keep: list[int]) -> None: ...
 
     def add_rows(self, count: int) -> None: ...
@@ -126,6 +131,9 @@ class FixedPlanner:
 
     def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
         pass
+
+    def prime(self, row: int, evidence: Sequence[tuple[int, int]]) -> None:
+        pass  # drafts every match it is given: there is nothing to weigh
 
     def select_rows(self, keep: list[int]) -> None:
         pass
@@ -170,10 +178,14 @@ class Acceptance:
         self.kept = [self.kept[b] for b in rows]
         self.rejected = [self.rejected[b] for b in rows]
 
-    def add(self, count: int) -> None:
-        self.priors += [PRIOR] * count
-        self.kept += [PRIOR[0]] * count
-        self.rejected += [PRIOR[1]] * count
+    def add(self, count: int, prior: tuple[float, float] = PRIOR) -> None:
+        self.priors += [prior] * count
+        self.kept += [prior[0]] * count
+        self.rejected += [prior[1]] * count
+
+    def set_prior(self, key: int, prior: tuple[float, float]) -> None:
+        self.priors[key] = prior
+        self.kept[key], self.rejected[key] = prior
 
 
 BEST_RATE = 0.95  # a drafter model's acceptance at its best, for `model_can_pay`
@@ -296,9 +308,28 @@ class PricedPlanner:
         ]
         self.by_ngram = Acceptance(len(priors), KEY_MEMORY, KEY_RELAX, priors)
         self.by_row = Acceptance(0)  # the model's acceptance, per row
+        # a corpus band's acceptance per row: from the band's (`by_ngram`) and what the corpus
+        # got right in the row's own text (`prime`), then the row's own drafts; a chat row
+        # stops asking a code corpus after its prompt or its first misses, a code row goes on
+        self.first_band = lookup_ngrams + 1
+        self.by_band_row = [Acceptance(0, KEY_MEMORY, KEY_RELAX) for _ in corpus_priors]
 
     def start(self, batch_size: int) -> None:
         self.by_row = Acceptance(batch_size)
+        self.by_band_row = [
+            Acceptance(batch_size, KEY_MEMORY, KEY_RELAX, [self._band_prior(band)] * batch_size)
+            for band in range(len(self.by_band_row))
+        ]
+
+    def _band_prior(self, band: int) -> tuple[float, float]:
+        """A new row's pseudo-counts for a corpus band: the band's rate over earlier rows, at
+        the weight of the prior."""
+        rate, strength = self.by_ngram.rate(self.first_band + band), sum(PRIOR)
+        return strength * rate, strength * (1 - rate)
+
+    def _rate(self, row: int, key: int) -> float:
+        band = key - self.first_band
+        return self.by_band_row[band].rate(row) if band >= 0 else self.by_ngram.rate(key)
 
     def budget(self, max_tokens: torch.Tensor) -> list[int]:
         return max_tokens.clamp(max=self.max_tokens).tolist()
@@ -317,7 +348,7 @@ class PricedPlanner:
         best: tuple[float, Plan] | None = None
         for by_model in choices:
             rates = [
-                self.by_row.rate(b) if m else self.by_ngram.rate(n)
+                self.by_row.rate(b) if m else self._rate(b, n)
                 for b, (n, m) in enumerate(zip(ngrams, by_model, strict=True))
             ]
             caps = [
@@ -343,6 +374,8 @@ class PricedPlanner:
         for b, (n, k) in enumerate(zip(ngrams, drafted, strict=True)):
             if k and n:  # a filler after the source's tokens does not count
                 self.by_ngram.observe(n, k, min(accepted[b], k))
+                if n >= self.first_band:
+                    self.by_band_row[n - self.first_band].observe(b, k, min(accepted[b], k))
             elif k:
                 self.by_row.observe(b, k, min(accepted[b], k))
             elif not n:
@@ -350,9 +383,22 @@ class PricedPlanner:
         for n in range(1, len(self.by_ngram.kept)):
             if n not in ngrams:
                 self.by_ngram.relax(n)
+        for band, rows in enumerate(self.by_band_row):
+            for b, n in enumerate(ngrams):
+                if n != self.first_band + band:
+                    rows.relax(b)
+
+    def prime(self, row: int, evidence: Sequence[tuple[int, int]]) -> None:
+        for band, (count, right) in enumerate(evidence[: len(self.by_band_row)]):
+            kept, rejected = self._band_prior(band)
+            self.by_band_row[band].set_prior(row, (kept + right, rejected + count - right))
 
     def select_rows(self, keep: list[int]) -> None:
         self.by_row.select(keep)
+        for rows in self.by_band_row:
+            rows.select(keep)
 
     def add_rows(self, count: int) -> None:
         self.by_row.add(count)
+        for band, rows in enumerate(self.by_band_row):
+            rows.add(count, self._band_prior(band))
