@@ -231,6 +231,15 @@ def test_a_round_beyond_the_timed_tokens_is_not_judged() -> None:
     assert watch.prices == TABLE and not any(q for q in watch.ratios)
 
 
+def test_a_round_between_the_timed_row_counts_is_not_judged() -> None:
+    """Three rows sit between the timed two and four: their price is an interpolation, and
+    rounds of them, however far off it, move no price."""
+    watch = PriceWatch(TABLE, window=16, least=8)
+    assert not any(rounds(watch, 1.5, 16, rows=3))
+    assert watch.prices == TABLE and not any(q for q in watch.ratios)
+    assert any(rounds(watch, 1.5, 16, rows=4))  # a timed row count is judged
+
+
 def test_a_row_count_dearer_than_priced_is_rescaled_alone() -> None:
     """Passes of 4 rows a fifth dearer than timed: their curve grows, the unit stays."""
     watch = PriceWatch(TABLE, window=16, least=8)

@@ -504,14 +504,15 @@ class PriceWatch:
 
     Each observed round (a target pass whose rows hold `counts[b]` tokens, drafter steps over
     the given row counts, the seconds it took) is compared with what the prices predict.
-    Ratios are kept per measured row count (the nearest to the round's); once `least` rounds
+    Ratios are kept per timed row count; once `least` rounds
     of one have been seen and the median of the last `window` strays from 1 by more than
     `tolerance`, that row count's prices are rescaled by the median of its last `least` rounds
     (the first row count's rescales the step's seconds, the unit of them all) and `changed` is
     set. Medians, not means: one round stalled by another process moves nothing. The tolerance
     leaves room for what a round costs besides its passes (sampling, the engine's
     bookkeeping), which the prices do not hold. A round with a row past the timed tokens (a
-    prompt's piece) is not judged: its price is an extrapolation, not a measurement.
+    prompt's piece), or of a row count between the timed ones, is not judged: its price is an
+    extrapolation or an interpolation, not a measurement.
     """
 
     def __init__(
@@ -538,9 +539,10 @@ class PriceWatch:
         if max(counts) > self.prices.most_tokens:
             return False
         rows = len(counts)
+        if rows not in self.prices.rows:  # priced between timed row counts: an interpolation
+            return False
+        index = self.prices.rows.index(rows)
         ratio = seconds / self.predicted_seconds(counts, draft_rows)
-        distance = [abs(math.log(r / rows)) for r in self.prices.rows]
-        index = distance.index(min(distance))  # the nearest timed row count
         seen = self.ratios[index]
         seen.append(ratio)
         if len(seen) < self.least:
