@@ -166,7 +166,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # each batch of prompts runs at most one target pass per new token
         passes=args.max_new_tokens * -(-len(prompts) // args.batch_size),
     )
-    decoder.use_corpus(corpus)
+    decoder.use_corpus(corpus)  # the first use of a corpus indexes it (seconds), then cached
+    if corpus is not None and not args.json:
+        print(f"[corpus] drafting auto also drafts from {corpus}", file=sys.stderr)
     if args.retime_prices or (args.drafting == "auto" and not args.no_draft):
         known = decoder.prices(retime=args.retime_prices)  # cached, or timed and kept
         if not args.json:

@@ -60,6 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(
             f"[serve] loading {args.target}"
             + (f" with drafter {draft}" if draft else "")
+            + (f" and corpus {corpus}" if corpus else "")
             + f" on {backend}; /health answers 503 until ready",
             file=sys.stderr,
             flush=True,
