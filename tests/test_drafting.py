@@ -243,6 +243,34 @@ def test_a_row_whose_prompt_the_corpus_missed_does_not_ask_it() -> None:
     assert drafts(planner)
 
 
+def test_a_row_is_primed_once_on_its_whole_prompt() -> None:
+    """A row still prefilling (no budget this round) is not judged on the part of its prompt
+    fed so far; once it has a budget, the corpus is run over all of it, and once only."""
+    from specdecode.core.config import LOOKUP_ALONE
+    from specdecode.core.drafting.mixed import MixedDrafter
+
+    heard = []
+
+    class Heard(PricedPlanner):
+        def prime(self, row, evidence) -> None:
+            heard.append((row, list(evidence)))
+            super().prime(row, evidence)
+
+    text = [1, 2, 3, 4] * 6  # [24]
+    index = CorpusIndex.build([text, text])
+    planner = Heard(4, False, priced(draft=None), 4, corpus_priors=(0.8, 0.6, 0.3))
+    drafter = MixedDrafter(LOOKUP_ALONE, None, planner, 8, corpus=index)
+    drafter.start(1)
+    sequences = torch.tensor([text])  # [1, 24]
+    drafter.propose(sequences, torch.tensor([8]), torch.tensor([0]), None)  # a first chunk
+    assert heard == []
+    for _ in range(2):
+        drafter.propose(sequences, torch.tensor([24]), torch.tensor([4]), None)
+        drafter.round = None
+    assert heard == [(0, index.evidence(text))]
+    assert sum(count for count, _ in heard[0][1]) == 23  # every position after the first
+
+
 def test_fillers_keep_greedy_exact(pair, decoder, monkeypatch) -> None:
     """Rounds with filler tokens (prices where an even pass is cheap and a ragged one dear)
     give what plain decoding gives."""

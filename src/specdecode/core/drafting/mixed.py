@@ -60,7 +60,9 @@ class MixedDrafter:
         ]
         if self.corpus is not None:
             for b, primed in enumerate(self.primed):
-                if not primed:  # a new row: how well the corpus knew its prompt
+                # a new row, once its whole prompt is in (a row still prefilling has no
+                # budget): how well the corpus knew the prompt
+                if not primed and budget[b] > 0:
                     self.planner.prime(b, self.corpus.evidence(texts[b, : lens[b]].tolist()))
                     self.primed[b] = True
             found = [

@@ -28,7 +28,10 @@ the best of those, the rows that gain most raised a token at a time while the ra
 tokens to cost grows; a plain step where nothing beats it. Acceptance is estimated online: per
 row for the model, per match length for lookup (matches of 3 tokens are right far more often
 than matches of 1), with counts that decay so the estimate follows the text; a source that was
-not tried for a while drifts back to its prior and is tried again.
+not tried for a while drifts back to its prior and is tried again. A corpus's drafts are
+weighed per row and share band: a row starts from the band's rate over earlier rows and what
+the corpus got right in the row's prompt (`prime`), so a chat row does not pay for a code
+corpus's guesses that a code row keeps.
 
 A plan only chooses how many tokens are drafted, never which, so outputs stay exact under
 greedy decoding and the sampled law stays the target's (the lengths are a stopping time).
