@@ -226,6 +226,19 @@ def test_prompt_lookup_and_priced_lookup_equal_plain(smol):
             assert_agrees(decoder, prompt, a, b)
 
 
+def test_corpus_drafts_on_llamacpp_equal_plain(smol):
+    """Drafting auto with the standard library corpus (what `generate` and `serve` read by
+    default) gives every row of a ragged batch its plain greedy text."""
+    target, _, tok = smol
+    decoder = SpeculativeDecoder(target, tok, PromptLookup())
+    plain = decoder.generate(PROMPTS, max_new_tokens=32, use_drafter=False).new_tokens
+    decoder.use_corpus("stdlib")
+    assert decoder.corpus is not None
+    spec = decoder.generate(PROMPTS, max_new_tokens=32, drafting="auto")
+    for prompt, a, b in zip(PROMPTS, plain, spec.new_tokens, strict=True):
+        assert_agrees(decoder, prompt, a, b)
+
+
 def test_sampling_follows_the_target_law(smol, sampled_law):
     """Speculative sampling on llama.cpp: the first two tokens' marginals of many seeded rows
     pass a chi-square test against the target's exact law on this backend (top-k 10, so the
