@@ -444,10 +444,9 @@ class SpeculativeDecoder:
         if corpus is None or isinstance(corpus, CorpusIndex):
             self.corpus = corpus
             return
-        from specdecode.core.drafting.corpus import corpus_files, corpus_index
+        from specdecode.core.drafting.corpus import corpus_index
         from specdecode.models.packages import cache_root
 
-        corpus_files(corpus)  # a wrong name or path is refused before the tokenizer runs
         if self.tokenizer is None:
             raise ValueError(
                 "a named corpus is tokenized with the target's tokenizer: none is loaded"

@@ -145,6 +145,12 @@ class FixedPlanner:
         pass
 
 
+def at_prior_weight(rate: float) -> tuple[float, float]:
+    """(kept, rejected) pseudo-counts of acceptance `rate`, as many in all as `PRIOR`'s."""
+    strength = sum(PRIOR)
+    return strength * rate, strength * (1 - rate)
+
+
 class Acceptance:
     """Decaying kept / rejected counts of drafted tokens, for a set of keys (rows, n-grams),
     each starting at, and drifting back to, its prior (`PRIOR` unless given)."""
@@ -305,10 +311,7 @@ class PricedPlanner:
         # lookup acceptance by match length, then a corpus's by share band (`mixed.corpus_key`),
         # each band from its own prior: a band of less clear choices is not tried at the price
         # of a clear one's
-        strength = sum(PRIOR)
-        priors = [PRIOR] * (lookup_ngrams + 1) + [
-            (strength * a, strength * (1 - a)) for a in corpus_priors
-        ]
+        priors = [PRIOR] * (lookup_ngrams + 1) + [at_prior_weight(a) for a in corpus_priors]
         self.by_ngram = Acceptance(len(priors), KEY_MEMORY, KEY_RELAX, priors)
         self.by_row = Acceptance(0)  # the model's acceptance, per row
         # a corpus band's acceptance per row: from the band's (`by_ngram`) and what the corpus
@@ -327,8 +330,7 @@ class PricedPlanner:
     def _band_prior(self, band: int) -> tuple[float, float]:
         """A new row's pseudo-counts for a corpus band: the band's rate over earlier rows, at
         the weight of the prior."""
-        rate, strength = self.by_ngram.rate(self.first_band + band), sum(PRIOR)
-        return strength * rate, strength * (1 - rate)
+        return at_prior_weight(self.by_ngram.rate(self.first_band + band))
 
     def _rate(self, row: int, key: int) -> float:
         band = key - self.first_band
