@@ -124,18 +124,19 @@ def test_prefix_reuse_on_llamacpp_equals_a_fresh_prefill():
     assert torch.equal(loop.target.lengths, torch.zeros(0, dtype=torch.long))
 
 
-def test_timed_rounds_reach_the_prices_watch(tiny_llama, monkeypatch):
-    """Every decoding round of a planned drafter is reported with its shape: each row's tokens
-    in the target's pass (at least one), the drafter steps' rows; prompt rounds are not."""
+def test_timed_rounds_reach_drafting_s_judge(tiny_llama, monkeypatch):
+    """Every decoding round of a planned drafter is reported with its shape (each row's tokens
+    in the target's pass, at least one), the tokens it committed and its seconds; prompt
+    rounds are not."""
     decoder = SpeculativeDecoder(tiny_llama(seed=0), drafter=tiny_llama(seed=3, layers=1))
     decoder.prices(rows=2)
     seen = []
     monkeypatch.setattr(decoder, "observe_round", lambda *a: seen.append(a))
     out = decoder.generate(PROMPTS[:2], max_new_tokens=12, stop_token_ids=[])
     assert seen and len(seen) <= out.stats.target_forwards - 1  # not the first (prompt) round
-    for counts, draft_rows, seconds in seen:
+    for counts, committed, seconds in seen:
         assert len(counts) in (1, 2) and min(counts) >= 1 and seconds > 0
-        assert all(0 < r <= len(counts) for r in draft_rows)
+        assert len(counts) <= committed <= sum(counts) + len(counts)
     plain = []
     monkeypatch.setattr(decoder, "observe_round", lambda *a: plain.append(a))
     decoder.generate(PROMPTS[:2], max_new_tokens=4, use_drafter=False)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from specdecode import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core import prices as pricing
-from specdecode.core.prices import Prices, PriceWatch, monotone
+from specdecode.core.prices import Prices, monotone
 
 # one, two and four rows holding 1..4 tokens each (even passes). A drafter step: 0.5, 0.6, 0.8
 # steps. Padded (the default layout): a ragged pass costs the even pass of its longest row.
@@ -194,87 +194,58 @@ def test_models_built_in_memory_are_not_cached(tiny_llama, tmp_path) -> None:
     assert not (tmp_path / pricing.PRICES_DIR).exists()
 
 
-# ---- self-correction ----
+# ---- what drafting was worth, beside the prices ----
 
 
-def rounds(watch: PriceWatch, slower: float, count: int, rows: int = 1) -> list[bool]:
-    """`count` rounds of `rows` rows of 3 tokens with 2 drafter steps, `slower` times what
-    `TABLE` predicts."""
-    seconds = slower * PriceWatch(TABLE).predicted_seconds([3] * rows, [rows, rows])
-    return [watch.observe([3] * rows, [rows, rows], seconds) for _ in range(count)]
-
-
-def test_a_sustained_slowdown_rescales_the_prices() -> None:
-    watch = PriceWatch(TABLE, window=16, least=8)
-    assert rounds(watch, 1.05, 12) == [False] * 12  # within the tolerance
-    assert not watch.changed
-    changed = rounds(watch, 1.3, 16)
-    assert any(changed) and watch.changed
-    assert watch.prices.step_seconds == pytest.approx(0.05 * 1.3, rel=0.05)
-    assert watch.prices.passes == TABLE.passes  # one row's rounds: the unit itself was slower
-    assert not any(rounds(watch, 1.3, 8))  # predicted right again
-
-
-def test_a_single_outlier_does_not() -> None:
-    watch = PriceWatch(TABLE, window=16, least=8)
-    rounds(watch, 1.0, 8)
-    assert rounds(watch, 20.0, 1) == [False]  # a stall of one round
-    assert rounds(watch, 1.0, 8) == [False] * 8
-    assert not watch.changed and watch.prices == TABLE
-
-
-def test_a_round_beyond_the_timed_tokens_is_not_judged() -> None:
-    """A prompt's piece in a round (a row of many tokens) is priced by extrapolation: a round
-    holding one is not held against the prices, however long it took."""
-    watch = PriceWatch(TABLE, window=16, least=8)
-    assert not any(watch.observe([40, 1], [], 10.0) for _ in range(12))
-    assert watch.prices == TABLE and not any(q for q in watch.ratios)
-
-
-def test_a_round_between_the_timed_row_counts_is_not_judged() -> None:
-    """Three rows sit between the timed two and four: their price is an interpolation, and
-    rounds of them, however far off it, move no price."""
-    watch = PriceWatch(TABLE, window=16, least=8)
-    assert not any(rounds(watch, 1.5, 16, rows=3))
-    assert watch.prices == TABLE and not any(q for q in watch.ratios)
-    assert any(rounds(watch, 1.5, 16, rows=4))  # a timed row count is judged
-
-
-def test_a_row_count_dearer_than_priced_is_rescaled_alone() -> None:
-    """Passes of 4 rows a fifth dearer than timed: their curve grows, the unit stays."""
-    watch = PriceWatch(TABLE, window=16, least=8)
-    rounds(watch, 1.0, 8, rows=1)
-    assert any(rounds(watch, 1.2, 12, rows=4))
-    assert watch.prices.step_seconds == TABLE.step_seconds
-    assert watch.prices.passes[2] == pytest.approx(tuple(1.2 * v for v in FOUR), rel=0.02)
-    assert watch.prices.passes[:2] == TABLE.passes[:2]
-
-
-def test_the_decoder_drops_a_disagreeing_cache_entry(
+def test_the_worth_is_stored_beside_the_prices_outside_the_rounds(
     saved_pair, tmp_path, monkeypatch, caplog
 ) -> None:
+    """A correction of what drafting is worth holds in memory at once; no file is written or
+    dropped by a round, the entry is adjusted when the decoder stores it (between rounds), and
+    the next decoder of the pair starts from it."""
     monkeypatch.setenv(pricing.PRICES_ENV, str(tmp_path))
     counting(monkeypatch)
-    known = saved_pair.prices(2)  # timed at 1 and 2 rows
+    known = saved_pair.prices(1)
     (entry,) = tmp_path.glob("*.json")
-    slow = 2.0 * known.pass_cost(1, 4) * known.step_seconds
+    written = entry.stat().st_mtime_ns
+    judge = saved_pair._outcomes
+    plain = known.step_seconds
+    for _ in range(40):  # plain rounds, then drafting rounds at half the gain predicted
+        saved_pair.observe_round([1], 1, plain)
     with caplog.at_level("WARNING", logger="specdecode"):
-        changed = [saved_pair.observe_round([4], [], slow) for _ in range(8)]
-    assert changed[-1] and not any(changed[:-1])
-    # one row's rounds rescale the step's seconds alone: no price in steps moved, so no plan,
-    # and the entry stands
-    assert entry.exists()
-    # said where it happens: a server's log shows which rounds strayed, and by how much
-    (said,) = [r.getMessage() for r in caplog.records if "prices rescaled" in r.getMessage()]
-    assert "1 row(s) took 2.00x" in said and "dropped" not in said
-    rows = known.rows[-1]
-    slow = (
-        2.0 * saved_pair.known_prices.shape_cost([4] * rows) * saved_pair.known_prices.step_seconds
-    )
-    changed = [saved_pair.observe_round([4] * rows, [], slow) for _ in range(8)]
-    assert changed[-1]
-    assert not entry.exists()  # passes of many rows dearer in steps: the next load times afresh
-    assert saved_pair.prices().step_seconds == pytest.approx(2 * known.step_seconds)
+        for _ in range(40):
+            judge.predicted(1, 3.0, 2.0, 1.0)
+            saved_pair.observe_round([3], 1, 2 * plain)
+    assert judge.snapshot()[1] < 0.6 and judge.changed
+    assert entry.stat().st_mtime_ns == written and entry.exists()  # nothing inside a round
+    (said,) = {r.getMessage() for r in caplog.records if "delivers" in r.getMessage()}
+    assert "1 row(s)" in said
+    saved_pair.store_outcomes()
+    key = saved_pair._price_entry[0]
+    assert pricing.load_worth(key, tmp_path) == judge.snapshot()
+    assert pricing.load_prices(key, tmp_path) == known  # the prices stand; the worth moved
+    assert not judge.changed
+
+
+def test_an_unwritable_cache_is_said_once_and_decoding_goes_on(
+    saved_pair, tmp_path, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv(pricing.PRICES_ENV, str(tmp_path / "prices"))
+    counting(monkeypatch)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(pricing, "store_prices", refuse)
+    with caplog.at_level("WARNING", logger="specdecode"):
+        prices = saved_pair.prices(1)  # timed, not stored
+        saved_pair._outcomes.changed = True
+        saved_pair.store_outcomes()
+        saved_pair._outcomes.changed = True
+        saved_pair.store_outcomes()
+    said = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(said) == 1 and "read-only" in said[0]
+    assert saved_pair.known_prices == prices
 
 
 # ---- the timer ----

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from specdecode.core.checks import (
     check_vocab_covers_tokenizer,
 )
 from specdecode.core.config import (
+    DEFAULT_CORPUS,
     DEFAULT_DRAFTING,
     DEFAULT_MAX_NEW_TOKENS,
     HEAD_POLICIES,
@@ -46,7 +48,8 @@ from specdecode.core.drafting.base import Drafter
 from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.drafting.factory import Sources, make_drafter
 from specdecode.core.engine import DecodeLoop, StepEvent, decode
-from specdecode.core.prices import Prices, PriceWatch
+from specdecode.core.outcomes import Outcomes
+from specdecode.core.prices import Prices
 from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
@@ -207,11 +210,14 @@ class SpeculativeDecoder:
         self.acceptance_head = acceptance_head
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
         self._prices: Prices | None = None
-        self._price_watch: PriceWatch | None = None
+        self._outcomes: Outcomes | None = None  # drafting's judge, with the prices
         self._price_entry: tuple[dict, Path] | None = None  # the cache key and root they came by
         self.vocab_size = self._target_lm.vocab_size
         self.context = self._target_lm.context_length
         self.corpus: CorpusIndex | None = None  # drafting auto's corpus (`use_corpus`)
+        self.clock: Callable[[], float] = time.perf_counter  # rounds' and timings' seconds
+        self._default_corpus: str | None = None  # read at the first drafting auto, if not chosen
+        self._cache_unwritable = False
 
     @property
     def target_backend(self) -> ModelBackend:
@@ -291,7 +297,36 @@ class SpeculativeDecoder:
         this torch build has the kernels; it doubles the target's linear weights in memory, and
         an fp32 drafter gets the same packing. `drafter_int8` drafts with an int8 dynamically
         quantized copy of the drafter (CPU) instead: cheaper drafts, the same output law.
+
+        Drafting `auto` then also drafts from the standard library's code where a row's text
+        has no match, as `specdecode generate` and `serve` do (indexed at its first use,
+        seconds, then cached; `use_corpus(None)` turns it off).
         """
+        decoder = cls._loaded(
+            target, drafter, dtype, device, prepack, drafter_int8, backend, threads, compile,
+            tokenizer, context, prefix_cache_mib, passes,
+        )  # fmt: skip
+        # drafting auto reads what `generate` and `serve` read: the standard library's code
+        decoder._default_corpus = DEFAULT_CORPUS
+        return decoder
+
+    @classmethod
+    def _loaded(
+        cls,
+        target: str,
+        drafter: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        prepack: bool | None = None,
+        drafter_int8: bool = False,
+        backend: str | None = None,
+        threads: int | None = None,
+        compile: bool | None = None,
+        tokenizer=None,
+        context: int | None = None,
+        prefix_cache_mib: int = 0,
+        passes: int | None = None,
+    ) -> SpeculativeDecoder:
         backend = backend or default_backend(target, device)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -411,28 +446,30 @@ class SpeculativeDecoder:
         key = pricing.price_key(self._target_lm, self._draft)  # a deferred drafter unloaded
         root = pricing.prices_folder(cache_dir)
         found = None if retime or key is None else pricing.load_prices(key, root, rows)
+        worth = pricing.load_worth(key, root) if key is not None else {}
         if found is None:
             found = pricing.measure_prices(
-                self._target_lm, self._draft_lm, self.vocab_size, self.context, rows=rows
-            )
+                self._target_lm, self._draft_lm, self.vocab_size, self.context, rows=rows,
+                clock=self.clock,
+            )  # fmt: skip
             if key is not None:
-                pricing.store_prices(key, found, root)
-        self._prices, self._price_watch = found, None
+                self._store(lambda: pricing.store_prices(key, found, root, worth))
+        self._prices, self._outcomes = found, Outcomes(worth)
         self._price_entry = (key, root) if key is not None else None
         return found
 
     @property
     def known_prices(self) -> Prices | None:
-        """The prices this decoder holds now (rescaled where its watch rescaled them), or None
-        where it has timed or read none: unlike `prices()`, never a timing."""
+        """The prices this decoder holds now, or None where it has timed or read none: unlike
+        `prices()`, never a timing."""
         return self._prices
 
     def use_prices(self, prices: Prices) -> None:
         """Take prices another decoder of the same model files found (`prices()` of a decoder
-        closed to free its memory, now loaded again): its timing, or its watch's rescaling,
-        stands, where the cache could have dropped its entry (`observe_round`) and a reload
-        would time a minute afresh. They are not stored anew."""
-        self._prices, self._price_watch, self._price_entry = prices, None, None
+        closed to free its memory, now loaded again): its timing stands, where a model built
+        in memory has no cache entry and a reload would time a minute afresh. They are not
+        stored anew; what drafting has been worth starts afresh."""
+        self._prices, self._outcomes, self._price_entry = prices, Outcomes(), None
 
     def use_corpus(
         self, corpus: str | CorpusIndex | None, cache_dir: str | Path | None = None
@@ -441,6 +478,7 @@ class SpeculativeDecoder:
         (this Python's standard library, for code), a text file or a folder of them, an index
         built already, or None (no corpus). A named corpus is tokenized and indexed once, then
         read from the cache (`<cache>/corpora`)."""
+        self._default_corpus = None  # chosen
         if corpus is None or isinstance(corpus, CorpusIndex):
             self.corpus = corpus
             return
@@ -459,45 +497,64 @@ class SpeculativeDecoder:
 
         self.corpus = corpus_index(corpus, encode, tokenizer_id, cache_root(cache_dir) / "corpora")
 
+    def _read_default_corpus(self) -> None:
+        """The default corpus, indexed (or read from the cache) once; a Python without its
+        standard library's sources drafts without one, and says so."""
+        name = self._default_corpus
+        try:
+            self.use_corpus(name)
+        except ValueError as error:
+            self.use_corpus(None)
+            log.warning("drafting auto drafts without the %s corpus: %s", name, error)
+
     def _live_prices(self, rows: int) -> LivePrices:
-        """This decoder's prices as they stand at each reading: a plan made after the watch
-        rescaled them (`observe_round`) reads the rescaled ones."""
+        """This decoder's prices as they stand at each reading (a later `prices()` may read a
+        larger timing)."""
         self.prices(rows)
         return LivePrices(self)
 
-    def observe_round(
-        self, counts: Sequence[int], draft_rows: Sequence[int], seconds: float
-    ) -> bool:
-        """Feed one timed round (a target pass whose rows hold `counts[b]` tokens, the drafter
-        steps' row counts, its seconds) to the prices' watch (`prices.PriceWatch`).
-        Where the rounds stray from the prices, this decoder goes on with rescaled prices and,
-        where a price in steps changed, the cached entry is dropped, so the next load times
-        afresh. True when they changed."""
-        if self._prices is None or self._prices.step_seconds is None:
+    def observe_round(self, fed: Sequence[int], committed: int, seconds: float) -> bool:
+        """Feed one timed decoding round (the tokens its target pass took per row, the tokens
+        it committed, its seconds) to drafting's judge (`outcomes.Outcomes`). True when it
+        corrected what the plan's predicted gains are worth; the correction holds in memory at
+        once and is stored beside the prices outside any round (`store_outcomes`)."""
+        if self._outcomes is None:
             return False
         if getattr(self._target_lm, "moving_pages", False):  # slower for now, not mispriced
             return False
-        if self._price_watch is None:
-            self._price_watch = PriceWatch(self._prices)
-        if not self._price_watch.observe(counts, draft_rows, seconds):
+        change = self._outcomes.observe(fed, committed, seconds)
+        if change is None:
             return False
-        from specdecode.core.prices import forget_prices
-
-        self._prices = self._price_watch.prices
-        rows, factor = self._price_watch.last_change or (0, 1.0)
-        # the unit's row count rescales the seconds of a step and no price in steps, so no
-        # plan: the cached entry stands (a step runs faster once the weights sit on 2 MiB
-        # pages, which a timing before the move did not see)
-        drop = self._price_entry is not None and rows != self._prices.rows[0]
         log.warning(
-            "prices rescaled: rounds of about %d row(s) took %.2fx their timed price%s",
-            rows,
-            factor,
-            "; the cached entry is dropped, the next load times afresh" if drop else "",
-        )
-        if drop:
-            forget_prices(*self._price_entry)
+            "drafting at %d row(s) delivers %.2fx the gain its prices predict (was %.2fx, "
+            "+-%.2f): the plan drafts accordingly",
+            change.rows, change.new, change.old, change.standard_error,
+        )  # fmt: skip
         return True
+
+    def store_outcomes(self) -> None:
+        """Store what drafting has been worth beside the prices, where it changed: called
+        between rounds (the end of a generation, a server's idle moment or its stop), never
+        inside one. A cache that cannot be written leaves the worth in memory."""
+        outcomes, entry = self._outcomes, self._price_entry
+        if outcomes is None or not outcomes.changed or entry is None or self._prices is None:
+            return
+        from specdecode.core import prices as pricing
+
+        key, root = entry
+        prices, worth = self._prices, outcomes.snapshot()
+        self._store(lambda: pricing.store_prices(key, prices, root, worth))
+        outcomes.changed = False
+
+    def _store(self, write: Callable[[], object]) -> None:
+        """Write a cache entry; a cache that cannot be written (read-only, full) is said once
+        and decoding goes on from memory."""
+        try:
+            write()
+        except OSError as error:
+            if not self._cache_unwritable:
+                log.warning("the prices cache cannot be written (%s): kept in memory", error)
+            self._cache_unwritable = True
 
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
@@ -586,8 +643,16 @@ class SpeculativeDecoder:
         drafter = self._drafter(cfg, use_drafter, verification.name, lookup, len(ids))
         if wrap_drafter is not None and drafter is not None:
             drafter = wrap_drafter(drafter)
-        return decode(self._target_lm, drafter, verification, ids, cfg, stats,
-                      observe=self._watch(drafter))  # fmt: skip
+        events = decode(self._target_lm, drafter, verification, ids, cfg, stats,
+                        observe=self._watch(drafter), clock=self.clock)  # fmt: skip
+        return self._storing(events)
+
+    def _storing(self, events: Iterator[StepEvent]) -> Iterator[StepEvent]:
+        """The events, then what drafting was worth stored (after the last round)."""
+        try:
+            yield from events
+        finally:
+            self.store_outcomes()
 
     def loop(
         self,
@@ -613,7 +678,7 @@ class SpeculativeDecoder:
         return DecodeLoop(
             self._target_lm, drafter, cfg, sampling=sampling, max_rows=max_rows,
             capacity=capacity, joins=True, prefill_chunk=prefill_chunk,
-            observe=self._watch(drafter),
+            observe=self._watch(drafter), clock=self.clock,
         )  # fmt: skip
 
     def _watch(self, drafter: Drafter | None):
@@ -632,6 +697,8 @@ class SpeculativeDecoder:
         """The drafter `cfg.drafting` asks for (`drafting.factory`); None: plain decoding."""
         if not use_drafter:
             return None
+        if cfg.drafting == "auto" and self._default_corpus is not None:
+            self._read_default_corpus()
         drafting_rows = min(rows, cfg.max_draft_batch or rows)
         sources = Sources(
             load_model=lambda: self._draft_lm,
@@ -641,6 +708,7 @@ class SpeculativeDecoder:
             device=self._target_lm.device,
             head=lambda: self._checked_head(cfg, rule),
             prices=lambda: cfg.prices or self._live_prices(drafting_rows),
+            outcomes=lambda: self._outcomes if cfg.prices is None else None,
             rows=drafting_rows,
             corpus=self.corpus,
         )

@@ -347,7 +347,8 @@ class DecodeLoop:
         capacity: int | None = None,
         joins: bool = False,
         prefill_chunk: int | None = None,
-        observe: Callable[[list[int], list[int], float], object] | None = None,
+        observe: Callable[[list[int], int, float], object] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -359,7 +360,7 @@ class DecodeLoop:
             raise ValueError("coupled randomness runs fixed batches: use joins=False")
         self.target, self.drafter, self.cfg, self.rule = target, drafter, cfg, rule
         self.sampling, self.max_rows, self.joins = sampling, max_rows, joins
-        self.prefill_chunk, self.observe = prefill_chunk, observe
+        self.prefill_chunk, self.observe, self.clock = prefill_chunk, observe, clock
         # without a given rule, each round's rows pick one: greedy, or lossless sampling over
         # the rows' laws (`sampling` is kept in step with the rows, so one object serves)
         self.rules = {
@@ -476,7 +477,7 @@ class DecodeLoop:
         if not self.batch.rows:
             return []
         rule = self.rule or self.rules[self.sampling.greedy]
-        start = time.perf_counter()
+        start = self.clock()
         before = self.stats.cost_figures()
         rng = None if self.sampling.greedy else self.rng
         was_first = self.first_round
@@ -487,16 +488,14 @@ class DecodeLoop:
             )  # fmt: skip
             host = result.to_host()
         finally:
-            self.stats.wall_seconds += time.perf_counter() - start
-        seconds = time.perf_counter() - start
+            self.stats.wall_seconds += self.clock() - start
+        seconds = self.clock() - start
         check_finite(host.invalid)
         if self.observe is not None and not was_first and all(host.ready) and not reused:
-            # a decoding round (no prompt in it): what it took, for the prices' watch
-            deepest = max(host.passes, default=0)
-            steps = [sum(p > i for p in host.passes) for i in range(deepest)]
-            self.observe(host.fed, steps, seconds)
+            # a decoding round (no prompt in it): what it took, for drafting's judge
+            self.observe(host.fed, sum(host.counts), seconds)
         if self.first_round and any(host.ready):  # it holds the prefills
-            self.stats.end_first_round(before, time.perf_counter() - start, sum(host.counts))
+            self.stats.end_first_round(before, self.clock() - start, sum(host.counts))
             self.first_round = False
         updates = []
         for i, key in enumerate(self.batch.rows):
@@ -533,7 +532,8 @@ def decode(
     cfg: DecodeConfig,
     stats: DecodeStats | None = None,
     sampling: RowSampling | None = None,
-    observe: Callable[[list[int], list[int], float], object] | None = None,
+    observe: Callable[[list[int], int, float], object] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[StepEvent]:
     """Run a fixed batch to completion on `DecodeLoop`, yielding what each round commits.
 
@@ -548,7 +548,7 @@ def decode(
     )
     loop = DecodeLoop(
         target, drafter, cfg, sampling=sampling or RowSampling(), rule=rule, stats=stats,
-        max_rows=max(len(prompts), 1), observe=observe,
+        max_rows=max(len(prompts), 1), observe=observe, clock=clock,
     )  # fmt: skip
     for prompt, seed in zip(prompts, seeds, strict=True):
         loop.add(RowRequest(prompt, cfg.max_new_tokens, cfg.sampling, seed, cfg.stop_token_ids))

@@ -11,8 +11,10 @@ Timing goes through `ModelBackend` only, so every backend is priced the same way
 
 Timing takes seconds to minutes (more rows, longer), so measured prices are kept in the cache
 root under a key naming what they depend on (`price_key`): the model files, the backend, its
-threads and the CPU. A process of another user can skew a timing; `PriceWatch` compares the
-rounds decoding actually takes with the prediction and corrects the prices where they stray.
+threads and the CPU. A process of another user can skew a timing, and no timing holds what
+a round costs besides its passes; `outcomes.Outcomes` checks what the plan predicts against
+the rounds decoding takes, and its measured worth of a predicted gain is kept beside the
+prices (`store_prices`), written outside any round.
 """
 
 from __future__ import annotations
@@ -23,11 +25,9 @@ import json
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -308,19 +308,21 @@ def pass_seconds(
     context: list[int],
     reps: int,
     rows: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[int, float]]:
     """Median seconds of one pass over `rows` rows, each after `context` and holding n tokens
     (an even pass, `Prices.passes`), for each backend and each n of its counts. Every round
     times every pass of every backend, interleaved, so a stall of the machine (a neighbour's
     burst; on two cores llama.cpp's spinning threads lose whole time slices to any other
     process) lands on one sample of each rather than on every sample of the one timed while it
-    lasted. Each pass is rolled back after it, so every one sees the same cache."""
+    lasted. Each pass is rolled back after it, so every one sees the same cache. `clock`: the
+    seconds' source (a simulated machine's own)."""
     device = jobs[0][0].device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
-    def clock() -> float:  # a GPU runs ahead of the host: time the kernels, not their launches
+    def synced() -> float:  # a GPU runs ahead of the host: time the kernels, not their launches
         sync()
-        return time.perf_counter()
+        return clock()
 
     prefix = torch.tensor([context] * rows)  # [rows, context]
 
@@ -342,7 +344,7 @@ def pass_seconds(
         held = backend.lengths.clone()
         candidates.update({(j, n): timed(backend, start, held, n) for n in counts})
     try:
-        seconds = median_times(candidates, reps, clock)
+        seconds = median_times(candidates, reps, synced)
     finally:
         for backend, _ in jobs:
             backend.reset(0)
@@ -365,6 +367,7 @@ def measure_prices(
     rows: int = 1,
     max_tokens: int = PRICED_TOKENS,
     reps: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Prices:
     """Time even target passes of 1..max_tokens tokens per row and a drafter step, at each row
     count of `timed_rows(rows)`; every curve is made non-decreasing in tokens (`monotone`).
@@ -377,7 +380,7 @@ def measure_prices(
     measured, drafts = [], []
     for r in timed_rows(rows):
         jobs = [(target, counts)] + ([(drafter, [1])] if drafter is not None else [])
-        seconds = pass_seconds(jobs, context, reps, rows=r)
+        seconds = pass_seconds(jobs, context, reps, rows=r, clock=clock)
         measured.append(monotone([seconds[0][n] for n in counts]))
         if drafter is not None:
             drafts.append(seconds[1][1])
@@ -479,81 +482,32 @@ def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | No
     return prices
 
 
-def store_prices(key: dict[str, Any], prices: Prices, folder: Path) -> Path:
-    """Write the prices under `key` atomically (a temporary file renamed over the entry), so a
-    reader never sees half a file."""
+def load_worth(key: dict[str, Any], folder: Path) -> dict[int, float]:
+    """The worth of the plan's predicted gains by row count stored beside the prices under
+    `key` (`outcomes.Outcomes`); empty where there is none or it cannot be read."""
+    try:
+        entry = json.loads(cache_file(key, folder).read_text())
+        if entry["key"] != json.loads(json.dumps(key)):
+            return {}
+        worth = {int(r): float(v) for r, v in entry.get("worth", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return {r: v for r, v in worth.items() if r >= 1 and _positive(v)}
+
+
+def store_prices(
+    key: dict[str, Any], prices: Prices, folder: Path, worth: dict[int, float] | None = None
+) -> Path:
+    """Write the prices (and the plan's measured worth by row count) under `key` atomically:
+    a temporary file of a unique name renamed over the entry, so a reader never sees half a
+    file and two writers never mix theirs."""
     path = cache_file(key, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"key": key, "prices": prices.to_json()}, indent=1) + "\n"
+    entry: dict[str, Any] = {"key": key, "prices": prices.to_json()}
+    if worth:
+        entry["worth"] = {str(r): v for r, v in sorted(worth.items())}
+    text = json.dumps(entry, indent=1) + "\n"
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
         f.write(text)
     os.replace(f.name, path)
     return path
-
-
-def forget_prices(key: dict[str, Any], folder: Path) -> None:
-    """Drop the cached entry (the rounds disagreed with it): the next load times afresh."""
-    cache_file(key, folder).unlink(missing_ok=True)
-
-
-# ---- self-correction ----
-
-
-class PriceWatch:
-    """Checks the prices against the rounds decoding takes, and corrects them where they stray.
-
-    Each observed round (a target pass whose rows hold `counts[b]` tokens, drafter steps over
-    the given row counts, the seconds it took) is compared with what the prices predict.
-    Ratios are kept per timed row count; once `least` rounds
-    of one have been seen and the median of the last `window` strays from 1 by more than
-    `tolerance`, that row count's prices are rescaled by the median of its last `least` rounds
-    (the first row count's rescales the step's seconds, the unit of them all) and `changed` is
-    set. Medians, not means: one round stalled by another process moves nothing. The tolerance
-    leaves room for what a round costs besides its passes (sampling, the engine's
-    bookkeeping), which the prices do not hold. A round with a row past the timed tokens (a
-    prompt's piece), or of a row count between the timed ones, is not judged: its price is an
-    extrapolation or an interpolation, not a measurement.
-    """
-
-    def __init__(
-        self, prices: Prices, window: int = 16, least: int = 8, tolerance: float = 0.15
-    ) -> None:
-        if prices.step_seconds is None:
-            raise ValueError("watching prices needs timed prices (with a step's seconds)")
-        if not 1 <= least <= window:
-            raise ValueError(f"need 1 <= least <= window, got {least}, {window}")
-        self.prices, self.least, self.tolerance = prices, least, tolerance
-        self.ratios = [deque(maxlen=window) for _ in prices.rows]
-        self.changed = False
-        self.last_change: tuple[int, float] | None = None  # (row count, factor) rescaled last
-
-    def predicted_seconds(self, counts: Sequence[int], draft_rows: Sequence[int] = ()) -> float:
-        p = self.prices
-        steps = p.shape_cost(counts) + sum(p.draft_cost(r) or 0.0 for r in draft_rows)
-        return steps * p.step_seconds
-
-    def observe(self, counts: Sequence[int], draft_rows: Sequence[int], seconds: float) -> bool:
-        """Record one round; True when it led to rescaled prices."""
-        if not (math.isfinite(seconds) and seconds > 0) or not counts:
-            return False
-        if max(counts) > self.prices.most_tokens:
-            return False
-        rows = len(counts)
-        if rows not in self.prices.rows:  # priced between timed row counts: an interpolation
-            return False
-        index = self.prices.rows.index(rows)
-        ratio = seconds / self.predicted_seconds(counts, draft_rows)
-        seen = self.ratios[index]
-        seen.append(ratio)
-        if len(seen) < self.least:
-            return False
-        if abs(statistics.median(seen) - 1.0) <= self.tolerance:
-            return False
-        # rescaled by the latest rounds': the window's median, over a change, is a mixture
-        latest = statistics.median(list(seen)[-self.least :])
-        self.prices = self.prices.scaled(index, latest)
-        self.last_change = self.prices.rows[index], latest
-        for other in self.ratios if index == 0 else [seen]:  # judged against the old prices
-            other.clear()
-        self.changed = True
-        return True

@@ -34,6 +34,7 @@ from specdecode.core.drafting.planners import (
     model_can_pay,
 )
 from specdecode.core.length_policies import ConstantLength, make_policy
+from specdecode.core.outcomes import Outcomes
 
 LOOKUP_POLICIES = ("constant", "heuristic")  # fix a round's length with no drafter law to read
 
@@ -48,6 +49,8 @@ class Sources:
     device: torch.device  # the target's
     head: Callable[[], torch.nn.Module | None]  # the acceptance head, for the head policies
     prices: Callable[[], PriceModel]  # this machine's prices, for drafting auto
+    # what the plan's predicted gains have been worth here (asked after `prices`)
+    outcomes: Callable[[], Outcomes | None] = lambda: None
     has_model: bool = True  # whether there is a drafter model to load
     rows: int = 1  # the most rows a batch of this drafter holds
     corpus: CorpusIndex | None = None  # drafts where the row's own text has none (auto only)
@@ -122,6 +125,7 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
         cfg.max_draft_tokens,
         LOOKUP_FIRST.min_ngram,
         corpus_priors=BAND_PRIORS if sources.corpus is not None else (),
+        outcomes=sources.outcomes(),
     )
     return MixedDrafter(lookup, model, planner, sources.vocab_size, sources.corpus)
 

@@ -54,20 +54,7 @@ class MixedDrafter:
         budget = self.planner.budget(max_tokens)  # most tokens per row this round
         lens = seq_lens.tolist()
         texts = sequences[:, : max(lens, default=0)].cpu()  # [batch, longest] the round's copy
-        found = [
-            lookup_continuation(texts[b, : lens[b]], budget[b], self.lookup, with_ngram=True)
-            for b in range(len(lens))
-        ]
-        if self.corpus is not None:
-            for b, primed in enumerate(self.primed):
-                # a new row, once its whole prompt is in (a row still prefilling has no
-                # budget): how well the corpus knew the prompt
-                if not primed and budget[b] > 0:
-                    self.planner.prime(b, self.corpus.evidence(texts[b, : lens[b]].tolist()))
-                    self.primed[b] = True
-            found = [
-                self._corpus_draft(texts[b, : lens[b]], f, budget[b]) for b, f in enumerate(found)
-            ]
+        found = self.find(texts, lens, budget)
         ngrams = [n for _, n in found]  # 0: no match
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
         plan, pads, by_model = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
@@ -89,6 +76,27 @@ class MixedDrafter:
                 source = torch.cat([source, texts[b, lens[b] - 1 : lens[b]].repeat(pad)])
             looked.append(source)
         return merge_lookup(draft, looked, use)
+
+    def find(
+        self, texts: torch.Tensor, lens: list[int], budget: list[int]
+    ) -> list[tuple[torch.Tensor, int]]:
+        """Each row's draft that costs no model pass, up to `budget[b]` tokens, with its
+        acceptance key: what followed the last tokens of its text `texts[b, :lens[b]]` earlier
+        (key: the match length), else the corpus's guess (key: `corpus_key`), else nothing
+        (key 0). texts: [batch, longest] on the host."""
+        found = [
+            lookup_continuation(texts[b, : lens[b]], budget[b], self.lookup, with_ngram=True)
+            for b in range(len(lens))
+        ]
+        if self.corpus is None:
+            return found
+        for b, primed in enumerate(self.primed):
+            # a new row, once its whole prompt is in (a row still prefilling has no budget):
+            # how well the corpus knew the prompt
+            if not primed and budget[b] > 0:
+                self.planner.prime(b, self.corpus.evidence(texts[b, : lens[b]].tolist()))
+                self.primed[b] = True
+        return [self._corpus_draft(texts[b, : lens[b]], f, budget[b]) for b, f in enumerate(found)]
 
     def _corpus_draft(
         self, text: torch.Tensor, found: tuple[torch.Tensor, int], limit: int

@@ -39,12 +39,14 @@ greedy decoding and the sampled law stays the target's (the lengths are a stoppi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
 
 from specdecode.core.length_policies import LengthPolicy
+from specdecode.core.outcomes import Outcomes
 
 PRIOR = (3.0, 1.0)  # pseudo-counts (kept, rejected): a source starts at 0.75 and is tried
 MEMORY = 0.8  # weight of the past in each update: about the last five rounds count
@@ -78,6 +80,17 @@ class Plan(NamedTuple):
     lengths: list[int]
     fillers: list[int]
     by_model: list[bool]
+
+
+class Outlook(NamedTuple):
+    """A round's plan as the prices see it: expected committed tokens, and its cost in steps."""
+
+    tokens: float
+    cost: float
+
+    @property
+    def ratio(self) -> float:
+        return self.tokens / self.cost
 
 
 class Planner(Protocol):
@@ -225,13 +238,16 @@ def plan_lengths(
     uses_model: list[bool],
     prices: PriceModel,
     catch_up: list[float] | None = None,
-) -> tuple[list[int], list[int], float]:
+    worth: float = 1.0,
+) -> tuple[list[int], list[int], Outlook]:
     """Tokens each row drafts this round from its source, filler tokens after them (see the
     module's note), and the plan's expected committed tokens per unit of cost: row b's source
     gives up to `caps[b]` tokens, each kept with probability `rates[b]` while the ones before
     were; it drafts `budget[b]` tokens at most in all. `uses_model[b]`: its source is the
     drafter model, whose steps cost; `catch_up[b]`: what its first model token costs besides
-    (its drafter cache's lag).
+    (its drafter cache's lag). `worth`: what a drafting plan's predicted gain is worth here
+    (`outcomes.Outcomes`): a plan drafts only where its ratio times `worth` beats a plain
+    step's; 0 runs a plain round.
 
     The drafter's step prices are read once into a table: a plan runs every round, on the
     engine's thread."""
@@ -246,19 +262,25 @@ def plan_lengths(
             sums.append(sums[-1] + rate**j)
         gained.append(sums)
 
-    def ratio(k: list[int], real: list[int]) -> float:
-        """Expected committed tokens per unit of cost: k[b] drafted, the first real[b] of them
-        from the row's source."""
+    def outlook(k: list[int], real: list[int]) -> Outlook:
+        """Expected committed tokens and cost: k[b] drafted, the first real[b] of them from
+        the row's source."""
         expected = batch + sum(g[r] for g, r in zip(gained, real, strict=True))
         cost = prices.shape_cost([1 + x for x in k])
         model_real = [r for r, m in zip(real, uses_model, strict=True) if m and r]
         for depth in range(1, max(model_real, default=0) + 1):
             cost += draft_by_rows[sum(r >= depth for r in model_real)]
         cost += sum(c for c, r, m in zip(catch, real, uses_model, strict=True) if m and r)
-        return expected / cost
+        return Outlook(expected, cost)
+
+    def ratio(k: list[int], real: list[int]) -> float:
+        """Expected committed tokens per unit of cost."""
+        return outlook(k, real).ratio
 
     plain = [0] * batch
-    best, best_real, best_ratio = plain, plain, ratio(plain, plain)
+    # a drafting plan must beat a plain step by what its predictions have been worth
+    best, best_real = plain, plain
+    best_ratio = ratio(plain, plain) / worth if worth > 0 else math.inf
     modes = (True, False) if models else (True,)
     # past every row's source tokens a depth only adds fillers: more cost, nothing expected
     deepest = max(map(min, budget, caps), default=0)
@@ -283,7 +305,8 @@ def plan_lengths(
         if step is None:
             break
         best, best_real = step
-    return best_real, [x - r for x, r in zip(best, best_real, strict=True)], best_ratio
+    fillers = [x - r for x, r in zip(best, best_real, strict=True)]
+    return best_real, fillers, outlook(best, best_real)
 
 
 class PricedPlanner:
@@ -303,10 +326,12 @@ class PricedPlanner:
         max_tokens: int,
         first_ngram: int = 1,
         corpus_priors: Sequence[float] = (),
+        outcomes: Outcomes | None = None,
     ) -> None:
         if has_model and prices.draft_cost(1) is None:
             raise ValueError("pricing a drafter model's rounds needs its step's price")
         self.has_model, self.prices, self.max_tokens = has_model, prices, max_tokens
+        self.outcomes = outcomes  # what the plan's predicted gains have been worth here
         self.long_matches = range(first_ngram, lookup_ngrams + 1)  # drafted before the model
         # lookup acceptance by match length, then a corpus's by share band (`mixed.corpus_key`),
         # each band from its own prior: a band of less clear choices is not tried at the price
@@ -350,7 +375,9 @@ class PricedPlanner:
             choices = [short] if short == unmatched else [short, unmatched]
         # what a row's first model token costs besides, were the model to draft it
         lags = [self.catch_up(lag) for lag in behind] if self.has_model else [0.0] * len(behind)
-        best: tuple[float, Plan] | None = None
+        rows = len(ngrams)
+        worth = self.outcomes.worth(rows) if self.outcomes is not None and rows else 1.0
+        best: tuple[Outlook, Plan] | None = None
         for by_model in choices:
             rates = [
                 self.by_row.rate(b) if m else self._rate(b, n)
@@ -361,12 +388,16 @@ class PricedPlanner:
                 for n, f, c, m in zip(ngrams, found, budget, by_model, strict=True)
             ]
             catch_up = [c if m else 0.0 for m, c in zip(by_model, lags, strict=True)]
-            prices = self.prices
-            real, fillers, value = plan_lengths(rates, caps, budget, by_model, prices, catch_up)
-            if best is None or value > best[0]:
-                best = value, Plan(real, fillers, by_model)
+            real, fillers, seen = plan_lengths(
+                rates, caps, budget, by_model, self.prices, catch_up, worth
+            )
+            if best is None or seen.ratio > best[0].ratio:
+                best = seen, Plan(real, fillers, by_model)
         assert best is not None
-        return best[1]
+        (tokens, cost), plan = best
+        if self.outcomes is not None and (any(plan.lengths) or any(plan.fillers)):
+            self.outcomes.predicted(rows, tokens, cost, self.prices.even_cost(rows, 1))
+        return plan
 
     def catch_up(self, lag: int) -> float:
         """Steps the drafter spends feeding a row's `lag` missing tokens before it drafts:

@@ -1,0 +1,220 @@
+"""Drafting judged by what it achieves: the plan's predicted gain checked against the rounds.
+
+The priced plan (`drafting.planners`) drafts where timed prices and estimated acceptance say a
+round yields more tokens per second than a plain step. Both can be wrong on a machine: prices
+timed while another process ran, per-round work they do not hold (planning, the lookup, the
+host copies), acceptance estimates that start optimistic. On a machine where drafting's margin
+is thin (a CPU whose every extra token costs most of a step) such an error turns the plan into
+a loss against plain decoding; on one where it is wide (a GPU) it costs a little speed only.
+
+`Outcomes` measures, per row count, the two kinds of rounds the plan runs:
+
+* plain rounds: their seconds (a running median), the reference of every comparison;
+* drafting rounds: how many plain rounds' worth of time each took, and how many plain rounds'
+  worth of tokens it committed, beside what the plan predicted for both.
+
+Their ratio over the recent drafting rounds, measured gain over predicted gain, is the *worth*
+of a predicted gain at that row count: 1 where the plan's predictions hold, 0.8 where drafting
+delivers four fifths of what the plan expected. The plan drafts a round only where its
+predicted gain times this worth beats a plain step (`planners.plan_lengths`). Both kinds of
+rounds are measured side by side in time, so a machine that slows down as a whole (another
+process starts) moves both and leaves the worth alone; what moves it is drafting paying more
+or less than predicted.
+
+A correction is made only where the evidence lies outside its noise: the measured worth is
+more than `confidence` standard errors and `tolerance` away from the current one. A correction
+that would reverse the last one at a row count waits `hold` rounds at that count, so the worth
+cannot flip at every correction. A kind of round not seen for `explore_every` rounds at a row
+count is run once (a plain round where the plan always drafts, the prices' own plan where it
+never does): at most two rounds in `explore_every` are exploration (4% at the default 50), and
+each exploration that finds nothing new doubles the wait for the next of its kind, up to
+`BACKOFF` times (0.5% a kind), until a correction says the machine changed.
+
+No file is read or written here: a decoder stores the worth beside its prices outside any round.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+EXPLORE_EVERY = 50  # rounds at a row count without a kind of round before one is run
+PLAIN_MEMORY = 9  # plain rounds in the median of a plain round's seconds
+DRAFT_MEMORY = 160  # drafting rounds in a worth's measurement, at most
+LEAST = 8  # drafting rounds before a worth is measured
+JUDGE_EVERY = 4  # drafting rounds between two judgements
+EXPLORE_BOLDER = 1.5  # a drafting exploration's worth over the measured one (at least 1)
+BACKOFF = 8  # an exploration that changed nothing doubles the wait, up to this many times
+CONFIDENCE = 2.0  # standard errors a correction must clear
+TOLERANCE = 0.03  # and a relative difference it must exceed
+HOLD = 400  # rounds at a row count before a correction may reverse the last one there
+WORTH_RANGE = (0.2, 2.0)  # a worth outside is a measurement gone wrong, not a machine
+SETTLE = 30  # rounds at a row count before its drafting rounds are weighed (acceptance
+# estimates start at their priors)
+FIRST_WORTH = 0.97  # a drafting round must promise 3% over a plain step until measured
+CLIP = 3.0  # a round's time is read within 1/3 to 3 times its prediction: a stall is not a price
+
+
+@dataclass(frozen=True)
+class Correction:
+    """A change of the worth at `rows` rows, at the `round`-th round observed there."""
+
+    rows: int
+    round: int
+    old: float
+    new: float
+    standard_error: float
+
+
+@dataclass
+class _RowCount:
+    """What has been seen at one row count."""
+
+    worth: float = FIRST_WORTH
+    plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_MEMORY))
+    # per drafting round: (plain rounds of time taken, predicted; plain rounds of tokens, predicted)
+    drafts: deque[tuple[float, float, float, float]] = field(
+        default_factory=lambda: deque(maxlen=DRAFT_MEMORY)
+    )
+    rounds: int = 0  # rounds observed at this row count
+    asked: int = 0  # plans asked for at this row count
+    last_plain: int = 0  # `asked` at the last plain round observed
+    last_draft: int = 0  # `asked` at the last drafting round observed (or tried)
+    plain_wait: int = 0  # plans without a plain round before one is run (0: not set yet)
+    draft_wait: int = 0  # plans without a drafting round before the prices' own plan is run
+    since_judged: int = 0
+    last_change: Correction | None = None
+
+
+class Outcomes:
+    """The worth of the plan's predicted gains at each row count, from the rounds' outcomes."""
+
+    def __init__(
+        self,
+        worth: Mapping[int, float] | None = None,
+        *,
+        explore_every: int = EXPLORE_EVERY,
+        confidence: float = CONFIDENCE,
+        tolerance: float = TOLERANCE,
+        hold: int = HOLD,
+    ) -> None:
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2 rounds, got {explore_every}")
+        self.explore_every, self.confidence = explore_every, confidence
+        self.tolerance, self.hold = tolerance, hold
+        self.counts: dict[int, _RowCount] = {}
+        for rows, value in (worth or {}).items():
+            self._at(int(rows)).worth = _clamped(float(value))
+        self.corrections: list[Correction] = []
+        self.explored = 0  # rounds run as exploration
+        self.changed = False  # a correction not yet stored (`stored`)
+        self._prediction: tuple[int, float, float] | None = None  # (rows, tokens, steps)
+        self._exploring: tuple[int, str] | None = None
+
+    def _at(self, rows: int) -> _RowCount:
+        if rows not in self.counts:
+            self.counts[rows] = _RowCount()
+        return self.counts[rows]
+
+    def worth(self, rows: int) -> float:
+        """What the plan multiplies a drafting round's predicted gain by at `rows` rows this
+        round: the measured worth, or 0 (a plain round) / 1 (the prices' own plan) where that
+        kind of round has not been seen for `explore_every` plans at this row count."""
+        seen = self._at(rows)
+        seen.asked += 1
+        self._exploring = None
+        most = self.explore_every * BACKOFF
+        if seen.asked - seen.last_plain > (seen.plain_wait or self.explore_every):
+            seen.last_plain = seen.asked  # tried: asked again only after as many rounds
+            seen.plain_wait = min(2 * (seen.plain_wait or self.explore_every), most)
+            self._exploring = rows, "plain"
+            return 0.0
+        if seen.asked - seen.last_draft > (seen.draft_wait or self.explore_every):
+            seen.last_draft = seen.asked
+            seen.draft_wait = min(2 * (seen.draft_wait or self.explore_every), most)
+            self._exploring = rows, "draft"
+            # the plan as the prices have it, or bolder: a machine whose prices undersell
+            # drafting shows it only in rounds they would not draft
+            return max(1.0, min(EXPLORE_BOLDER * seen.worth, WORTH_RANGE[1]))
+        return seen.worth
+
+    def predicted(self, rows: int, tokens: float, steps: float, plain_steps: float) -> None:
+        """The plan of this round drafts: it expects `tokens` committed tokens for `steps`
+        steps, where a plain round of these rows costs `plain_steps`."""
+        self._prediction = rows, tokens / rows, steps / plain_steps
+
+    def observe(self, fed: Sequence[int], committed: int, seconds: float) -> Correction | None:
+        """One decoding round: `fed[b]` the tokens its target pass took for row b (all 1: a
+        plain round), `committed` the tokens it committed, `seconds` what it took. Returns the
+        correction it led to, if any."""
+        prediction, self._prediction = self._prediction, None
+        exploring, self._exploring = self._exploring, None
+        if exploring is not None:
+            self.explored += 1
+        if not fed or not (math.isfinite(seconds) and seconds > 0):
+            return None
+        rows = len(fed)
+        seen = self._at(rows)
+        seen.rounds += 1
+        if max(fed) <= 1:
+            seen.plain.append(seconds)
+            seen.last_plain = seen.asked
+            return None
+        seen.last_draft = seen.asked
+        if seen.rounds <= SETTLE:
+            return None
+        if prediction is None or prediction[0] != rows or not seen.plain:
+            return None  # a round no plan predicted, or no plain round to weigh it against
+        _, tokens, steps = prediction
+        taken = seconds / statistics.median(seen.plain)
+        taken = min(max(taken, steps / CLIP), steps * CLIP)
+        seen.drafts.append((taken, steps, committed / rows, tokens))
+        if exploring is not None and committed / rows > taken:
+            # an explored drafting round beat a plain one: look again soon, not after a wait
+            seen.draft_wait = max(self.explore_every // 5, 2)
+        seen.since_judged += 1
+        if len(seen.drafts) < LEAST or seen.since_judged < JUDGE_EVERY:
+            return None
+        seen.since_judged = 0
+        return self._judge(rows, seen)
+
+    def _judge(self, rows: int, seen: _RowCount) -> Correction | None:
+        taken, steps, got, expected = (sum(c) for c in zip(*seen.drafts, strict=True))
+        n = len(seen.drafts)
+        gain, predicted = got / taken, expected / steps
+        measured = _clamped(gain / predicted)
+        # the ratio estimator's standard error (delta method), relative
+        residuals = [g - gain * t for t, _, g, _ in seen.drafts]
+        spread = math.sqrt(sum(r * r for r in residuals) / (n - 1)) / (taken / n)
+        error = spread / math.sqrt(n) / gain
+        step = math.log(measured / seen.worth)
+        if abs(step) <= max(self.confidence * error, self.tolerance):
+            return None
+        last = seen.last_change
+        if (
+            last is not None
+            and (last.new - last.old) * step < 0
+            and seen.rounds - last.round < self.hold
+        ):
+            return None  # it would reverse the last correction before its hold is over
+        change = Correction(rows, seen.rounds, seen.worth, measured, error)
+        seen.worth, seen.last_change = measured, change
+        seen.plain_wait = seen.draft_wait = 0  # a changed machine is explored afresh
+        # the plan drafts other rounds at the new worth (fewer, or more, of the marginal
+        # ones): what they deliver is measured afresh
+        seen.drafts.clear()
+        self.corrections.append(change)
+        self.changed = True
+        return change
+
+    def snapshot(self) -> dict[int, float]:
+        """The worth at each row count seen (what a decoder stores beside its prices)."""
+        return {rows: seen.worth for rows, seen in sorted(self.counts.items())}
+
+
+def _clamped(worth: float) -> float:
+    low, high = WORTH_RANGE
+    return min(max(worth, low), high) if math.isfinite(worth) else 1.0
