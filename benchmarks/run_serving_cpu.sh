@@ -27,7 +27,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: build it with benchmarks/studies/llamacpp-peer/llamacpp_peer.sh, or set LLAMA_SERVER" >&2; exit 1; }
+# SERVING_PLAN=auto-check: only drafting auto against drafting off and llama-server (code and
+# chat at 1, 4 and 8 requests, equal work, three passes), into
+# benchmarks/studies/auto-any-machine/serving/: what `auto` gives on the machine that runs it
+plan=${SERVING_PLAN:-full}
 out=benchmarks/results/serving-default-pair
+servers="ours ours-plain llama-server llama-server-draft llama-cpp-python"
+if [ "$plan" = auto-check ]; then
+  out=benchmarks/studies/auto-any-machine/serving
+  servers="ours ours-plain llama-server"
+fi
 logs=runs/serving-logs
 mkdir -p "$out" "$logs"
 tokens=64
@@ -51,7 +60,7 @@ stop_all() { for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null; done
 trap stop_all EXIT
 # one at a time, each ready before the next starts: our servers time this machine's pass
 # prices on a first start, which other servers loading beside them would skew
-for name in ours ours-plain llama-server llama-server-draft llama-cpp-python; do
+for name in $servers; do
   ${cmd[$name]} >"$logs/$name.log" 2>&1 &
   pid[$name]=$!
   probe=/health  # 503 while loading
@@ -73,6 +82,17 @@ step() {  # step NAME BENCH-ARGS...: one bench-serve record unless it is there a
   specdecode bench-serve "$@" --max-tokens $tokens --out "$out/$name" --quiet \
     || echo "$name: failed (see above)" >&2
 }
+three="ours ours-plain llama-server"
+if [ "$plan" = auto-check ]; then
+  # shellcheck disable=SC2046
+  step code $(labels $three) --prompts humaneval --limit 8 --modes new --concurrency 1 4 8 \
+    --repeats 3 --ignore-eos
+  # shellcheck disable=SC2046
+  step chat $(labels $three) --prompts mtbench --limit 8 --modes chat --turns 2 \
+    --concurrency 1 4 8 --repeats 3 --ignore-eos
+  grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
+  exit 0
+fi
 four="ours ours-plain llama-server llama-server-draft"
 # shellcheck disable=SC2046
 step new $(labels $four) --prompts humaneval --limit 16 --modes new --concurrency 1 4 8 16
@@ -88,7 +108,6 @@ step llama-cpp-python $(labels ours llama-cpp-python) --prompts humaneval --limi
 # shellcheck disable=SC2046
 step repeats-c1 $(labels $four) --prompts humaneval --limit 8 --modes new --concurrency 1 \
   --repeats 3
-three="ours ours-plain llama-server"
 # shellcheck disable=SC2046
 step repeats-new $(labels $three) --prompts humaneval --limit 16 --modes new --concurrency 8 16 \
   --repeats 3

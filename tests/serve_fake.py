@@ -143,6 +143,10 @@ class FakeDecoder:
     def default_stop_ids(self) -> tuple[int, ...]:
         return (EOS,)
 
+    def store_outcomes(self) -> None:
+        """What the scheduler calls between rounds; counted, so a test can see when."""
+        self.stores = getattr(self, "stores", 0) + 1
+
     def loop(self, max_rows: int = 8, prefill_chunk: int = 256, **drafting) -> FakeLoop:
         loop = FakeLoop(max_rows, self.step_delay)
         self.loops.append(loop)

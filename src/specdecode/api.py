@@ -254,6 +254,14 @@ class SpeculativeDecoder:
         return TORCH_STATIC if isinstance(self._target_lm, StaticCachedModel) else LLAMA_CPP
 
     @classmethod
+    def _named(cls, *args) -> SpeculativeDecoder:
+        """A decoder of models loaded by name or path: drafting auto reads what `generate` and
+        `serve` read, the standard library's code (`use_corpus` chooses otherwise)."""
+        decoder = cls(*args)
+        decoder._default_corpus = DEFAULT_CORPUS
+        return decoder
+
+    @classmethod
     def from_pretrained(
         cls,
         target: str,
@@ -302,31 +310,6 @@ class SpeculativeDecoder:
         has no match, as `specdecode generate` and `serve` do (indexed at its first use,
         seconds, then cached; `use_corpus(None)` turns it off).
         """
-        decoder = cls._loaded(
-            target, drafter, dtype, device, prepack, drafter_int8, backend, threads, compile,
-            tokenizer, context, prefix_cache_mib, passes,
-        )  # fmt: skip
-        # drafting auto reads what `generate` and `serve` read: the standard library's code
-        decoder._default_corpus = DEFAULT_CORPUS
-        return decoder
-
-    @classmethod
-    def _loaded(
-        cls,
-        target: str,
-        drafter: str | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        prepack: bool | None = None,
-        drafter_int8: bool = False,
-        backend: str | None = None,
-        threads: int | None = None,
-        compile: bool | None = None,
-        tokenizer=None,
-        context: int | None = None,
-        prefix_cache_mib: int = 0,
-        passes: int | None = None,
-    ) -> SpeculativeDecoder:
         backend = backend or default_backend(target, device)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -381,15 +364,15 @@ class SpeculativeDecoder:
 
         target_lm = wrap(target_model, "target")
         if drafter is None:
-            return cls(target_lm, tokenizer)
+            return cls._named(target_lm, tokenizer)
         if drafter == PROMPT_LOOKUP:
-            return cls(target_lm, tokenizer, PromptLookup())
+            return cls._named(target_lm, tokenizer, PromptLookup())
         draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
         if drafter_int8:
             draft_model = quantize_int8(draft_model)
         if pack:  # an int8 copy has no fp32 Linear left, so packing leaves it as it is
             prepack_linears(draft_model)
-        return cls(target_lm, tokenizer, wrap(draft_model, "drafter"), draft_tokenizer)
+        return cls._named(target_lm, tokenizer, wrap(draft_model, "drafter"), draft_tokenizer)
 
     @classmethod
     def _from_gguf(
@@ -413,9 +396,9 @@ class SpeculativeDecoder:
         }
         target_lm = LlamaCppModel(path, role="target", threads=threads, passes=passes, **sized)
         if drafter is None:
-            return cls(target_lm, tokenizer)
+            return cls._named(target_lm, tokenizer)
         if drafter == PROMPT_LOOKUP:
-            return cls(target_lm, tokenizer, PromptLookup())
+            return cls._named(target_lm, tokenizer, PromptLookup())
         draft_path = gguf_path(drafter)
         draft_lm = DeferredModel(
             lambda: LlamaCppModel(draft_path, role="drafter", threads=threads, **sized),
@@ -423,7 +406,7 @@ class SpeculativeDecoder:
             draft_path,
             target_lm.threads,
         )  # loaded where a drafting setting drafts with it (`_draft_lm`)
-        return cls(target_lm, tokenizer, draft_lm)
+        return cls._named(target_lm, tokenizer, draft_lm)
 
     def prices(
         self, rows: int = 1, retime: bool = False, cache_dir: str | Path | None = None

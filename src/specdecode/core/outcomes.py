@@ -15,20 +15,26 @@ a loss against plain decoding; on one where it is wide (a GPU) it costs a little
 
 Their ratio over the recent drafting rounds, measured gain over predicted gain, is the *worth*
 of a predicted gain at that row count: 1 where the plan's predictions hold, 0.8 where drafting
-delivers four fifths of what the plan expected. The plan drafts a round only where its
-predicted gain times this worth beats a plain step (`planners.plan_lengths`). Both kinds of
-rounds are measured side by side in time, so a machine that slows down as a whole (another
-process starts) moves both and leaves the worth alone; what moves it is drafting paying more
-or less than predicted.
+delivers four fifths of what the plan expected (its acceptance estimates optimistic, its
+prices too low, work the prices do not hold). The plan drafts a round only where its predicted
+gain times this worth beats a plain step (`planners.plan_lengths`); until measured the worth
+is `FIRST_WORTH`, so a draft must promise a little more than a plain step. Both kinds of rounds
+are measured side by side in time, so a machine that slows down as a whole (another process
+starts) moves both and leaves the worth alone; what moves it is drafting paying more or less
+than predicted.
 
 A correction is made only where the evidence lies outside its noise: the measured worth is
-more than `confidence` standard errors and `tolerance` away from the current one. A correction
-that would reverse the last one at a row count waits `hold` rounds at that count, so the worth
-cannot flip at every correction. A kind of round not seen for `explore_every` rounds at a row
-count is run once (a plain round where the plan always drafts, the prices' own plan where it
-never does): at most two rounds in `explore_every` are exploration (4% at the default 50), and
-each exploration that finds nothing new doubles the wait for the next of its kind, up to
-`BACKOFF` times (0.5% a kind), until a correction says the machine changed.
+more than `confidence` standard errors and `tolerance` away from the current one. After one,
+the drafting rounds the plan now runs (fewer or more of the marginal ones) are measured afresh.
+A correction that would reverse the last one at a row count waits `hold` rounds at that count,
+so the worth cannot flip at every correction.
+
+A kind of round not seen for `explore_every` rounds at a row count is run once: a plain round
+where the plan always drafts, a bolder plan where it never does (prices that undersell drafting
+show it only in rounds they would not draft). At most two rounds in `explore_every` explore (4%
+at the default 50); each exploration that finds nothing new doubles the wait for the next of
+its kind, up to `BACKOFF` times (0.5% a kind), until a correction says the machine changed or
+an explored drafting round beats a plain one.
 
 No file is read or written here: a decoder stores the worth beside its prices outside any round.
 """

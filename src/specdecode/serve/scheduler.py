@@ -159,6 +159,8 @@ class Scheduler:
         self.state = "ready"
         self.loaded.set()
         while True:
+            if not len(loop) or self._stopping:
+                self._store()
             with self._lock:
                 while not (self._stopping or self._cancels or self._waiting or len(loop)):
                     self._lock.wait()
@@ -170,6 +172,14 @@ class Scheduler:
                     self._round(loop)
             except Exception as error:  # the loop's state is not to be trusted: start clean
                 self._fail_running(loop, error)
+
+    def _store(self) -> None:
+        """What drafting was worth, stored beside the prices while no round runs (idle, or
+        stopping); a store that fails is logged and serving goes on."""
+        try:
+            self.decoder.store_outcomes()
+        except Exception:
+            log.exception("storing what drafting was worth failed; it is kept in memory")
 
     def _admit(self, loop: Any) -> None:
         """Cancelled rows leave and waiting requests take the free rows, before the round."""
