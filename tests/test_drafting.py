@@ -429,3 +429,19 @@ def test_a_drafter_far_behind_pays_its_catch_up_first() -> None:
     planner.start(1)
     assert planner.plan([0], [0], [4], [1])[0][0] > 0
     assert planner.plan([0], [0], [4], [400])[0][0] == 0
+
+
+def test_a_plan_drafts_only_where_its_gain_times_its_worth_beats_a_plain_step() -> None:
+    """The worth drafting's judge measured scales what a drafting plan promises: at 1 the
+    prices' own plan, lower fewer drafts (none where even the best promise falls short), 0 a
+    plain round."""
+    prices = Prices((1,), ((1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1, 3.4),), (0.1,), 0.05)
+    args = ([0.9, 0.6], [8, 8], [8, 8], [False, False], prices)
+    full, _, promised = plan_lengths(*args)
+    assert sum(full) > 0 and promised.ratio > 1
+    fewer, _, _ = plan_lengths(*args, worth=0.9)
+    assert sum(fewer) <= sum(full)
+    plain = 2 / prices.even_cost(2, 1)  # a plain step's tokens per unit of cost
+    none, pads, seen = plan_lengths(*args, worth=0.99 * plain / promised.ratio)
+    assert sum(none) == sum(pads) == 0 and seen.ratio == pytest.approx(plain)
+    assert plan_lengths(*args, worth=0.0)[0] == [0, 0]

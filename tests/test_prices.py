@@ -225,6 +225,8 @@ def test_the_worth_is_stored_beside_the_prices_outside_the_rounds(
     assert pricing.load_worth(key, tmp_path) == judge.snapshot()
     assert pricing.load_prices(key, tmp_path) == known  # the prices stand; the worth moved
     assert not judge.changed
+    saved_pair.prices(2)  # timed for more rows: what the rounds showed is kept
+    assert saved_pair._outcomes is judge and judge.snapshot()[1] < 0.6
 
 
 def test_an_unwritable_cache_is_said_once_and_decoding_goes_on(

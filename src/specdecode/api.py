@@ -437,7 +437,9 @@ class SpeculativeDecoder:
             )  # fmt: skip
             if key is not None:
                 self._store(lambda: pricing.store_prices(key, found, root, worth))
-        self._prices, self._outcomes = found, Outcomes(worth)
+        self._prices = found
+        if self._outcomes is None:  # a timing for more rows keeps what rounds have shown
+            self._outcomes = Outcomes(worth)
         self._price_entry = (key, root) if key is not None else None
         return found
 

@@ -316,7 +316,10 @@ class PricedPlanner:
     draft) has two sources: it (free, right less often) or the model (dear, right more often). Both
     assignments are planned each round, the model taking such rows or leaving them to their
     match, and the better plan is kept: at one row on a GPU the model wins them, at eight rows
-    on a CPU, where a drafter step costs half a target step, their matches do."""
+    on a CPU, where a drafter step costs half a target step, their matches do.
+
+    `outcomes`: drafting's judge, asked each round what a predicted gain is worth at this row
+    count and told what the kept plan predicts (`outcomes.Outcomes`)."""
 
     def __init__(
         self,
