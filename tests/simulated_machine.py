@@ -116,27 +116,24 @@ EPYC = Curve(
     37.5,
     plan_steps=0.03,
 )
+
+
+def _cpu(name: str, base: dict[int, float], slope: dict[int, float], drafts, ms: float) -> Curve:
+    """A llama.cpp CPU whose pass of r rows of t tokens costs base[r] (1 + slope[r] (t - 1))."""
+    return Curve(name, ROWS, _formula(base, slope), drafts, "levels", ms, plan_steps=0.02)
+
+
 # the development VM (2-core Intel Xeon, memory-bound): about 0.35 of a step a token, 8 rows
 # twice the tokens/s of one
-XEON = Curve(
-    "Xeon CPU",
-    ROWS,
-    _formula({1: 1.0, 2: 1.3, 4: 2.2, 8: 4.0}, {1: 0.35, 2: 0.35, 4: 0.38, 8: 0.40}),
-    (0.65, 0.85, 1.3, 2.3),
-    "levels",
-    55.0,
-    plan_steps=0.02,
-)
+XEON = _cpu(
+    "Xeon CPU", {1: 1.0, 2: 1.3, 4: 2.2, 8: 4.0}, {1: 0.35, 2: 0.35, 4: 0.38, 8: 0.40},
+    (0.65, 0.85, 1.3, 2.3), 55.0,
+)  # fmt: skip
 # a CPU where every token of a pass costs a full step, and rows no less
-FULL_STEP = Curve(
-    "full-step CPU",
-    ROWS,
-    _formula({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}),
-    (0.4, 0.8, 1.6, 3.2),
-    "levels",
-    40.0,
-    plan_steps=0.02,
-)
+FULL_STEP = _cpu(
+    "full-step CPU", {r: float(r) for r in ROWS}, dict.fromkeys(ROWS, 1.0),
+    (0.4, 0.8, 1.6, 3.2), 40.0,
+)  # fmt: skip
 # a GPU, passes captured: up to 8 tokens within 1.1 steps, rows nearly free
 GPU = Curve(
     "GPU",

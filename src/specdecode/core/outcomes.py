@@ -131,7 +131,7 @@ class Outcomes:
         kind of round has not been seen for `explore_every` plans at this row count."""
         seen = self._at(rows)
         seen.asked += 1
-        self._exploring = None
+        self._exploring = self._prediction = None  # a round not observed leaves none behind
         most = self.explore_every * BACKOFF
         if seen.asked - seen.last_plain > (seen.plain_wait or self.explore_every):
             seen.last_plain = seen.asked  # tried: asked again only after as many rounds
