@@ -166,18 +166,29 @@ class Weather:
 
 
 class Machine:
-    """A virtual clock that passes advance by what they cost on `curve` in `weather`."""
+    """A virtual clock that passes advance by what they cost on `curve` in `weather`; once
+    `shifted`, on `after_shift` (where given) instead."""
 
-    def __init__(self, curve: Curve, weather: Weather = Weather(), seed: int = 0) -> None:
-        self.curve, self.weather = curve, weather
-        self.truth = curve.prices
+    def __init__(
+        self,
+        curve: Curve,
+        weather: Weather = Weather(),
+        seed: int = 0,
+        after_shift: Curve | None = None,
+    ) -> None:
+        self.weather, self.seed = weather, seed
+        # each curve with its prices, built once (every pass reads them)
+        self.curves = [(c, c.prices) for c in (curve, after_shift or curve)]
         self.now = 0.0
-        self.seed = seed
         self.round = -1  # the run's round (-1: timing prices); its weather is the same in
         self.passes = 0  # every method's run, whatever passes the others ran before
         self.random = random.Random(seed)
-        self.after_shift: Curve | None = None  # a curve the shift changes to (None: scaled)
         self.shifted = False
+
+    @property
+    def curve(self) -> Curve:
+        """The curve in effect now."""
+        return self.curves[self.shifted][0]
 
     def clock(self) -> float:
         return self.now
@@ -197,22 +208,15 @@ class Machine:
         if w.stall_every and self.random.randrange(w.stall_every) == 0:
             factor *= w.stall
         self.passes += 1
-        self.now += steps * factor * self._curve().step_ms / 1e3
+        self.now += steps * factor * self.curve.step_ms / 1e3
 
     def pass_steps(self, counts: list[int]) -> float:
-        truth = self._truth()
-        return truth.shape_cost(counts)
+        return self.curves[self.shifted][1].shape_cost(counts)
 
     def draft_steps(self, rows: int, tokens: int) -> float:
-        truth = self._truth()
+        truth = self.curves[self.shifted][1]
         step = truth.draft_cost(rows) or 0.0
         return step * truth.even_cost(1, tokens) / truth.even_cost(1, 1)
-
-    def _curve(self) -> Curve:
-        return self.after_shift if self.after_shift is not None and self.shifted else self.curve
-
-    def _truth(self) -> Prices:
-        return self._curve().prices if self.after_shift is not None and self.shifted else self.truth
 
 
 # ---- texts ----
@@ -416,7 +420,7 @@ class SimDrafter(MixedDrafter):
     def propose(self, sequences, seq_lens, max_tokens, rng):
         draft = super().propose(sequences, seq_lens, max_tokens, rng)
         if int(draft.lengths.sum()):  # host work a drafting round does besides its passes
-            self.machine.spend(self.machine._curve().plan_steps)
+            self.machine.spend(self.machine.curve.plan_steps)
         return draft
 
 
@@ -465,8 +469,7 @@ def run(
     the drafter model). From round `shift_round` on the machine has shifted (`Weather.shift`,
     and `after_shift`'s curve where given). `prices`: the plan's prices (default: timed on the
     machine)."""
-    machine = Machine(curve, weather, seed)
-    machine.after_shift = after_shift
+    machine = Machine(curve, weather, seed, after_shift)
     world = World(text, seed)
     target = SimModel(machine, world, "target")
     drafter_lm = SimModel(machine, world, "drafter") if with_model else None

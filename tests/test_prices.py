@@ -208,7 +208,7 @@ def test_the_worth_is_stored_beside_the_prices_outside_the_rounds(
     known = saved_pair.prices(1)
     (entry,) = tmp_path.glob("*.json")
     written = entry.stat().st_mtime_ns
-    judge = saved_pair._outcomes
+    judge = saved_pair.outcomes
     plain = known.step_seconds
     for _ in range(40):  # plain rounds, then drafting rounds at half the gain predicted
         saved_pair.observe_round([1], 1, plain)
@@ -226,7 +226,7 @@ def test_the_worth_is_stored_beside_the_prices_outside_the_rounds(
     assert pricing.load_prices(key, tmp_path) == known  # the prices stand; the worth moved
     assert not judge.changed
     saved_pair.prices(2)  # timed for more rows: what the rounds showed is kept
-    assert saved_pair._outcomes is judge and judge.snapshot()[1] < 0.6
+    assert saved_pair.outcomes is judge and judge.snapshot()[1] < 0.6
 
 
 def test_an_unwritable_cache_is_said_once_and_decoding_goes_on(
@@ -241,9 +241,9 @@ def test_an_unwritable_cache_is_said_once_and_decoding_goes_on(
     monkeypatch.setattr(pricing, "store_prices", refuse)
     with caplog.at_level("WARNING", logger="specdecode"):
         prices = saved_pair.prices(1)  # timed, not stored
-        saved_pair._outcomes.changed = True
+        saved_pair.outcomes.changed = True
         saved_pair.store_outcomes()
-        saved_pair._outcomes.changed = True
+        saved_pair.outcomes.changed = True
         saved_pair.store_outcomes()
     said = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
     assert len(said) == 1 and "read-only" in said[0]

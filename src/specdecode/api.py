@@ -449,6 +449,12 @@ class SpeculativeDecoder:
         `prices()`, never a timing."""
         return self._prices
 
+    @property
+    def outcomes(self) -> Outcomes | None:
+        """Drafting's judge: what the plan's predicted gains have been worth here, by row count
+        (`snapshot()`), and its corrections; None before any prices are known."""
+        return self._outcomes
+
     def use_prices(self, prices: Prices) -> None:
         """Take prices another decoder of the same model files found (`prices()` of a decoder
         closed to free its memory, now loaded again): its timing stands, where a model built

@@ -63,7 +63,7 @@ for cell in args.cells:
             wall = time.perf_counter() - start
             seconds[mode].append(wall)
             figures = loop.stats.summary().split(";")[3].strip()
-            judge = decoder._outcomes
+            judge = decoder.outcomes
             worth = judge.snapshot() if judge is not None else {}
             print(
                 f"{cell} | {rep} {mode}: {wall:.2f} s, {rounds} rounds, {figures}"
@@ -82,7 +82,7 @@ for cell in args.cells:
     )
     summary.append(line)
     print(line, flush=True)
-judge = decoder._outcomes
+judge = decoder.outcomes
 print(
     "corrections:", [(c.rows, c.round, round(c.old, 3), round(c.new, 3)) for c in judge.corrections]
 )

@@ -76,6 +76,23 @@ class Correction:
 
 
 @dataclass
+class _Kind:
+    """When a kind of round (plain, or drafting) was last seen at a row count, in plans, and
+    how many plans without one before one is run (0: `explore_every`)."""
+
+    last: int = 0
+    wait: int = 0
+
+    def due(self, asked: int, every: int) -> bool:
+        """Whether the plan `asked` explores this kind; if so the next wait doubles."""
+        if asked - self.last <= (self.wait or every):
+            return False
+        self.last = asked
+        self.wait = min(2 * (self.wait or every), every * BACKOFF)
+        return True
+
+
+@dataclass
 class _RowCount:
     """What has been seen at one row count."""
 
@@ -87,10 +104,8 @@ class _RowCount:
     )
     rounds: int = 0  # rounds observed at this row count
     asked: int = 0  # plans asked for at this row count
-    last_plain: int = 0  # `asked` at the last plain round observed
-    last_draft: int = 0  # `asked` at the last drafting round observed (or tried)
-    plain_wait: int = 0  # plans without a plain round before one is run (0: not set yet)
-    draft_wait: int = 0  # plans without a drafting round before the prices' own plan is run
+    plain_seen: _Kind = field(default_factory=_Kind)
+    draft_seen: _Kind = field(default_factory=_Kind)
     since_judged: int = 0
     last_change: Correction | None = None
 
@@ -118,7 +133,7 @@ class Outcomes:
         self.explored = 0  # rounds run as exploration
         self.changed = False  # a correction not yet stored (`stored`)
         self._prediction: tuple[int, float, float] | None = None  # (rows, tokens, steps)
-        self._exploring: tuple[int, str] | None = None
+        self._exploring: str | None = None  # the kind of round this plan explores
 
     def _at(self, rows: int) -> _RowCount:
         if rows not in self.counts:
@@ -132,16 +147,11 @@ class Outcomes:
         seen = self._at(rows)
         seen.asked += 1
         self._exploring = self._prediction = None  # a round not observed leaves none behind
-        most = self.explore_every * BACKOFF
-        if seen.asked - seen.last_plain > (seen.plain_wait or self.explore_every):
-            seen.last_plain = seen.asked  # tried: asked again only after as many rounds
-            seen.plain_wait = min(2 * (seen.plain_wait or self.explore_every), most)
-            self._exploring = rows, "plain"
+        if seen.plain_seen.due(seen.asked, self.explore_every):
+            self._exploring = "plain"
             return 0.0
-        if seen.asked - seen.last_draft > (seen.draft_wait or self.explore_every):
-            seen.last_draft = seen.asked
-            seen.draft_wait = min(2 * (seen.draft_wait or self.explore_every), most)
-            self._exploring = rows, "draft"
+        if seen.draft_seen.due(seen.asked, self.explore_every):
+            self._exploring = "draft"
             # the plan as the prices have it, or bolder: a machine whose prices undersell
             # drafting shows it only in rounds they would not draft
             return max(1.0, min(EXPLORE_BOLDER * seen.worth, WORTH_RANGE[1]))
@@ -167,9 +177,9 @@ class Outcomes:
         seen.rounds += 1
         if max(fed) <= 1:
             seen.plain.append(seconds)
-            seen.last_plain = seen.asked
+            seen.plain_seen.last = seen.asked
             return None
-        seen.last_draft = seen.asked
+        seen.draft_seen.last = seen.asked
         if seen.rounds <= SETTLE:
             return None
         if prediction is None or prediction[0] != rows or not seen.plain:
@@ -178,9 +188,9 @@ class Outcomes:
         taken = seconds / statistics.median(seen.plain)
         taken = min(max(taken, steps / CLIP), steps * CLIP)
         seen.drafts.append((taken, steps, committed / rows, tokens))
-        if exploring is not None and committed / rows > taken:
+        if exploring == "draft" and committed / rows > taken:
             # an explored drafting round beat a plain one: look again soon, not after a wait
-            seen.draft_wait = max(self.explore_every // 5, 2)
+            seen.draft_seen.wait = max(self.explore_every // 5, 2)
         seen.since_judged += 1
         if len(seen.drafts) < LEAST or seen.since_judged < JUDGE_EVERY:
             return None
@@ -208,7 +218,7 @@ class Outcomes:
             return None  # it would reverse the last correction before its hold is over
         change = Correction(rows, seen.rounds, seen.worth, measured, error)
         seen.worth, seen.last_change = measured, change
-        seen.plain_wait = seen.draft_wait = 0  # a changed machine is explored afresh
+        seen.plain_seen.wait = seen.draft_seen.wait = 0  # a changed machine is explored afresh
         # the plan drafts other rounds at the new worth (fewer, or more, of the marginal
         # ones): what they deliver is measured afresh
         seen.drafts.clear()

@@ -465,17 +465,25 @@ def cache_file(key: dict[str, Any], folder: Path) -> Path:
     return folder / f"{digest}.json"
 
 
+def _entry(key: dict[str, Any], folder: Path) -> dict[str, Any] | None:
+    """The cache entry under `key`; None where there is none, it is unreadable or it holds
+    another key."""
+    try:
+        entry = json.loads(cache_file(key, folder).read_text())
+        return entry if entry["key"] == json.loads(json.dumps(key)) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | None:
     """The cached prices under `key` if they cover `timed_rows(rows)`; None where there are
     none, the file is unreadable or holds another key (then they are timed afresh)."""
+    entry = _entry(key, folder)
     try:
-        entry = json.loads(cache_file(key, folder).read_text())
-        if entry["key"] != json.loads(json.dumps(key)):
-            return None
-        prices = Prices.from_json(entry["prices"])
-    except (OSError, ValueError, KeyError, TypeError):
+        prices = Prices.from_json(entry["prices"]) if entry is not None else None
+    except (ValueError, KeyError, TypeError):
         return None
-    if prices.step_seconds is None or prices.rows[-1] < timed_rows(rows)[-1]:
+    if prices is None or prices.step_seconds is None or prices.rows[-1] < timed_rows(rows)[-1]:
         return None
     if (prices.drafts is None) != (key["drafter"] is None):
         return None
@@ -486,11 +494,9 @@ def load_worth(key: dict[str, Any], folder: Path) -> dict[int, float]:
     """The worth of the plan's predicted gains by row count stored beside the prices under
     `key` (`outcomes.Outcomes`); empty where there is none or it cannot be read."""
     try:
-        entry = json.loads(cache_file(key, folder).read_text())
-        if entry["key"] != json.loads(json.dumps(key)):
-            return {}
-        worth = {int(r): float(v) for r, v in entry.get("worth", {}).items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        stored = (_entry(key, folder) or {}).get("worth", {})
+        worth = {int(r): float(v) for r, v in stored.items()}
+    except (ValueError, TypeError, AttributeError):
         return {}
     return {r: v for r, v in worth.items() if r >= 1 and _positive(v)}
 

@@ -39,7 +39,6 @@ greedy decoding and the sampled law stays the target's (the lengths are a stoppi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -278,9 +277,10 @@ def plan_lengths(
         return outlook(k, real).ratio
 
     plain = [0] * batch
+    if worth <= 0:  # a plain round asked for: nothing to weigh
+        return plain, plain, outlook(plain, plain)
     # a drafting plan must beat a plain step by what its predictions have been worth
-    best, best_real = plain, plain
-    best_ratio = ratio(plain, plain) / worth if worth > 0 else math.inf
+    best, best_real, best_ratio = plain, plain, ratio(plain, plain) / worth
     modes = (True, False) if models else (True,)
     # past every row's source tokens a depth only adds fillers: more cost, nothing expected
     deepest = max(map(min, budget, caps), default=0)
