@@ -1,16 +1,24 @@
 """A row's tokens turned into text as they are committed, with stop strings honoured exactly.
 
-Streaming text has two traps. A multi-byte character may be split over tokens, so a prefix of the
-tokens decodes to a trailing U+FFFD that the next token turns into the real character: the
-trailing replacement characters are held back until the row ends. And a stop string may span
-tokens or rounds: text that could still be the start of a stop string is held back until the
-next tokens show whether it is one. The whole row is decoded each time (not a window of tokens),
-so what is emitted is exactly the text the finished row decodes to, cut at the stop string.
+Streaming text has three traps. A multi-byte character may be split over tokens, so a prefix of
+the tokens decodes to a trailing U+FFFD that the next token turns into the real character: the
+trailing replacement characters are held back until the row ends. A stop string may span tokens
+or rounds: text that could still be the start of a stop string is held back until the next
+tokens show whether it is one. And decoding the whole row every round, the simple way to get
+both right, costs a round time in proportion to the answer so far (the square of its length in
+all); so only a window of the last tokens is decoded, as vLLM's and TGI's detokenizers do, and
+what is emitted is still exactly the text the finished row decodes to, cut at the stop string.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 REPLACEMENT = "\ufffd"
+# tokens beyond the settled ones a row may hold undecided while its text keeps ending in broken
+# characters; past it they are given out as decoded (a row of nothing but invalid bytes), so the
+# window, and a round's cost, stay bounded whatever the row produces
+MAX_UNSETTLED_TOKENS = 64
 
 
 def longest_partial_stop(text: str, stops: tuple[str, ...]) -> int:
@@ -24,31 +32,94 @@ def longest_partial_stop(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
+class Detokenizer:
+    """The text of a growing token list, decoding only a window of its last tokens.
+
+    `ids` is the window: `ids[:read]` are settled tokens kept only as context, because a
+    token's text can depend on the ones before it (a SentencePiece word's leading space is
+    dropped at the start of a decode; byte tokens are joined into characters); their text,
+    `prefix_text`, was given out before. The text of `ids[read:]` is what decoding the whole
+    window adds to the context's text. It is given out, and the window settled, up to the last
+    token at which that text ends on a whole character, never a trailing U+FFFD that the next
+    token may turn into the real character; so the window spans about the last two rounds'
+    tokens. Tokens that add no text to a context that has some (special tokens, skipped) are
+    dropped rather than kept in the window.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.read = 0
+        self.prefix_text = ""  # the text of ids[:read], decoded alone
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def extend(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+
+    def unread(self, drop: int = 0) -> str:
+        """The text not given out yet: the unsettled tokens' but the last `drop` (a trailing
+        U+FFFD included)."""
+        return self._decode(self.ids[: len(self.ids) - drop])[len(self.prefix_text) :]
+
+    def take(self, text: str, final: bool) -> str:
+        """What of `text` (`unread()`) is safe to give out, the window settled after it: all of
+        it if `final` or if it ends on a whole character, else up to the last token that does.
+        """
+        end = len(self.ids)
+        force = end - self.read > MAX_UNSETTLED_TOKENS
+        if final or force or not text.endswith(REPLACEMENT):
+            self._settle(end, text, force)
+            return text
+        for drop in range(1, end - self.read):
+            settled = self.unread(drop)
+            if settled and not settled.endswith(REPLACEMENT):
+                self._settle(end - drop, settled, force)
+                return settled
+        return ""
+
+    def _settle(self, end: int, text: str, force: bool) -> None:
+        """ids[read:end], whose text in context is `text`, are settled (given out)."""
+        if not text:  # nothing to give the next window as context
+            if self.prefix_text or force:
+                del self.ids[self.read : end]
+            return
+        del self.ids[: self.read]
+        self.read = end - self.read
+        self.prefix_text = self._decode(self.ids[: self.read])
+
+
 class RowText:
     """The text of one row, emitted piece by piece: `feed` the committed tokens, get the new text.
 
     `stopped` turns true once a stop string has appeared; the text then ends right before it and
     `tokens_used` is the number of tokens it took to produce the stop string (the usage count).
+    A round costs the same whatever the length of the row so far: the tokens are decoded through
+    a `Detokenizer`'s window, and stop strings are looked for only in the text held back (a
+    possible stop string's start) and the new text.
     """
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()):
-        self.tokenizer = tokenizer
+    def __init__(
+        self, tokenizer: Any, stops: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()
+    ) -> None:
+        self.text = Detokenizer(tokenizer)
         self.stops = tuple(s for s in stops if s)
         self.stop_ids = frozenset(stop_ids)
-        self.tokens: list[int] = []
-        self.emitted = ""
+        self.held = ""  # text decoded but not shown: it could begin a stop string
+        self.pieces: list[str] = []
         self.stopped = False
         self.tokens_used = 0
 
-    def _decode(self, tokens: list[int]) -> str:
-        if tokens and tokens[-1] in self.stop_ids:  # the end id is not part of the text
-            tokens = tokens[:-1]
-        return self.tokenizer.decode(
-            tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+    @property
+    def emitted(self) -> str:
+        """All the text shown so far."""
+        return "".join(self.pieces)
 
-    def _first_stop(self, text: str, start: int) -> int | None:
-        found = [i for s in self.stops if (i := text.find(s, start)) >= 0]
+    def _first_stop(self, text: str) -> int | None:
+        found = [i for s in self.stops if (i := text.find(s)) >= 0]
         return min(found) if found else None
 
     def feed(self, tokens: list[int], final: bool = False) -> str:
@@ -59,36 +130,32 @@ class RowText:
         """
         if self.stopped:
             return ""
-        before = len(self.tokens)
-        self.tokens.extend(tokens)
-        text = self._decode(self.tokens)
-        # a stop string can only begin where the emitted text could not yet rule it out
-        start = max(0, len(self.emitted) - max((len(s) for s in self.stops), default=0))
-        cut = self._first_stop(text, start) if self.stops else None
+        before = self.tokens_used
+        self.tokens_used += len(tokens)
+        if tokens and tokens[-1] in self.stop_ids:  # the end id is not part of the text
+            tokens = tokens[:-1]
+        self.text.extend(tokens)
+        unread = self.text.unread()
+        # a stop string can only begin in the held text (longer shown text was no stop's start)
+        cut = self._first_stop(self.held + unread) if self.stops else None
         if cut is not None:
             self.stopped = True
-            self.tokens_used = self._tokens_to_stop(before, start)
-            return self._emit(text[:cut])
-        self.tokens_used = len(self.tokens)
-        if not final:
-            text = text.rstrip(REPLACEMENT)
-            text = text[: len(text) - longest_partial_stop(text, self.stops)]
-        return self._emit(text)
+            self.tokens_used = before + self._tokens_to_stop(len(tokens))
+            return self._emit((self.held + unread)[:cut])
+        text = self.held + self.text.take(unread, final)
+        keep = 0 if final else longest_partial_stop(text, self.stops)
+        self.held = text[len(text) - keep :]
+        return self._emit(text[: len(text) - keep])
 
-    def _tokens_to_stop(self, before: int, start: int) -> int:
-        """The fewest tokens whose text contains a stop string (a round may commit several)."""
-        for n in range(before + 1, len(self.tokens)):
-            if self._first_stop(self._decode(self.tokens[:n]), start) is not None:
+    def _tokens_to_stop(self, new: int) -> int:
+        """The fewest of the `new` tokens whose text completes a stop string (a round may commit
+        several)."""
+        for n in range(1, new):
+            if self._first_stop(self.held + self.text.unread(drop=new - n)) is not None:
                 return n
-        return len(self.tokens)
+        return new
 
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.emitted):
-            # a tokenizer whose text of a prefix is not a prefix of the text (rare
-            # normalisation); the shown text cannot be taken back, so go on from its length
-            piece = text[len(self.emitted) :]
-            self.emitted = self.emitted + piece
-            return piece
-        piece = text[len(self.emitted) :]
-        self.emitted = text
+    def _emit(self, piece: str) -> str:
+        if piece:
+            self.pieces.append(piece)
         return piece
