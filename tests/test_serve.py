@@ -7,8 +7,10 @@ The same behaviour against real models is tests/test_serve_live.py.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -26,9 +29,11 @@ openai = pytest.importorskip("openai")
 import uvicorn  # noqa: E402
 from serve_fake import EOS, ByteTokenizer, FakeDecoder, expected_text  # noqa: E402
 
-from specdecode.serve.app import ServerState, create_app  # noqa: E402
+from specdecode.serve.app import ServerState, create_app, warm_tokenizer  # noqa: E402
 from specdecode.serve.metrics import ServerMetrics  # noqa: E402
+from specdecode.serve.protocol import parse_completion  # noqa: E402
 from specdecode.serve.scheduler import Scheduler  # noqa: E402
+from specdecode.serve.server import ServeConfig, loopback, serve  # noqa: E402
 from specdecode.serve.text import RowText, longest_partial_stop  # noqa: E402
 
 MODEL = "fake"
@@ -44,14 +49,24 @@ class Live:
     """The app under uvicorn in a thread, over a fake decoder."""
 
     def __init__(
-        self, decoder=None, load=None, api_key=None, max_batch=4, max_queue=64, context=None
+        self,
+        decoder=None,
+        load=None,
+        api_key=None,
+        max_batch=4,
+        max_queue=64,
+        context=None,
+        max_body_bytes=4 << 20,
     ) -> None:
         self.decoder = decoder or FakeDecoder(step_delay=0.002)
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(
             load or (lambda: self.decoder), self.metrics, max_batch, max_queue
         )
-        self.state = ServerState(self.scheduler, self.metrics, MODEL, api_key, context)
+        self.api_key = api_key
+        self.state = ServerState(
+            self.scheduler, self.metrics, MODEL, api_key, context, max_body_bytes=max_body_bytes
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
@@ -83,12 +98,13 @@ class Live:
         )
 
     def post(self, path: str, body, **kw) -> httpx.Response:
-        content = body if isinstance(body, bytes | str) else json.dumps(body)
+        content = json.dumps(body) if isinstance(body, dict | list) else body
         headers = {"content-type": "application/json", **kw.pop("headers", {})}
         return httpx.post(self.url + path, content=content, headers=headers, timeout=30, **kw)
 
     def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(self.url + "/metrics").text
+        key = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(self.url + "/metrics", headers=key).text
         for line in text.splitlines():
             if line.startswith(f"specdecode:{name}{labels} ") or (
                 not labels and line.startswith(f"specdecode:{name} ")
@@ -341,7 +357,6 @@ def bad_requests():
     yield "not json", b"{nope", None
     yield "not an object", b"[1, 2]", None
     yield "no model", {"prompt": "hi"}, "model"
-    yield "unknown model", {**ok, "model": "gpt-5"}, "model"
     yield "no prompt", {"model": MODEL}, "prompt"
     yield "prompt type", {**ok, "prompt": 3}, "prompt"
     yield "empty prompt", {**ok, "prompt": ""}, "prompt"
@@ -423,15 +438,26 @@ def test_api_key():
             model=MODEL, prompt="x", max_tokens=2
         )
         assert out.choices[0].text == "xx"
+        # the metrics count every client's requests: the key guards them too
+        assert httpx.get(live.url + "/metrics").status_code == 401
+        key = {"authorization": "Bearer sesame"}
+        assert httpx.get(live.url + "/metrics", headers=key).status_code == 200
+        assert httpx.get(live.url + "/health").status_code == 200  # load balancers: no key
 
 
-def test_a_failing_row_fails_alone_and_a_crash_resets_the_loop(live):
+def test_a_failing_row_fails_alone_and_a_crash_resets_the_loop(live, caplog):
     def ask(p: str) -> httpx.Response:
         return live.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 20})
 
     with ThreadPoolExecutor(3) as pool:
         fail, good = pool.map(ask, ["please FAIL", "fine fine "])
-    assert fail.status_code == 500 and "could not decode" in fail.json()["error"]["message"]
+    assert fail.status_code == 500 and fail.json()["error"]["type"] == "server_error"
+    # the client learns a request id only; the engine's words are logged under it
+    message = fail.json()["error"]["message"]
+    assert re.fullmatch(r"internal error \(request id req-[0-9a-f]+\)", message), message
+    request_id = message.split()[-1].rstrip(")")
+    logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert len(logged) == 1 and "could not decode" in logged[0]
     assert (
         good.status_code == 200
         and good.json()["choices"][0]["text"] == expected_text("fine fine ", 20)[0]
@@ -528,3 +554,221 @@ def test_sigterm_drains_then_exits_zero():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ------------------------------------------------------------------ requests and limits
+
+
+class RecordingTokenizer(ByteTokenizer):
+    """The fake's tokenizer, noting the thread of each encoding and rendering; a conversation
+    whose turns do not alternate is refused by its template, as many real templates do."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        self.threads.append(threading.current_thread().name)
+        return super().__call__(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        import jinja2
+
+        self.threads.append(threading.current_thread().name)
+        roles = [m["role"] for m in messages]
+        if any(a == b for a, b in itertools.pairwise(roles)):
+            raise jinja2.TemplateError("Conversation roles must alternate user/assistant")
+        return super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+
+@pytest.fixture(scope="module")
+def recording():
+    decoder = FakeDecoder(step_delay=0.002)
+    decoder.tokenizer = RecordingTokenizer()
+    with Live(decoder, max_batch=2, max_queue=3, max_body_bytes=64 << 10) as server:
+        yield server
+
+
+def test_unknown_model_is_404_model_not_found(live):
+    with pytest.raises(openai.NotFoundError) as raised:
+        live.client().completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    error = raised.value.body
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    messages = [{"role": "user", "content": "hi"}]
+    r = live.post("/v1/chat/completions", {"model": "gpt-5", "messages": messages})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def malformed_bodies():
+    """(what, body, the param named): JSON written by hand, as a client library would not."""
+    ok = '{"model": "fake", "prompt": "x", '
+    yield "lone surrogate in the prompt", '{"model": "fake", "prompt": "a\\ud800b"}', "prompt"
+    yield "in a list of prompts", '{"model": "fake", "prompt": ["ok", "\\udfff"]}', "prompt[1]"
+    yield "in the user", ok + '"user": "\\udc00"}', "user"
+    yield "in a key", ok + '"\\ud800": 1}', "\\ud800"
+    yield "nested 5,000 deep", ok + '"metadata": ' + "[" * 5000 + "]" * 5000 + "}", None
+    yield "NaN", ok + '"temperature": NaN}', None
+    yield "an integer of 5,000 digits", ok + '"seed": ' + "9" * 5000 + "}", None
+    yield "an integer past int64", ok + '"top_k": 9223372036854775808}', "top_k"
+    yield "not UTF-8", b'{"model": "fake", "prompt": "\xff"}', None
+    yield "a long stop", {"model": MODEL, "prompt": "x", "stop": "s" * 257}, "stop"
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "param"), list(malformed_bodies()), ids=[b[0] for b in malformed_bodies()]
+)
+def test_malformed_bodies_are_400_naming_the_field(live, what, body, param):
+    r = live.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert len(error["message"]) < 300  # nothing sent is repeated at length
+    assert "\ud800" not in r.text
+
+
+def test_a_paired_surrogate_escape_is_a_character(live):
+    r = live.post(
+        "/v1/completions", '{"model": "fake", "prompt": "\\ud83d\\ude00!", "max_tokens": 5}'
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "😀!"
+
+
+def test_bad_messages_are_400_naming_the_field(recording):
+    user = {"role": "user", "content": "hi"}
+    for messages, param in [
+        ([{**user, "name": "alice"}], "messages[0].name"),
+        ([user, {**user, "role": "assistant", "tool_calls": [{}]}], "messages[1].tool_calls"),
+        ([{"role": "user", "content": "a\ud800"}], "messages[0].content"),
+        ([user, user], "messages"),  # the chat template's own refusal
+    ]:
+        body = json.dumps({"model": MODEL, "messages": messages})
+        r = recording.post("/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = recording.post("/v1/chat/completions", {"model": MODEL, "messages": [user, user]})
+    assert "roles must alternate" in r.json()["error"]["message"]
+    neutral = [{**user, "name": None}, {"role": "assistant", "content": "ok", "refusal": None}]
+    body = {"model": MODEL, "messages": [*neutral, user], "max_tokens": 3}
+    assert recording.post("/v1/chat/completions", body).status_code == 200
+
+
+def test_a_tiny_temperature_runs_greedy():
+    """Dividing the logits by 1e-38 overflows them (the row's law would be NaN): below 1e-5
+    the request is greedy, as in vLLM."""
+    body = {"model": MODEL, "prompt": "x", "temperature": 1e-38}
+    assert parse_completion(body).sampling.temperature == 0.0
+    assert parse_completion({**body, "temperature": 1e-5}).sampling.temperature == 1e-5
+
+
+def test_tokenizing_and_templates_run_off_the_event_loop(recording):
+    tokenizer = recording.decoder.tokenizer
+    tokenizer.threads.clear()
+    recording.post("/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2})
+    recording.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    )
+    assert len(tokenizer.threads) == 3
+    assert all(name.startswith("specdecode-requests") for name in tokenizer.threads)
+
+
+def test_limits_are_checked_before_the_work(recording):
+    tokenizer = recording.decoder.tokenizer
+    tokenizer.threads.clear()
+    # more characters than the context could hold at 32 a token: refused untokenized
+    chars = 512 * 32 + 1
+    r = recording.post("/v1/completions", {"model": MODEL, "prompt": "x" * chars})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    messages = [{"role": "user", "content": "y" * chars}]
+    r = recording.post("/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = recording.post("/v1/completions", {"model": MODEL, "prompt": [65] * 513})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # more prompts than the batch and the queue hold (2 + 3): the cap is said
+    r = recording.post("/v1/completions", {"model": MODEL, "prompt": ["a"] * 6, "max_tokens": 1})
+    assert r.status_code == 400 and "at most 5 per request" in r.json()["error"]["message"]
+    assert tokenizer.threads == []
+    # a body over the limit (64 KiB here), by its declared length or as it streams in
+    big = json.dumps({"model": MODEL, "prompt": "z" * (65 << 10)}).encode()
+    r = recording.post("/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    chunks = (big[i : i + 4096] for i in range(0, len(big), 4096))  # no Content-Length
+    r = recording.post("/v1/completions", chunks)
+    assert r.status_code == 413
+    r = recording.post(
+        "/v1/completions",
+        b'{"model": "fake", "prompt": "x"}',
+        headers={"content-type": "text/plain"},
+    )
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert tokenizer.threads == []
+    r = recording.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert r.json()["choices"][0]["text"] == "ok"
+
+
+def test_an_unforeseen_failure_is_500_with_a_request_id_only(caplog):
+    class Broken(ByteTokenizer):
+        def __call__(self, text: str, add_special_tokens: bool = True):
+            raise RuntimeError("secret internal state")
+
+    decoder = FakeDecoder()
+    decoder.tokenizer = Broken()
+    with Live(decoder) as live:
+        r = live.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert re.fullmatch(r"internal error \(request id (req-[0-9a-f]+)\)", error["message"])
+        assert error["type"] == "server_error" and "secret" not in r.text
+        request_id = error["message"].split()[-1].rstrip(")")
+        logged = [r for r in caplog.records if request_id in r.getMessage()]
+        assert len(logged) == 1 and "secret internal state" in str(logged[0].exc_info[1])
+        assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_the_tokenizer_is_ready_before_the_first_request(tmp_path):
+    """A saved tokenizer loads `transformers` and its chat template at its first chat
+    rendering, a second or more: the server does it while loading the models."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    from specdecode.models.tokenizer import SavedTokenizer
+
+    backend = Backend(tokenizer_models.BPE({"a": 0, "b": 1, "<eos>": 2}, []))
+    saved = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    saved.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    saved.save_pretrained(str(tmp_path))
+    tokenizer = SavedTokenizer.read(tmp_path)
+    assert tokenizer is not None and tokenizer._full is None
+    warm_tokenizer(tokenizer)
+    assert tokenizer._full is not None
+
+
+def test_a_reachable_address_without_a_key_warns(capsys):
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost")
+    assert not loopback("0.0.0.0") and not loopback("example.org")
+
+    def load():
+        raise RuntimeError("no model here")
+
+    config = ServeConfig(model_name=MODEL, host="0.0.0.0", port=free_port(), log_level="error")
+    assert serve(load, config) == 2
+    assert "with no API key" in capsys.readouterr().err
+    serve(load, replace(config, api_key="k"))
+    assert "with no API key" not in capsys.readouterr().err
+
+
+def test_the_api_key_is_read_from_the_environment(monkeypatch, capsys):
+    """Out of the command line, which every user of the machine reads in `ps`."""
+    from specdecode.cli.main import build_parser
+    from specdecode.serve import server
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda load, config: seen.append(config) or 0)
+    monkeypatch.setenv("SPECDECODE_API_KEY", "from-env")
+    parser = build_parser("serve")
+    args = parser.parse_args(["serve", "--no-draft", "--max-body-mib", "1.5"])
+    assert args.func(args) == 0
+    assert seen[0].api_key == "from-env" and seen[0].max_body_mib == 1.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    assert "SPECDECODE_API_KEY" in capsys.readouterr().out

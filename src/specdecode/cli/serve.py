@@ -14,9 +14,12 @@ from specdecode.cli.common import (
     length_policy_option,
 )
 from specdecode.core.config import HEAD_POLICIES, POLICIES
+from specdecode.serve.protocol import DEFAULT_MAX_BODY_MIB  # the standard library's only
 
 # host memory per model for earlier prompts' cells: 18k tokens of the default 1.5B target
 DEFAULT_PREFIX_CACHE_MIB = 512
+# the API key from the environment: a command line's arguments are visible to every user in `ps`
+API_KEY_VARIABLE = "SPECDECODE_API_KEY"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -41,7 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         context=args.context,
-        api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
+        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+        max_body_mib=args.max_body_mib,
         drain_seconds=args.drain_seconds,
         prefill_chunk=args.prefill_chunk,
         log_level=args.log_level,
@@ -135,7 +139,15 @@ def add_subcommands(subparsers) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (or set SPECDECODE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; better set in the "
+        f"environment variable {API_KEY_VARIABLE}, which other users cannot read in `ps` as "
+        "they can a command line",
+    )
+    p.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=DEFAULT_MAX_BODY_MIB,
+        help="largest request body in MiB, refused with 413 before it is read in full",
     )
     p.add_argument("--model-name", default=None, help="the model id served (default: --target)")
     p.add_argument(

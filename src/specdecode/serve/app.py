@@ -1,4 +1,12 @@
-"""The OpenAI-compatible routes over the scheduler: completions, chat, models, health, metrics."""
+"""The OpenAI-compatible routes over the scheduler: completions, chat, models, health, metrics.
+
+A request is checked before any work is done for it, cheapest first: its key, its content type
+and its body's size (before the body is read), then the body parsed, its prompts counted and
+their characters bounded by the context, and only then tokenized. Parsing, rendering the chat
+template and tokenizing run in one worker thread, off the event loop, so a long prompt delays
+no other client's stream. A failure the server did not foresee answers 500 with a request id
+only; its detail goes to the log under that id, never to the client.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +14,26 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.models.tokenizer import render_chat
 from specdecode.serve.metrics import RequestSpec, ServerMetrics
 from specdecode.serve.protocol import (
+    DEFAULT_MAX_BODY_MIB,
+    ChatRequest,
+    CompletionRequest,
     RequestError,
     Sampling,
     error_body,
@@ -30,10 +45,91 @@ from specdecode.serve.scheduler import RowResult, RowStream, Scheduler
 
 DISCONNECT_POLL_SECONDS = 0.5
 UNNAMED_CONTEXT = 1 << 16  # the row length `SpeculativeDecoder.loop` makes for such a model
+# a prompt's characters per token of the context beyond which it cannot fit, refused before it
+# is tokenized: generous (English runs about 4, code about 3, long runs of spaces more)
+PROMPT_CHARS_PER_TOKEN = 32
+TEMPLATE_MESSAGE_CHARS = 300  # of a chat template's own error message, repeated to the client
+
+log = logging.getLogger("specdecode.serve")
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
     """The client of a non-streamed request disconnected before its answer."""
+
+
+class InternalError(RequestError):
+    """A 500 as the client sees it: "internal error" and the request id its detail is logged
+    under."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"internal error (request id {request_id})", status=500, type="server_error"
+        )
+        self.request_id = request_id
+
+
+def internal_error(detail: str, exc_info: BaseException | None = None) -> InternalError:
+    """Log `detail` (and the traceback of `exc_info`) under a new request id; the error to
+    answer with, which says no more than that id."""
+    request_id = f"req-{uuid.uuid4().hex[:24]}"
+    log.error("internal error (request id %s): %s", request_id, detail, exc_info=exc_info)
+    return InternalError(request_id)
+
+
+def public(error: RequestError) -> RequestError:
+    """The error as the client may see it: a 500's message (the engine's words about what
+    failed, which may name another request's state) goes to the log only."""
+    if error.status == 500 and not isinstance(error, InternalError):
+        return internal_error(error.message)
+    return error
+
+
+class InternalErrors:
+    """ASGI middleware answering any exception no handler took with `internal_error`'s 500.
+
+    Starlette's own last-resort handler answers and then re-raises, so that uvicorn logs the
+    traceback a second time without the id; here it is logged once, with the id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            error = internal_error(f"{scope['method']} {scope['path']} failed", exc)
+            if not started:  # else the response is under way: uvicorn closes the connection
+                await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
+def _template_error(error: Exception) -> bool:
+    """Whether `error` is a chat template's own: jinja's `TemplateError` (a template's
+    `raise_exception`, an undefined name, a syntax error). jinja2 is loaded if one was raised."""
+    jinja2 = sys.modules.get("jinja2")
+    return jinja2 is not None and isinstance(error, jinja2.TemplateError)
+
+
+def warm_tokenizer(tokenizer: Any) -> None:
+    """Load at start-up what the first request would otherwise load: the tokenizer's chat half
+    (`transformers` and the compiled chat template, which a `SavedTokenizer` loads at its first
+    chat rendering, a second or more) and whatever its first encoding builds."""
+    tokenizer("start", add_special_tokens=False)
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            render_chat(tokenizer, [{"role": "user", "content": "start"}])
+        except Exception as error:  # a template may refuse this conversation: it is loaded
+            log.debug("the start-up chat rendering failed: %s", error)
 
 
 @dataclass
@@ -44,11 +140,22 @@ class ServerState:
     api_key: str | None = None
     context: int | None = None  # tokens per row the server admits (None: the model's)
     draining: bool = False
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MIB * 2**20)
+    # parsing, chat templates and tokenizing, one request at a time, off the event loop (one
+    # thread: the tokenizer is not used from several at once)
+    worker: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="specdecode-requests")
+    )
 
     def row_context(self) -> int:
         # a model that names no context length: as long as the engine's rows are made
         model = int(self.scheduler.decoder.context or UNNAMED_CONTEXT)
         return min(model, self.context) if self.context else model
+
+    def max_prompts(self) -> int:
+        """Prompts one request may hold: each takes a row, and more than the batch and the
+        queue hold together would always be refused as a full queue."""
+        return self.scheduler.max_rows + self.scheduler.max_queue
 
 
 def _sse(payload: Any) -> bytes:
@@ -174,21 +281,17 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.serve = state
     scheduler, metrics = state.scheduler, state.metrics
 
+    app.add_middleware(InternalErrors)
+
     @app.exception_handler(RequestError)
     async def request_error(_: Request, error: RequestError) -> JSONResponse:
+        error = public(error)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
-
-    @app.exception_handler(Exception)
-    async def server_error(_: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(
-            error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
-            status_code=500,
-        )
 
     def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -222,20 +325,73 @@ def create_app(state: ServerState) -> FastAPI:
                 headers={"Retry-After": "5"},
             )
 
+    def check_content_type(request: Request) -> None:
+        """JSON, or no content type said (taken as JSON)."""
+        declared = request.headers.get("content-type")
+        if declared is None:
+            return
+        media = declared.partition(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise RequestError(
+                f"the request body must be JSON, sent with Content-Type: application/json "
+                f"(got {media[:60]!r})",
+                status=415,
+                code="unsupported_media_type",
+            )
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 past `max_body_bytes` before it is parsed: at once by its
+        declared length, else as soon as what arrives exceeds it."""
+        limit = state.max_body_bytes
+        too_large = RequestError(
+            f"the request body is over the server's limit of {limit / 2**20:g} MiB "
+            "(--max-body-mib)",
+            status=413,
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     def check_model(model: str) -> None:
         if model != state.model_name:
+            shown = model if len(model) <= 80 else model[:77] + "..."
             raise RequestError(
-                f"unknown model {model!r}; this server serves {state.model_name!r}",
+                f"the model {shown!r} does not exist; this server serves {state.model_name!r}",
                 "model",
+                status=404,
                 code="model_not_found",
             )
 
-    def encode_text(text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_length(size: int, unit: str, where: str, param: str = "prompt") -> None:
+        """Refuse a prompt that cannot fit the context, before it is tokenized: more tokens
+        than the context, or more characters than `PROMPT_CHARS_PER_TOKEN` times it."""
+        context = state.row_context()
+        limit = context if unit == "tokens" else context * PROMPT_CHARS_PER_TOKEN
+        if size > limit:
+            per = "" if unit == "tokens" else f" ({PROMPT_CHARS_PER_TOKEN} per token)"
+            raise RequestError(
+                f"this request{where} has {size} prompt {unit}, over the {limit}{per} that the "
+                f"context of {context} tokens per request can take; shorten the prompt",
+                param,
+                code="context_length_exceeded",
+            )
+
+    def encode_text(text: str, where: str = "", add_special_tokens: bool = True) -> list[int]:
+        check_length(len(text), "characters", where)
         return list(
             scheduler.decoder.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         )
 
-    def check_ids(ids: tuple[int, ...]) -> list[int]:
+    def check_ids(ids: tuple[int, ...], where: str = "") -> list[int]:
+        check_length(len(ids), "tokens", where)
         vocab = int(scheduler.decoder.vocab_size)
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -244,6 +400,48 @@ def create_app(state: ServerState) -> FastAPI:
                 "prompt",
             )
         return list(ids)
+
+    def render(messages: tuple[dict[str, str], ...]) -> str:
+        """The conversation in the model's chat template; a template's refusal is a 400."""
+        tokenizer = scheduler.decoder.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError(
+                "this model's tokenizer has no chat template; use /v1/completions", "messages"
+            )
+        check_length(sum(len(m["content"]) for m in messages), "characters", "", "messages")
+        try:
+            return render_chat(tokenizer, list(messages), "messages")
+        except Exception as error:
+            if not _template_error(error):
+                raise
+            said = str(error)[:TEMPLATE_MESSAGE_CHARS]
+            raise RequestError(
+                f"the model's chat template refused these messages: {said}", "messages"
+            ) from None
+
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+        """The request parsed and its prompts tokenized (in the worker thread)."""
+        req = parse_completion(parse_json(raw))
+        check_model(req.model)
+        count, most = len(req.prompts), state.max_prompts()
+        if count > most:
+            raise RequestError(
+                f"prompt holds {count} prompts; this server takes at most {most} per request "
+                f"(the {scheduler.max_rows} rows of --max-batch and the {scheduler.max_queue} "
+                "waiting of --max-queue)",
+                "prompt",
+            )
+        prompts = []
+        for i, p in enumerate(req.prompts):
+            where = f" (prompt {i})" if count > 1 else ""
+            prompts.append(encode_text(p, where) if isinstance(p, str) else check_ids(p, where))
+        return req, prompts
+
+    def prepare_chat(raw: bytes) -> tuple[ChatRequest, list[list[int]]]:
+        """The request parsed, rendered and tokenized (in the worker thread)."""
+        req = parse_chat(parse_json(raw))
+        check_model(req.model)
+        return req, [encode_text(render(req.messages), add_special_tokens=False)]
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -254,7 +452,8 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": scheduler.state}, status_code=503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        authorize(request)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -267,14 +466,14 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    async def read(request: Request, parse: Callable[[Any], Any]) -> Any:
-        """The request, checked: authorized, admitted (not draining), parsed, its model ours."""
+    async def read(request: Request, prepare: Callable[[bytes], T]) -> T:
+        """The request, checked: authorized, JSON of an allowed size, admitted (not loading nor
+        draining); then `prepare`d (parsed, its model ours, tokenized) in the worker thread."""
         authorize(request)
-        raw = await request.body()
+        check_content_type(request)
+        raw = await read_body(request)
         admit()
-        req = parse(parse_json(raw))
-        check_model(req.model)
-        return req
+        return await asyncio.get_running_loop().run_in_executor(state.worker, prepare, raw)
 
     async def answer(
         request: Request, arrival: float, prompts: list[list[int]], req: Any, chat: bool
@@ -303,22 +502,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await read(request, parse_completion)
-        prompts = [encode_text(p) if isinstance(p, str) else check_ids(p) for p in req.prompts]
+        req, prompts = await read(request, prepare_completion)
         return await answer(request, arrival, prompts, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         arrival = time.monotonic()
-        req = await read(request, parse_chat)
-        try:
-            text = render_chat(scheduler.decoder.tokenizer, list(req.messages), "messages")
-        except ValueError:
-            raise RequestError(
-                "this model's tokenizer has no chat template; use /v1/completions", "messages"
-            ) from None
-        prompt = encode_text(text, add_special_tokens=False)
-        return await answer(request, arrival, [prompt], req, chat=True)
+        req, prompts = await read(request, prepare_chat)
+        return await answer(request, arrival, prompts, req, chat=True)
 
     return app
 
@@ -360,7 +551,9 @@ def _stream(rows: Rows, head: dict[str, Any], include_usage: bool, chat: bool) -
                     {**head, "choices": [], "usage": _usage(results), "metrics": _spec(results)}
                 )
         except RequestError as error:
-            yield _sse(error.body())
+            yield _sse(public(error).body())
+        except Exception as exc:
+            yield _sse(internal_error("a stream failed", exc).body())
         finally:
             rows.cancel()
         yield b"data: [DONE]\n\n"

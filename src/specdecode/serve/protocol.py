@@ -5,17 +5,38 @@ field (`param`) and says what would be accepted. Fields that would change the ou
 implemented are refused by name, never ignored: a client that asks for a penalty and silently
 gets none would be misled. Their neutral values (what a client library may send by default, such
 as `n: 1` or `presence_penalty: 0`) are accepted.
+
+Whatever the body holds, parsing it ends in a request or a `RequestError`, never another
+exception: JSON nested deeper than the parser recurses, numbers of more digits than Python
+converts, `NaN`, and strings holding a lone UTF-16 surrogate (which JSON's `\\ud800` escape can
+write but no text encodes, so the tokenizer and the response would fail on it) are refused with
+400. An error message never repeats more than a short piece of what was sent.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 MAX_STOPS = 4
+# a stop string's characters: far more than any stop sequence needs, and the held-back text a
+# row checks against it each round stays short
+MAX_STOP_CHARS = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# a request body's size (--max-body-mib): token ids of the whole batch's prompts take far less
+DEFAULT_MAX_BODY_MIB = 4.0
+# a temperature below this runs greedy, as in vLLM: dividing the logits by less overflows them
+# and the row's law becomes NaN
+GREEDY_BELOW = 1e-5
+SHOWN_CHARS = 40  # of a value repeated in an error message
+MAX_INT = 2**63 - 1  # an integer field's bound, as the int64 of OpenAI's and vLLM's schemas
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a body can carry a lone one
+# (the raw bytes are not UTF-8, refused before parsing)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RequestError(Exception):
@@ -45,7 +66,30 @@ class RequestError(Exception):
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error body. Its texts are made encodable (a lone surrogate written as `\\ud800`)
+    so that whatever an error repeats, the response can be sent."""
+    error = {"message": _encodable(message), "type": type, "param": _encodable(param)}
+    return {"error": error | {"code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _show(v: Any) -> str:
+    """A value in an error message: short scalars as JSON writes them, long ones cut, and
+    containers by their type (a body may hold megabytes, or nesting too deep to print)."""
+    if isinstance(v, dict | list):
+        return "an object" if isinstance(v, dict) else "an array"
+    text = json.dumps(v)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def _name(name: str) -> str:
+    """A field name as a `param`: cut short (a body may have a key of a megabyte)."""
+    return name if len(name) <= SHOWN_CHARS else name[: SHOWN_CHARS - 3] + "..."
 
 
 def _neutral_none(v: Any) -> bool:
@@ -95,6 +139,7 @@ COMMON = {
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_FIELDS = {"role", "content"}
 
 
 @dataclass(frozen=True)
@@ -128,14 +173,70 @@ class ChatRequest:
     include_usage: bool
 
 
+def _no_constant(name: str) -> Any:
+    raise RequestError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; anything else is a 400 naming what is wrong."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(
+            f"the request body is not valid UTF-8 (byte {error.start}); JSON is sent as UTF-8"
+        ) from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
         raise RequestError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError(
+            "the request body is not accepted: its JSON is nested too deeply"
+        ) from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise RequestError(
+            "the request body is not accepted: a number has too many digits"
+        ) from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_surrogates(body)
     return body
+
+
+def _refuse_surrogates(body: dict[str, Any]) -> None:
+    """A 400 naming the first field found whose string (or key) holds a lone surrogate, if any.
+
+    Walked without recursion, as the body may nest as deep as the parser allowed."""
+
+    def bad(text: str) -> bool:
+        return not text.isascii() and _SURROGATE.search(text) is not None
+
+    def refuse(path: str) -> None:
+        param = _encodable(_name(path))
+        raise RequestError(
+            f"{param} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+            "which is not text; send each character whole",
+            param,
+        )
+
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str) and bad(v):
+            refuse(path)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                field = f"{path}.{k}" if path else k
+                if bad(k):
+                    refuse(field)
+                stack.append((field, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v) if not _scalar(x))
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, bool | int | float)
 
 
 def _type_name(v: Any) -> str:
@@ -149,7 +250,9 @@ def _int(body: dict, name: str, default: int | None, low: int | None = None) -> 
     if isinstance(v, bool) or not isinstance(v, int):
         raise RequestError(f"{name} must be an integer, got {_type_name(v)}", name)
     if low is not None and v < low:
-        raise RequestError(f"{name} must be >= {low}, got {v}", name)
+        raise RequestError(f"{name} must be >= {low}, got {_show(v)}", name)
+    if v > MAX_INT:
+        raise RequestError(f"{name} must be < 2**63, got {_show(v)}", name)
     return v
 
 
@@ -158,16 +261,18 @@ def _number(body: dict, name: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise RequestError(f"{name} must be a finite number, got {v!r}", name)
+        raise RequestError(f"{name} must be a finite number, got {_show(v)}", name)
     return float(v)
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict, name: str, where: str = "") -> bool:
     v = body.get(name, False)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise RequestError(f"{name} must be true or false, got {_type_name(v)}", name)
+        raise RequestError(
+            f"{where}{name} must be true or false, got {_type_name(v)}", where + name
+        )
     return v
 
 
@@ -185,8 +290,8 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
                 )
             continue
         raise RequestError(
-            f"unknown field {name!r}; this endpoint takes {', '.join(sorted(allowed))}",
-            name,
+            f"unknown field {_show(name)}; this endpoint takes {', '.join(sorted(allowed))}",
+            _name(name),
             code="unknown_parameter",
         )
 
@@ -203,6 +308,8 @@ def _stops(body: dict) -> tuple[str, ...]:
         raise RequestError(f"stop takes at most {MAX_STOPS} strings, got {len(v)}", "stop")
     if any(s == "" for s in v):
         raise RequestError("stop strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise RequestError(f"a stop string takes at most {MAX_STOP_CHARS} characters", "stop")
     return tuple(v)
 
 
@@ -210,15 +317,15 @@ def _sampling(body: dict, max_tokens: int | None) -> Sampling:
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise RequestError(
-            f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature"
+            f"temperature must be >= 0 (0 is greedy), got {_show(temperature)}", "temperature"
         )
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = _number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
-        raise RequestError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+        raise RequestError(f"top_p must be in (0, 1], got {_show(top_p)}", "top_p")
     top_k = _int(body, "top_k", 0, low=-1)
     seed = _int(body, "seed", None, low=0)
-    if seed is not None and seed >= 2**63:
-        raise RequestError(f"seed must be < 2**63, got {seed}", "seed")
     return Sampling(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -242,7 +349,7 @@ def _common(body: dict) -> tuple[str, bool, bool]:
             raise RequestError(
                 'stream_options takes only {"include_usage": true|false}', "stream_options"
             )
-        include_usage = _bool(options, "include_usage")
+        include_usage = _bool(options, "include_usage", "stream_options.")
     return model, stream, include_usage
 
 
@@ -290,9 +397,9 @@ def _content(message: dict, where: str) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                kind = _show(part.get("type")) if isinstance(part, dict) else _type_name(part)
                 raise RequestError(
-                    f"{where}.content: only text parts are supported, got {kind!r}", where
+                    f"{where}.content: only text parts are supported, got {kind}", where
                 )
             if not isinstance(part.get("text"), str):
                 raise RequestError(f"{where}.content: a text part needs a string text", where)
@@ -315,9 +422,18 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise RequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}", where)
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise RequestError(f"{where}: unsupported message field(s) {sorted(extra)}", where)
+        for name, value in m.items():
+            # a null or empty field asks for nothing (clients echo an answer's `refusal: null`);
+            # any other is refused: `name`, say, is not rendered by the chat templates, so
+            # taking it would ignore it silently
+            if name not in MESSAGE_FIELDS and value is not None and value != []:
+                field = f"{where}.{_name(name)}"
+                raise RequestError(
+                    f"{field} is not supported by this server (the chat template would not "
+                    "render it); leave it out",
+                    field,
+                    code="unsupported_parameter",
+                )
         # "developer" is the newer name of "system"; chat templates know "system"
         rendered.append(
             {"role": "system" if role == "developer" else role, "content": _content(m, where)}

@@ -5,10 +5,15 @@ answers 503 `{"status": "loading"}` until they are ready (load balancers and the
 On SIGTERM (or Ctrl-C) the server stops admitting (503 to new requests), lets every accepted
 request finish within `drain_seconds`, ends any still running with a 503 error, and exits 0; a
 second signal exits at once.
+
+The tokenizer is made ready (its chat template loaded) as part of loading the models, before
+`/health` turns 200, so that no request pays for it. A server bound to an address other clients
+can reach warns when it requires no API key.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import time
@@ -18,8 +23,9 @@ from typing import Any
 
 import uvicorn
 
-from specdecode.serve.app import ServerState, create_app
+from specdecode.serve.app import ServerState, create_app, warm_tokenizer
 from specdecode.serve.metrics import ServerMetrics
+from specdecode.serve.protocol import DEFAULT_MAX_BODY_MIB
 from specdecode.serve.scheduler import Scheduler
 
 
@@ -32,6 +38,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a row; beyond, 429
     context: int | None = None  # tokens per request (prompt + new); None: the model's
     api_key: str | None = None
+    max_body_mib: float = DEFAULT_MAX_BODY_MIB  # a request body's size; beyond, 413
     drain_seconds: float = 30.0
     prefill_chunk: int = 256
     log_level: str = "info"
@@ -46,6 +53,7 @@ class ServeConfig:
             "--drain-seconds": self.drain_seconds >= 0,
             "--prefill-chunk": self.prefill_chunk >= 1,
             "--context": self.context is None or self.context >= 2,
+            "--max-body-mib": self.max_body_mib > 0,
         }
         for flag, ok in checks.items():
             if not ok:
@@ -105,18 +113,49 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (a name other than localhost may not be)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def serve(load: Callable[[], Any], config: ServeConfig) -> int:
     """Serve until a signal; 0 after a clean drain, 2 if the models could not be loaded."""
+    if config.api_key is None and not loopback(config.host):
+        print(
+            f"[serve] warning: listening on {config.host}, which other machines may reach, "
+            "with no API key: anyone who can connect can use the model and read /metrics; "
+            "set SPECDECODE_API_KEY (or --api-key)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def load_ready() -> Any:
+        decoder = load()
+        warm_tokenizer(decoder.tokenizer)
+        return decoder
+
     metrics = ServerMetrics()
     scheduler = Scheduler(
-        load,
+        load_ready,
         metrics,
         config.max_batch,
         config.max_queue,
         config.prefill_chunk,
         dict(config.loop_options),
     )
-    state = ServerState(scheduler, metrics, config.model_name, config.api_key, config.context)
+    state = ServerState(
+        scheduler,
+        metrics,
+        config.model_name,
+        config.api_key,
+        config.context,
+        max_body_bytes=int(config.max_body_mib * 2**20),
+    )
     server = DrainingServer(
         uvicorn.Config(
             create_app(state),
