@@ -705,6 +705,18 @@ def test_limits_are_checked_before_the_work(recording):
     assert r.json()["choices"][0]["text"] == "ok"
 
 
+def test_a_client_gone_before_its_body_is_no_server_error(recording, caplog):
+    with socket.create_connection(("127.0.0.1", recording.port)) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": "fake", '
+        )
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    r = recording.post("/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert r.json()["choices"][0]["text"] == "ok"
+
+
 def test_an_unforeseen_failure_is_500_with_a_request_id_only(caplog):
     class Broken(ByteTokenizer):
         def __call__(self, text: str, add_special_tokens: bool = True):

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.models.tokenizer import render_chat
@@ -353,11 +354,14 @@ def create_app(state: ServerState) -> FastAPI:
         if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # no one to answer; not a failure of the server's
+            raise RequestError("the client went away before sending its body", status=499) from None
         return b"".join(chunks)
 
     def check_model(model: str) -> None:
