@@ -14,7 +14,7 @@ from specdecode.cli.common import (
     length_policy_option,
 )
 from specdecode.core.config import HEAD_POLICIES, POLICIES
-from specdecode.serve.protocol import DEFAULT_MAX_BODY_MIB  # the standard library's only
+from specdecode.serve.protocol import DEFAULT_MAX_BODY_MIB  # needs no serve extra
 
 # host memory per model for earlier prompts' cells: 18k tokens of the default 1.5B target
 DEFAULT_PREFIX_CACHE_MIB = 512

@@ -8,6 +8,8 @@ tokens show whether it is one. And decoding the whole row every round, the simpl
 both right, costs a round time in proportion to the answer so far (the square of its length in
 all); so only a window of the last tokens is decoded, as vLLM's and TGI's detokenizers do, and
 what is emitted is still exactly the text the finished row decodes to, cut at the stop string.
+(Not where no stream can be: a byte-fallback tokenizer's bytes that never make a character turn
+the characters fused with them into U+FFFD in the whole decode, after they were sent.)
 """
 
 from __future__ import annotations
