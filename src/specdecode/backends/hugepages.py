@@ -18,13 +18,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from specdecode.models.atomic import say_unreadable, write_or_keep
 from specdecode.models.packages import cache_root
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
 MADV_DONTNEED = 4
@@ -156,6 +159,7 @@ def release_file_pages(path: str | os.PathLike[str]) -> int:
 # keeps the verdict in the cache root.
 
 DECISIONS_FILE = "hugepages.json"  # in the cache root: one verdict per machine and model file
+VERDICT = "2 MiB-page verdict"  # what the file holds, in messages
 # the least step-time ratio (4 KiB pages over 2 MiB pages) that pays for moving the weights:
 # below it, the seconds the move adds to every load outweigh what the steps gain
 MIN_GAIN = 1.05
@@ -189,12 +193,17 @@ def decision_key(model: str | os.PathLike[str]) -> str:
 
 def _read_decisions(file: Path) -> dict:
     """The verdicts recorded so far; none where the file is missing, unreadable or damaged (a
-    damaged file is measured again and rewritten, never trusted)."""
+    damaged file is measured again and rewritten, never trusted; said once)."""
     try:
-        table = json.loads(file.read_text())
-    except (OSError, ValueError):
+        table = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(table, dict):
+            raise ValueError(f"a JSON {type(table).__name__}, not an object")
+    except FileNotFoundError:
         return {}
-    return table if isinstance(table, dict) else {}
+    except (OSError, ValueError) as error:
+        say_unreadable(logger, f"{VERDICT} file", file, error, "measuring again")
+        return {}
+    return table
 
 
 def _valid(entry: object) -> bool:
@@ -215,7 +224,7 @@ def decide(
 
     False without measuring where the kernel cannot move pages (`available`). The record is
     written to a temporary file and renamed; where the cache cannot be written, the verdict
-    still holds for this process and the next one measures again.
+    still holds for this process (said once) and the next one measures again.
     """
     if not available():
         return False
@@ -224,6 +233,9 @@ def decide(
     entry = _read_decisions(file).get(key)
     if _valid(entry):
         return entry["huge_pages"]
+    if entry is not None:
+        error = ValueError("this model's entry lacks its verdict or timings")
+        say_unreadable(logger, f"{VERDICT} file", file, error, "measuring again")
     step_4k, step_2m = measure()
     huge = step_4k >= MIN_GAIN * step_2m
     _update(file, key, {"huge_pages": huge, "step_s_4k": step_4k, "step_s_2m": step_2m})
@@ -232,20 +244,13 @@ def decide(
 
 def _update(file: Path, key: str, entry: dict) -> None:
     """Write `entry` under `key`, merged into what the file holds now (another process may have
-    added its own meanwhile): to a temporary file, renamed. Where the cache cannot be written,
-    nothing is kept."""
+    added its own meanwhile): to a temporary file, renamed (`models.atomic`). Where the cache
+    cannot be written, nothing is kept (said once)."""
     table = _read_decisions(file)
     table[key] = {**(table.get(key) or {}), **entry}
-    with contextlib.suppress(OSError):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        handle, scratch = tempfile.mkstemp(prefix=".hugepages-", dir=file.parent)
-        try:
-            with os.fdopen(handle, "w") as out:
-                json.dump(table, out, indent=1, sort_keys=True)
-            os.replace(scratch, file)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(scratch)
+    write_or_keep(
+        file, lambda out: json.dump(table, out, indent=1, sort_keys=True), VERDICT, logger
+    )
 
 
 # ------------------------------------------------------------------ when the move pays

@@ -14,7 +14,9 @@ root under a key naming what they depend on (`price_key`): the model files, the 
 threads and the CPU. A process of another user can skew a timing, and no timing holds what
 a round costs besides its passes; `outcomes.Outcomes` checks what the plan predicts against
 the rounds decoding takes, and its measured worth of a predicted gain is kept beside the
-prices (`store_prices`), written outside any round.
+prices (`store_prices`), written outside any round. An entry that cannot be read is timed
+afresh, and one that cannot be written is kept in memory (`models.atomic`): said once, never
+a stop.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -36,7 +38,10 @@ import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.kernels import median_times
+from specdecode.models.atomic import say_unreadable, write_or_keep
 from specdecode.models.packages import cache_root
+
+logger = logging.getLogger(__name__)
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
 PRICED_TOKENS = 12  # tokens per row timed: 1..12; longer passes extrapolate (`Prices.pass_cost`)
@@ -466,13 +471,21 @@ def cache_file(key: dict[str, Any], folder: Path) -> Path:
 
 
 def _entry(key: dict[str, Any], folder: Path) -> dict[str, Any] | None:
-    """The cache entry under `key`; None where there is none, it is unreadable or it holds
-    another key."""
+    """The cache entry under `key`; None where there is none, it holds another key or it is
+    unreadable (said once: a damaged entry is timed afresh and written anew)."""
+    path = cache_file(key, folder)
     try:
-        entry = json.loads(cache_file(key, folder).read_text())
+        entry = json.loads(path.read_text(encoding="utf-8"))
         return entry if entry["key"] == json.loads(json.dumps(key)) else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        _unreadable(path, error)
+        return None
+
+
+def _unreadable(path: Path, error: Exception, instead: str = "timing the passes afresh") -> None:
+    say_unreadable(logger, "prices entry", path, error, instead)
 
 
 def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | None:
@@ -481,7 +494,8 @@ def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | No
     entry = _entry(key, folder)
     try:
         prices = Prices.from_json(entry["prices"]) if entry is not None else None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError) as error:
+        _unreadable(cache_file(key, folder), error)
         return None
     if prices is None or prices.step_seconds is None or prices.rows[-1] < timed_rows(rows)[-1]:
         return None
@@ -496,24 +510,22 @@ def load_worth(key: dict[str, Any], folder: Path) -> dict[int, float]:
     try:
         stored = (_entry(key, folder) or {}).get("worth", {})
         worth = {int(r): float(v) for r, v in stored.items()}
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError) as error:
+        _unreadable(cache_file(key, folder), error, "what drafting is worth starts afresh")
         return {}
     return {r: v for r, v in worth.items() if r >= 1 and _positive(v)}
 
 
 def store_prices(
     key: dict[str, Any], prices: Prices, folder: Path, worth: dict[int, float] | None = None
-) -> Path:
+) -> Path | None:
     """Write the prices (and the plan's measured worth by row count) under `key` atomically:
     a temporary file of a unique name renamed over the entry, so a reader never sees half a
-    file and two writers never mix theirs."""
+    file and two writers never mix theirs. The entry's path; None where the cache cannot be
+    written (said once per process): the caller's prices hold in memory."""
     path = cache_file(key, folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
     entry: dict[str, Any] = {"key": key, "prices": prices.to_json()}
     if worth:
         entry["worth"] = {str(r): v for r, v in sorted(worth.items())}
     text = json.dumps(entry, indent=1) + "\n"
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
-    return path
+    return path if write_or_keep(path, lambda out: out.write(text), "prices", logger) else None

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdecode.models.atomic import atomic_write_text
 from specdecode.models.catalogue import MODELS, ModelSpec, get_spec
 from specdecode.models.integrity import (
     DamagedModelError,
@@ -193,7 +194,7 @@ class FileRecords:
     def save(self) -> None:
         """Write the records by rename, so a reader never sees half of them."""
         data = {"format": RECORD_FORMAT, "files": dict(sorted(self.files.items()))}
-        write_atomic(self.directory / RECORD_FILE, json.dumps(data, indent=1) + "\n")
+        atomic_write_text(self.directory / RECORD_FILE, json.dumps(data, indent=1) + "\n")
 
     def save_quietly(self) -> None:
         """``save`` where failing only costs a hash next time (a read-only cache, a full disk)."""
@@ -220,18 +221,6 @@ class FileRecords:
         found = hash_settled([self.directory / name for name in names], progress=progress)
         for name, record in zip(names, found, strict=True):
             self.files[name] = {"artefact": artefact, **record}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- one model's files

@@ -15,17 +15,25 @@ The index is numpy arrays (a sorted 64-bit hash of each context, its next token 
 few megabytes for the Python standard library; a lookup is a binary search per order. The
 shipped corpus is the standard library of the Python that runs this (`stdlib_sources`): code
 that every machine with the package already holds, tokenized once per tokenizer and cached.
+A cached index that cannot be read is built again, and one that cannot be written is used from
+memory (`models.atomic`): the cache saves seconds at a start, and never stops one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sysconfig
+import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from specdecode.models.atomic import say_unreadable, write_or_keep
+
+logger = logging.getLogger(__name__)
 
 ORDERS = 6  # the longest context looked up, in tokens
 MIN_COUNT = 2  # contexts seen fewer times are left out: a single occurrence is no law
@@ -37,6 +45,8 @@ BAND_PRIORS = (0.8, 0.6, 0.3)
 EVIDENCE_TOKENS = 1024  # a row's text scored by `CorpusIndex.evidence`: its last this many
 MULTIPLIER = 0x9E3779B97F4A7C15  # of the polynomial hash over a context's tokens
 MASK = (1 << 64) - 1
+# what `CorpusIndex.load` raises on a file that is no whole index
+LOAD_ERRORS = (zipfile.BadZipFile, ValueError, KeyError, EOFError, OSError)
 
 
 def share_band(share: float) -> int:
@@ -174,21 +184,34 @@ class CorpusIndex:
             for b in range(len(SHARE_BANDS) + 1)
         ]
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> bool:
+        """Keep the index at `path`, whole or not at all (`models.atomic`), so that a process
+        reading it while another writes it, or after a writer was killed, never reads half of
+        one. False where it cannot be written (said once): the index in memory serves."""
         arrays = {
             f"{name}{n}": a
             for n, t in self.tables.items()
             for name, a in zip("kns", t, strict=True)
         }
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)  # a half-written index is never read
+        return write_or_keep(
+            path, lambda out: np.savez(out, **arrays), "corpus index", logger, "wb"
+        )
 
     @classmethod
     def load(cls, path: Path) -> CorpusIndex:
-        with np.load(path) as data:
+        """The index saved at `path`. A file that is no index (cut short, damaged, another
+        format) raises `LOAD_ERRORS`, not a half-built index: every array is read (and its
+        checksum checked) and the three of each order must agree in length."""
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a single array: no index either
+            raise ValueError("not an .npz archive of arrays")
+        with data:
             orders = sorted({int(name[1:]) for name in data.files})
-            return cls({n: (data[f"k{n}"], data[f"n{n}"], data[f"s{n}"]) for n in orders})
+            tables = {n: (data[f"k{n}"], data[f"n{n}"], data[f"s{n}"]) for n in orders}
+        for n, arrays in tables.items():
+            if any(a.ndim != 1 or a.shape != arrays[0].shape for a in arrays):
+                raise ValueError(f"the arrays of order {n} differ in shape")
+        return cls(tables)
 
 
 STDLIB = "stdlib"  # the corpus of this Python's standard library sources
@@ -240,7 +263,8 @@ def corpus_index(
 ) -> CorpusIndex:
     """The index of the corpus `spec` names (`corpus_files`) as `encode` tokenizes it, built
     once and kept in `folder` under the files' and the tokenizer's identity. Files that are
-    not UTF-8 text are left out."""
+    not UTF-8 text are left out. A kept index that cannot be read is built again (and said,
+    once); one that cannot be kept is used from memory."""
     files = corpus_files(spec)
     stats = [(p, p.stat()) for p in files]
     identity = hashlib.sha256(
@@ -250,7 +274,10 @@ def corpus_index(
     ).hexdigest()[:20]
     path = folder / f"corpus-{identity}.npz"
     if path.is_file():
-        return CorpusIndex.load(path)
+        try:
+            return CorpusIndex.load(path)
+        except LOAD_ERRORS as error:
+            say_unreadable(logger, "corpus index", path, error, "building it again")
     texts = []
     for p in files:
         try:
@@ -258,6 +285,5 @@ def corpus_index(
         except (UnicodeDecodeError, OSError):
             continue
     index = CorpusIndex.build(encode(texts))
-    folder.mkdir(parents=True, exist_ok=True)
     index.save(path)
     return index
