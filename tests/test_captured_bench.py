@@ -11,9 +11,11 @@ import torch
 
 from specdecode.bench.captured import (
     CapturedBenchConfig,
+    random_model,
     run_captured_bench,
     shape_config,
     shape_names,
+    with_margins,
 )
 from specdecode.bench.report import markdown_table
 from specdecode.cli import main
@@ -110,3 +112,67 @@ def test_command_line(shapes, tmp_path, capsys):
     assert "Acceptance controlled" in table and "sd[k=4,a=0.9]" in table
     assert main(["bench", "--shapes", "no-such-shape", shapes[1]]) == 2
     assert "unknown shape 'no-such-shape'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def wide_shapes(tmp_path_factory):
+    """A Qwen3 pair whose vocabulary is wide enough for random logits to nearly tie."""
+    root = tmp_path_factory.mktemp("wide")
+    paths = []
+    for name, layers in (("target", 2), ("draft", 1)):
+        fields = dict(model_type="qwen3", vocab_size=8192, hidden_size=64, intermediate_size=128,
+                      head_dim=16, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True)  # fmt: skip
+        path = root / f"{name}.json"
+        path.write_text(json.dumps(fields))
+        paths.append(str(path))
+    return paths
+
+
+def top_two_gap(model, ids: torch.Tensor) -> torch.Tensor:
+    """The gap between each position's top logit and its second, over the max logit."""
+    logits = model(ids).logits.float()  # [batch, n, vocab]
+    top = logits.topk(2, dim=-1).values  # [batch, n, 2]
+    return (top[..., 0] - top[..., 1]) / top[..., 0].abs()
+
+
+def test_margins_put_the_next_token_far_ahead(wide_shapes):
+    """The margined target's next token leads by a share of its logit that bfloat16 rounding
+    (2^-8 of it) cannot cross, where the same random weights without margins tie somewhere."""
+    ids = torch.randint(0, 8192, (4, 32), generator=torch.Generator().manual_seed(1))
+    plain = random_model(wide_shapes[0], torch.bfloat16, "cpu", 0)
+    margined = with_margins(random_model(wide_shapes[0], torch.bfloat16, "cpu", 0), 0)
+    with torch.no_grad():
+        assert top_two_gap(plain, ids).min() < 2**-7
+        assert top_two_gap(margined, ids).min() > 0.25
+        # the head is untied and every shape kept: the passes cost what they did
+        assert margined.lm_head.weight.data_ptr() != margined.model.embed_tokens.weight.data_ptr()
+        assert {n: p.shape for n, p in margined.state_dict().items()} == {
+            n: p.shape for n, p in plain.state_dict().items()
+        }
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_acceptance_holds_in_both_dtypes(wide_shapes, dtype):
+    """Acceptance 0.8 measured within 0.03 of it and `sd` equal to `ar`, in bfloat16 as in
+    float32, on the static and the eager path, one row and four."""
+    cfg = CapturedBenchConfig(
+        target=wide_shapes[0],
+        draft=wide_shapes[1],
+        dtype=dtype,
+        acceptance=(0.8,),
+        num_draft_tokens=(3,),
+        batch_sizes=(1, 4),
+        prompts=8,
+        prompt_tokens=8,
+        max_new_tokens=128,
+        methods=("ar", "sd", "eager-sd"),
+    )
+    record = run_captured_bench(cfg, progress=False)
+    drafted = [r for r in record["methods"] if "acceptance_set" in r]
+    assert len(drafted) == 4
+    for row in drafted:
+        assert row["acceptance_measured"] == pytest.approx(0.8, abs=0.03), row["method"]
+        assert row["mismatches"] == [], row["method"]
+    assert record["ok"]

@@ -10,6 +10,14 @@ propose the script's tokens instead of its own, each replaced by another token w
 the per-token acceptance is the one set, and every cost (drafter passes, verify passes,
 rollback) is real. The record says so (`acceptance_control`) and gives the acceptance measured.
 
+Random weights give logits without margins: the top two of 151,936 random logits lie so close
+that a verify pass's arithmetic (another shape than a single step's) flips the argmax in
+bfloat16, and greedy verification then rejects tokens the script holds. So the target gets
+margins (`with_margins`): its layers' output projections are scaled down until the token's own
+embedding rules the residual stream, and its output head maps each token's embedding to the
+next token of a fixed random permutation, which then leads by a margin no rounding reaches.
+Every matrix keeps its shape, so every pass costs what it costs with the published weights.
+
 Methods, all on the same weights, interleaved by the one runner (`runner.measure`):
   ar             plain decoding on the static path (compiled with `compile`): the reference
   sd             speculative decoding on the static path, scripted drafter, per acceptance and k
@@ -57,8 +65,12 @@ CAPTURED = Registry("captured")
 CONTROL = (
     "controlled: the drafter model runs every pass but proposes the text plain decoding on the "
     "static path wrote for the prompt, each token replaced by another with probability "
-    "1 - acceptance; weights are random, shapes are the published ones"
+    "1 - acceptance; weights are random, shapes are the published ones, and the target's next "
+    "token leads by a wide margin (layers' outputs scaled down, the head a permutation of the "
+    "embeddings), so bfloat16 arithmetic cannot flip it"
 )
+QUIET = 1e-4  # the scale of the layers' output projections in a margined target
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")  # what writes into the residual stream (Llama, Qwen)
 
 
 def shape_names() -> list[str]:
@@ -94,6 +106,38 @@ def random_model(name: str, dtype: torch.dtype, device: str, seed: int) -> torch
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype)
     return model.eval()
+
+
+@torch.no_grad()
+def with_margins(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The model with a wide margin between its top logit and the rest, every shape kept.
+
+    Each projection that writes into the residual stream is scaled by `QUIET`, so the stream
+    stays the input token's embedding e_t up to a small remainder; the output head (untied:
+    transformers ties Qwen3's to the embedding) holds e_t as the row of next(t), a random
+    permutation's image. Then logit next(t) = |e_t|^2 / rms(e_t), about 0.02 x hidden (51 at
+    the Qwen3-4B width), where the others are about N(0, 1), at most about 5 among 151,936:
+    bfloat16 rounds a logit of 50 by 0.2.
+    """
+    quieted = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS and isinstance(module, torch.nn.Linear):
+            module.weight.mul_(QUIET)
+            quieted += 1
+    if quieted < model.config.num_hidden_layers:
+        raise ValueError(
+            f"{type(model).__name__}: margins need projections named {RESIDUAL_OUTPUTS} in "
+            "every layer (Llama and Qwen names); this architecture has other names"
+        )
+    embeddings = model.get_input_embeddings().weight  # [vocab, hidden]
+    order = torch.randperm(embeddings.shape[0], generator=torch.Generator().manual_seed(seed)).to(
+        embeddings.device
+    )  # [vocab]: next(t) = order[t]
+    head = torch.empty_like(embeddings)  # [vocab, hidden]
+    head[order] = embeddings
+    model.get_output_embeddings().weight = torch.nn.Parameter(head, requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return model
 
 
 class ScriptedDrafter:
@@ -191,7 +235,7 @@ class Pair(SharedModels):
         super().__init__()
         dtype = getattr(torch, cfg.dtype)
         self.cfg = cfg
-        self.target = random_model(cfg.target, dtype, cfg.device, cfg.seed)
+        self.target = with_margins(random_model(cfg.target, dtype, cfg.device, cfg.seed), cfg.seed)
         self.drafter = random_model(cfg.draft, dtype, cfg.device, cfg.seed + 1)
         self.vocab = self.target.get_output_embeddings().weight.shape[0]
         self.scripts: dict[tuple[int, ...], list[int]] = {}
