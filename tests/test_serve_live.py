@@ -186,9 +186,15 @@ def test_disconnect_mid_stream_frees_the_row(server):
     assert complete(server, PROMPTS[0]).choices[0].text  # the server goes on
 
 
+def test_an_unknown_model_is_not_found(server):
+    """404 `model_not_found`, as OpenAI and vLLM answer (the `openai` client's NotFoundError)."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client.completions.create(model="other", prompt="x", max_tokens=2)
+    assert caught.value.code == "model_not_found"
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x"}, "model"),
-    ({"model": "other", "prompt": "x"}, "model"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
