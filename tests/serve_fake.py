@@ -104,7 +104,7 @@ class FakeLoop:
         for key, prompt in prompts.items():
             if b"FAIL" in prompt and self.rows[key].rounds >= 1:
                 del self.rows[key]
-                raise RowFailed(key, "the fake engine could not decode this row")
+                raise RowFailed({key: RuntimeError("the fake engine could not decode this row")})
         updates = []
         for key, row in list(self.rows.items()):
             prompt = prompts[key]

@@ -143,8 +143,16 @@ class DeferredModel:
     threads, as `prices.model_identity` reads them), and how to load it. Drafting `auto` on a
     machine where the model cannot pay never loads it."""
 
-    def __init__(self, load: Callable[[], ModelBackend], kind: str, path: Path, threads: int):
+    def __init__(
+        self,
+        load: Callable[[], ModelBackend],
+        kind: str,
+        path: Path,
+        threads: int,
+        context_length: int | None = None,
+    ) -> None:
         self.load, self.backend_kind, self.path, self.threads = load, kind, path, threads
+        self.context_length = context_length  # tokens per row the loaded model will have
         self.device = torch.device("cpu")
 
 
@@ -385,7 +393,7 @@ class SpeculativeDecoder:
         prefix_cache_mib: int = 0,
         passes: int | None = None,
     ) -> SpeculativeDecoder:
-        from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel
+        from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel, gguf_context
         from specdecode.models.tokenizer import gguf_tokenizer
 
         path = gguf_path(target)
@@ -405,6 +413,7 @@ class SpeculativeDecoder:
             "LlamaCppModel",
             draft_path,
             target_lm.threads,
+            gguf_context(draft_path, sized["context"]),  # its own: a drafter may know fewer
         )  # loaded where a drafting setting drafts with it (`_draft_lm`)
         return cls._named(target_lm, tokenizer, draft_lm)
 
@@ -694,6 +703,7 @@ class SpeculativeDecoder:
         sources = Sources(
             load_model=lambda: self._draft_lm,
             has_model=self._draft is not None,
+            model_context=getattr(self._draft, "context_length", None),
             lookup=lookup or self.lookup,
             vocab_size=self.vocab_size,
             device=self._target_lm.device,

@@ -107,6 +107,13 @@ def returned_cache(out):
     return out.past_key_values
 
 
+def shaped(layer) -> bool:
+    """Whether a cache layer holds keys [rows, heads, slots, dim]: a batch that emptied holds
+    [0, heads, slots, dim], no element yet a shape that every later append and mask must
+    match, so it is cropped and grown with the others."""
+    return layer.keys is not None and layer.keys.dim() == 4
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -210,7 +217,7 @@ class CachedModel(TorchDecoderInfo):
         here: rows share one cache tensor, and a finished row's slots leave with it)."""
         count = len(prompts)
         for layer in self._rollback_layers():
-            if layer.keys is not None and layer.keys.numel():
+            if shaped(layer):
                 _, h, n, d = layer.keys.shape
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, h, n, d)])
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(count, h, n, d)])
@@ -223,7 +230,7 @@ class CachedModel(TorchDecoderInfo):
         """Keep only these batch rows (finished rows stop costing compute)."""
         rows = rows.to(self.device)
         for layer in self._rollback_layers():
-            if layer.keys is not None and layer.keys.numel():
+            if shaped(layer):
                 layer.keys = layer.keys.index_select(0, rows)
                 layer.values = layer.values.index_select(0, rows)
         self.slot_pos = self.slot_pos.index_select(0, rows)
@@ -254,7 +261,7 @@ class CachedModel(TorchDecoderInfo):
 
     def _crop(self, keep: int) -> None:
         for layer in self._rollback_layers():
-            if layer.keys is not None and layer.keys.numel():
+            if shaped(layer):
                 layer.keys = layer.keys[:, :, :keep]
                 layer.values = layer.values[:, :, :keep]
         self.slot_pos = self.slot_pos[:, :keep]
@@ -266,7 +273,7 @@ class CachedModel(TorchDecoderInfo):
         order = torch.sort((self.slot_pos >= 0).int(), dim=1, stable=True).indices
         index = order[:, self.physical_len - width :]  # [batch, width]
         for layer in self._rollback_layers():
-            if layer.keys is not None and layer.keys.numel():
+            if shaped(layer):
                 b, h, _, d = layer.keys.shape
                 gather = index[:, None, :, None].expand(b, h, width, d)
                 layer.keys = layer.keys.gather(2, gather)

@@ -10,7 +10,7 @@ no drafter: same cache, same sampling code, so every speedup is measured against
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +23,8 @@ from specdecode.core.sampling import (
     PositionRandom,
     RowRandom,
     RowSampling,
-    bad_logits,
+    bad_rows,
+    law_scales,
     row_seed_list,
     sample_from,
 )
@@ -75,11 +76,26 @@ class RowUpdate:
 
 
 class RowFailed(RuntimeError):
-    """A row could not be decoded; it has left the batch and the others go on."""
+    """Rows could not be decoded: they have left the batch and both models (their sequences
+    freed), and the others go on. `reasons[key]`: why each row failed. `updates`: what the
+    round did for the other rows, the answer `step` would have given: their tokens do not
+    depend on the failed rows (each row's verdict reads its own logits), so they stand."""
 
-    def __init__(self, key: int, message: str) -> None:
-        super().__init__(message)
-        self.key = key
+    def __init__(self, reasons: dict[int, Exception], updates: Sequence[RowUpdate] = ()) -> None:
+        super().__init__("; ".join(f"row {key}: {why}" for key, why in reasons.items()))
+        self.reasons = dict(reasons)
+        self.updates = list(updates)
+
+    @property
+    def keys(self) -> list[int]:
+        return list(self.reasons)
+
+
+UNUSABLE = (
+    "a model's logits for this row were NaN or +inf (or all -inf), or its temperature is too "
+    "small for float32 (its law overflows); check the weights and dtype (fp16 overflow is a "
+    "common cause)"
+)
 
 
 class Batch:
@@ -160,23 +176,19 @@ class Round:
     done: torch.Tensor  # the row ended
     ready: torch.Tensor  # the row's prompt was all in the target's cache (it took part)
     fed: torch.Tensor  # tokens the target's pass took for the row
-    invalid: torch.Tensor  # [] a model's logits were unusable
+    invalid: torch.Tensor  # a model's logits, or the row's law, were unusable
 
     def to_host(self) -> HostRound:
         """Everything the loop reads, in the round's one copy to the host."""
         width = self.block.shape[1]
         columns = [
-            self.counts, self.accepted, self.drafted, self.passes, self.done, self.ready, self.fed
+            self.counts, self.accepted, self.drafted, self.passes, self.done, self.ready, self.fed,
+            self.invalid,
         ]  # fmt: skip
-        figures = torch.stack([c.long() for c in columns], 1)  # [batch, 7]
-        invalid = torch.as_tensor(self.invalid, device=figures.device).long()
-        host = torch.cat([self.block, figures, invalid.expand(len(figures), 1)], 1).tolist()
+        figures = torch.stack([c.long() for c in columns], 1)  # [batch, 8]
+        host = torch.cat([self.block, figures], 1).tolist()
         cols = list(zip(*(row[width:] for row in host), strict=True)) or [()] * 8
-        return HostRound(
-            [row[:width] for row in host],
-            *(list(c) for c in cols[:7]),
-            invalid=bool(host[0][-1]) if host else False,
-        )
+        return HostRound([row[:width] for row in host], *(list(c) for c in cols))
 
 
 @dataclass(frozen=True)
@@ -191,7 +203,7 @@ class HostRound:
     done: list[int]
     ready: list[int]
     fed: list[int]
-    invalid: bool
+    invalid: list[int]
 
 
 def speculative_step(
@@ -204,13 +216,15 @@ def speculative_step(
     stats: DecodeStats,
     pending_width: int | None = None,
     prefill_chunk: int | None = None,
+    scales: torch.Tensor | None = None,
 ) -> Round:
     """One round for every running row: draft, verify in one target pass, roll back, commit.
 
     A row whose prompt is longer than `prefill_chunk` tokens still to feed gets its next chunk
     in this pass and nothing else (not ready): a long prompt joining a running batch holds
     the other rows up a chunk at a time. `pending_width`: how many committed tokens the
-    target's cache lacks at most, where the caller knows it on the host.
+    target's cache lacks at most, where the caller knows it on the host. `scales`: [batch]
+    each row's temperature (`law_scales`; None: every row greedy), for the check of its law.
     """
     t0 = time.perf_counter()
     if rng is not None:
@@ -240,7 +254,7 @@ def speculative_step(
         torch.cat([pending_valid, draft_valid], 1),
         logits_to_keep=k + 1,
     )  # logits: [batch, k + 1, vocab]
-    invalid = bad_logits(logits)
+    invalid = bad_rows(logits, scales)  # [batch]
     if draft.invalid_logits is not None:
         invalid = invalid | draft.invalid_logits
     verdict = rule.verify(draft.tokens, draft.probs, logits, draft.lengths, rng)
@@ -265,15 +279,6 @@ def speculative_step(
     return Round(block, counts, accepted, draft.lengths, passes, done & ready, ready, fed, invalid)
 
 
-def check_finite(invalid: bool) -> None:
-    """Raise where a model's logits of the round were unusable (read in the round's host copy)."""
-    if invalid:
-        raise InvalidLogitsError(
-            "a model produced NaN or +inf logits (or a position where every logit is -inf); "
-            "check its weights and dtype (fp16 overflow is a common cause)"
-        )
-
-
 def coupled_next_tokens(
     drafter: Drafter,
     rule: VerificationRule,
@@ -290,7 +295,7 @@ def coupled_next_tokens(
     `stats.coupling_seconds`). Together with `PositionRandom`, a row's text then depends on its
     seed alone, whatever length any round drafted. The output law stays the target's: drafting
     then verifying one token is itself an exact draw from it. Also returns whether the law
-    read at a bonus position was unusable (NaN or +inf), for the step's one check.
+    rows ([batch] bool) whose law read at a bonus position was unusable (NaN or +inf).
     """
     assert isinstance(rng, PositionRandom), "coupling needs position-keyed numbers"
     full = verdict.num_accepted == draft.lengths  # [batch] rows owed a bonus token
@@ -304,7 +309,7 @@ def coupled_next_tokens(
     sequences = batch.sequences.scatter(1, index, draft.tokens)  # drafts written past the end
     committed = batch.seq_lens + verdict.num_accepted  # [batch]
     law = drafter.next_law(sequences, committed, full)  # [batch, vocab]
-    bad = (~torch.isfinite(law).all(-1) & full).any()  # no host sync: the step checks it
+    bad = ~torch.isfinite(law).all(-1) & full  # [batch] no host sync: the step checks it
     law = torch.where(full[:, None], law, 1.0 / law.shape[-1])  # other rows' laws are unused
     rng.begin_round(committed)
     token = sample_from(law, rng.draft_uniforms(0, full_host, law.device))  # [batch]
@@ -377,12 +382,7 @@ class DecodeLoop:
         self.first_round = True
         self.batch = Batch(self._capacity(), target.device)
         if joins:  # room for max_rows rows, made once, then emptied for rows to join
-            target.reset(max_rows)
-            target.select_rows(torch.zeros(0, dtype=torch.long, device=target.device))
-            if drafter is not None:
-                drafter.start(max_rows)
-                drafter.select_rows(torch.zeros(0, dtype=torch.long, device=target.device))
-            self.rng = RowRandom([])
+            self._empty_models()
 
     def _capacity(self, requests: list[RowRequest] = ()) -> int:
         if self.capacity is not None:
@@ -423,10 +423,26 @@ class DecodeLoop:
             self.cancelled.add(key)
 
     def reset(self) -> None:
-        """Drop every row (after a failure the state of the round is not to be trusted)."""
+        """Drop every row and start both models' caches anew: after a failure the state of the
+        round is not to be trusted, and a row may have been half admitted (in one model and
+        not the other, or in neither and not the batch), which dropping the batch's rows would
+        leave behind."""
         self.waiting, self.cancelled = [], set()
-        if self.batch.rows:
-            self._drop([])
+        self.batch = Batch(self._capacity(), self.target.device)
+        self.sampling.configs = []
+        self.pending_width = None
+        self._empty_models()
+
+    def _empty_models(self) -> None:
+        """Both models with no row, room made for `max_rows` where rows join a running batch."""
+        rows = self.max_rows if self.joins else 0
+        none = torch.zeros(0, dtype=torch.long, device=self.target.device)
+        self.target.reset(rows)
+        self.target.select_rows(none)
+        if self.drafter is not None:
+            self.drafter.start(rows)
+            self.drafter.select_rows(none)
+        self.rng = RowRandom([])
 
     def _admit(self) -> dict[int, int]:
         """Move waiting rows into the batch, up to `max_rows`. -> reused prompt tokens by key."""
@@ -469,29 +485,37 @@ class DecodeLoop:
 
     @torch.inference_mode()
     def step(self) -> list[RowUpdate]:
-        """One round over every running row (rows queued since the last one join first)."""
+        """One round over every running row (rows queued since the last one join first).
+
+        A row whose logits or law came out unusable leaves the batch and both models in this
+        round and `RowFailed` names it, with the updates of the others, which go on: a fault of
+        one row fails that row alone. An error of the round as a whole propagates; `reset`
+        then starts the loop anew."""
         if self.cancelled:
             self._drop([i for i, k in enumerate(self.batch.rows) if k not in self.cancelled])
             self.cancelled = set()
         reused = self._admit()
         if not self.batch.rows:
             return []
-        rule = self.rule or self.rules[self.sampling.greedy]
+        greedy = self.sampling.greedy
+        rule = self.rule or self.rules[greedy]
         start = self.clock()
         before = self.stats.cost_figures()
-        rng = None if self.sampling.greedy else self.rng
+        rng = None if greedy else self.rng
+        scales = None if greedy else law_scales(self.sampling, self.running, self.target.device)
         was_first = self.first_round
         try:
             result = speculative_step(
                 self.target, self.drafter, rule, self.batch, self.cfg, rng, self.stats,
-                self.pending_width, self.prefill_chunk,
+                self.pending_width, self.prefill_chunk, scales,
             )  # fmt: skip
             host = result.to_host()
         finally:
             self.stats.wall_seconds += self.clock() - start
         seconds = self.clock() - start
-        check_finite(host.invalid)
-        if self.observe is not None and not was_first and all(host.ready) and not reused:
+        failed = [k for k, bad in zip(self.batch.rows, host.invalid, strict=True) if bad]
+        decoding = not was_first and all(host.ready) and not reused and not failed
+        if self.observe is not None and decoding:
             # a decoding round (no prompt in it): what it took, for drafting's judge
             self.observe(host.fed, sum(host.counts), seconds)
         if self.first_round and any(host.ready):  # it holds the prefills
@@ -499,6 +523,8 @@ class DecodeLoop:
             self.first_round = False
         updates = []
         for i, key in enumerate(self.batch.rows):
+            if host.invalid[i]:
+                continue
             if host.ready[i]:
                 self.stats.rows[key].record(
                     host.drafted[i], host.accepted[i], host.counts[i], host.passes[i]
@@ -507,7 +533,8 @@ class DecodeLoop:
                 key, host.block[i][: host.counts[i]], bool(host.done[i]), host.drafted[i],
                 min(host.accepted[i], host.counts[i]), reused.get(key, 0),
             ))  # fmt: skip
-        keep = [i for i, d in enumerate(host.done) if not d]
+        ended = zip(host.done, host.invalid, strict=True)
+        keep = [i for i, (done, bad) in enumerate(ended) if not (done or bad)]
         # the target keeps a row's accepted drafts; its next token is what it lacks
         self.pending_width = max(
             (host.counts[i] - host.accepted[i] for i in keep if host.ready[i]), default=0
@@ -516,6 +543,8 @@ class DecodeLoop:
             self.pending_width = None
         if len(keep) < len(self.batch.rows):
             self._drop(keep)
+        if failed:
+            raise RowFailed({key: InvalidLogitsError(UNUSABLE) for key in failed}, updates)
         return updates
 
 
@@ -553,7 +582,10 @@ def decode(
     for prompt, seed in zip(prompts, seeds, strict=True):
         loop.add(RowRequest(prompt, cfg.max_new_tokens, cfg.sampling, seed, cfg.stop_token_ids))
     while len(loop):
-        updates = loop.step()
+        try:
+            updates = loop.step()
+        except RowFailed as failed:  # the caller asked for every row of a fixed batch
+            raise next(iter(failed.reasons.values())) from failed
         shown = [u for u in updates if u.tokens or u.finished]
         if shown:
             yield StepEvent(

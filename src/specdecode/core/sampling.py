@@ -65,6 +65,28 @@ def bad_maxima(maxima: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(maxima).all()
 
 
+def bad_rows(logits: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`bad_logits` per row; with `scales` ([batch], `law_scales`), also a row whose law its
+    temperature spoils: finite logits whose largest, divided by a tiny temperature, overflows
+    float32, where the softmax of `logits_to_probs` is NaN (top-k and top-p keep the largest
+    logit, so this one check covers them). Per row, so that one row's fault fails it alone.
+    """
+    # logits: [batch, ..., vocab] -> [batch] bool
+    maxima = logits.amax(dim=-1).reshape(logits.shape[0], -1)  # [batch, positions]
+    if scales is not None:
+        maxima = maxima.float() / scales[:, None]
+    return ~torch.isfinite(maxima).all(-1)
+
+
+def law_scales(
+    sampling: SamplingConfig | RowSampling, rows: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[rows] what each row's logits are divided by before its softmax: its temperature, 1 for
+    a greedy row (its law is its argmax's point mass)."""
+    configs = sampling.configs if isinstance(sampling, RowSampling) else [sampling] * rows
+    return torch.tensor([1.0 if c.greedy else c.temperature for c in configs], device=device)
+
+
 class RowSampling:
     """A `SamplingConfig` per row, for a batch whose rows were asked for different laws (a
     server's requests). Held by reference by the drafter and the rule of a running batch and

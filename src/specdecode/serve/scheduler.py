@@ -6,8 +6,10 @@ calls `add`, `cancel` and `step`; the event loop only queues admissions and canc
 lock and wakes the thread. A row's updates go to its request through
 `call_soon_threadsafe` into an asyncio queue. Requests beyond the batch wait in a bounded queue
 (`max_queue`); past it the server answers 429 at once instead of letting latency grow without
-bound. A row that fails inside the engine (`RowFailed`) fails alone; any other error of a round
-fails every running row and resets the loop, so the next requests start from a clean state.
+bound. A row that fails inside the engine (`RowFailed`: its logits or law unusable) fails
+alone, as does one whose tokens cannot be turned into text (`RowStream`), and the other rows
+go on; any other error of a round fails every running row and resets the loop and both models,
+so the next requests start from a clean state.
 """
 
 from __future__ import annotations
@@ -215,12 +217,13 @@ class Scheduler:
     def _round(self, loop: Any) -> None:
         try:
             updates = loop.step()
-        except RowFailed as error:
-            with self._lock:
-                job = self._running.pop(error.key, None)
-            if job is not None:
-                job.deliver(Failure(f"the engine failed on this request: {error}"))
-            return
+        except RowFailed as failed:  # those rows have left the loop; the others' updates stand
+            for key, reason in failed.reasons.items():
+                with self._lock:
+                    job = self._running.pop(key, None)
+                if job is not None:
+                    job.deliver(Failure(f"the engine failed on this request: {reason}"))
+            updates = failed.updates
         with self._lock:
             for update in updates:
                 job = self._running.get(update.key)
@@ -289,6 +292,21 @@ class RowStream:
             self.ended = True
             self.scheduler.cancel(self.job)
 
+    def _text(self, tokens: list[int], finished: bool) -> str:
+        """`RowText.feed`, where a tokenizer that cannot decode the row's tokens, or a stop
+        string that cannot be matched, fails this request alone (its row is cancelled on the
+        way out of `pieces`), with an OpenAI error rather than a broken response."""
+        try:
+            return self.text.feed(tokens, final=finished)
+        except Exception as error:
+            log.exception("turning a row's tokens into text failed; that request fails")
+            raise RequestError(
+                f"the server could not turn this request's tokens into text: "
+                f"{type(error).__name__}: {error}",
+                status=500,
+                type="server_error",
+            ) from None
+
     async def pieces(self) -> AsyncIterator[str]:
         metrics, result = self.scheduler.metrics, self.result
         first: float | None = None
@@ -306,7 +324,7 @@ class RowStream:
                 if update.tokens and first is None:
                     first = time.monotonic()
                     metrics.ttft.observe(first - self.arrival)
-                piece = self.text.feed(update.tokens, final=update.finished)
+                piece = self._text(update.tokens, update.finished)
                 if piece:
                     result.text += piece
                     yield piece

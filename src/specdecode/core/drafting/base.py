@@ -22,7 +22,7 @@ class Draft:
     probs: torch.Tensor | None  # [batch, k, vocab], the law each token was drawn from
     lengths: torch.Tensor  # [batch] tokens proposed per row, <= k
     forwards: int = 0  # batched forward passes spent on this draft
-    invalid_logits: torch.Tensor | None = None  # [] bool, set when a drafter logit was NaN/+inf
+    invalid_logits: torch.Tensor | None = None  # [batch] (or [] for all) bool: unusable law
     policy_seconds: float = 0.0  # time the length policy spent deciding (e.g. the head)
     row_passes: torch.Tensor | None = None  # [batch] drafter passes per row; None: one a token
 

@@ -52,6 +52,7 @@ class Sources:
     # what the plan's predicted gains have been worth here (asked after `prices`)
     outcomes: Callable[[], Outcomes | None] = lambda: None
     has_model: bool = True  # whether there is a drafter model to load
+    model_context: int | None = None  # its tokens per row, known before it loads (None: none)
     rows: int = 1  # the most rows a batch of this drafter holds
     corpus: CorpusIndex | None = None  # drafts where the row's own text has none (auto only)
 
@@ -116,7 +117,7 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
         def made() -> ModelDrafter:  # at the first round whose plan drafts by model
             return ModelDrafter(sources.model, cfg.sampling, sources.vocab_size, policy)
 
-        model = DeferredModelDrafter(made)
+        model = DeferredModelDrafter(made, sources.model_context)
     lookup = sources.lookup or (LOOKUP_FIRST if model is not None else LOOKUP_ALONE)
     planner = PricedPlanner(
         lookup.max_ngram,

@@ -8,7 +8,8 @@ there is one). The planner says which rows draft by model and how far each row d
 `lookup-first`), `PricedPlanner` a corpus draft by the corpus or by the model, whichever plan
 pays more, as far as it pays at this machine's prices (drafting `auto`). A row's model cache
 catches up on the committed tokens the next time it drafts with the model
-(`ModelBackend.pending`).
+(`ModelBackend.pending`). The model drafts a row only within its own context (`room`): past
+it the row drafts by lookup or not at all, while the target's longer context serves it.
 
 Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
 lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
@@ -57,7 +58,10 @@ class MixedDrafter:
         found = self.find(texts, lens, budget)
         ngrams = [n for _, n in found]  # 0: no match
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
-        plan, pads, by_model = self.planner.plan(ngrams, [len(c) for c, _ in found], budget, behind)
+        room = self.model.room(seq_lens).tolist() if self.model is not None else [0] * len(lens)
+        plan, pads, by_model = self.planner.plan(
+            ngrams, [len(c) for c, _ in found], budget, behind, room
+        )
         by_model = [m and self.model is not None for m in by_model]
         model_k = [k if m else 0 for m, k in zip(by_model, plan, strict=True)]
         # what the planner learns from: the match length of a row that drafted by lookup

@@ -16,7 +16,13 @@ from specdecode.backends.base import ModelBackend
 from specdecode.core.config import SamplingConfig
 from specdecode.core.drafting.base import Draft
 from specdecode.core.length_policies import DraftedPosition, LengthPolicy
-from specdecode.core.sampling import argmax_last, bad_logits, logits_to_probs, sample_from
+from specdecode.core.sampling import (
+    argmax_last,
+    bad_rows,
+    law_scales,
+    logits_to_probs,
+    sample_from,
+)
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -34,6 +40,17 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits
 
 
+def draft_room(context: int | None, seq_lens: torch.Tensor) -> torch.Tensor:
+    """[batch] tokens a drafter model of `context` tokens per row (None: no limit known) may
+    draft for rows of `seq_lens` ([batch]) committed tokens. Its cache holds a row's text and
+    its drafts; a GGUF's context is its own trained length, often shorter than the target's,
+    and past it llama.cpp refuses the pass (and a transformers model reads positions it was
+    never trained on). A row with no room is drafted by lookup, or not at all."""
+    if context is None:
+        return torch.full_like(seq_lens, torch.iinfo(torch.int32).max)
+    return (context - seq_lens).clamp(min=0)
+
+
 class ModelDrafter:
     """A small causal LM drafting autoregressively, one forward pass per drafted position."""
 
@@ -48,6 +65,10 @@ class ModelDrafter:
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.policy = policy
+        self.context: int | None = getattr(lm, "context_length", None)  # tokens per row
+
+    def room(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        return draft_room(self.context, seq_lens)
 
     def start(self, batch_size: int) -> None:
         self.lm.reset(batch_size)
@@ -56,7 +77,8 @@ class ModelDrafter:
     @torch.no_grad()
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         policy = self.policy
-        limits = policy.round_limits(max_tokens)  # [batch] most tokens per row this round
+        # [batch] most tokens per row this round, within the model's context
+        limits = torch.minimum(policy.round_limits(max_tokens), self.room(seq_lens))
         limit_list = limits.tolist()
         width = max(limit_list, default=0)
         if width == 0:
@@ -69,13 +91,15 @@ class ModelDrafter:
         active_host = [lim > 0 for lim in limit_list]  # the same, for the per-row draws
         lengths = torch.zeros_like(limits)  # [batch]
         drafted, laws, policy_seconds = [], [], 0.0
-        invalid = torch.zeros((), dtype=torch.bool, device=sequences.device)
+        invalid = torch.zeros(len(limit_list), dtype=torch.bool, device=sequences.device)
+        greedy = self.sampling.greedy
+        scales = None if greedy else law_scales(self.sampling, len(limit_list), sequences.device)
         for i in range(width):
             logits, hidden = self.lm.forward(tokens, valid, 1, want_hidden=policy.needs_hidden)
             logits = align_vocab(logits[:, -1], self.vocab_size)  # [batch, vocab]
-            invalid = invalid | bad_logits(logits)
+            invalid = invalid | (bad_rows(logits, scales) & active)  # [batch]
             probs = None
-            if self.sampling.greedy:
+            if greedy:
                 token = argmax_last(logits)  # [batch]
             else:
                 probs = logits_to_probs(logits, self.sampling)  # [batch, vocab]
@@ -138,8 +162,9 @@ class DeferredModelDrafter:
     Made mid-run, the drafter starts empty rows and catches up on every row's committed tokens
     at its first pass (`ModelBackend.pending`), as it does after any round it sat out."""
 
-    def __init__(self, make: Callable[[], ModelDrafter]) -> None:
+    def __init__(self, make: Callable[[], ModelDrafter], context: int | None = None) -> None:
         self.make = make
+        self.context = context  # the model's tokens per row, known before it is loaded
         self.drafter: ModelDrafter | None = None
         self.rows = 0
         self.capacity = 0  # the most rows a batch has held: the room the made drafter reserves
@@ -162,6 +187,11 @@ class DeferredModelDrafter:
 
     def next_law(self, sequences, seq_lens, rows) -> torch.Tensor:
         return self._made().next_law(sequences, seq_lens, rows)
+
+    def room(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """As `ModelDrafter.room`; before it is made, from the context it was given."""
+        made = self.drafter
+        return made.room(seq_lens) if made is not None else draft_room(self.context, seq_lens)
 
     def behind(self, seq_lens: torch.Tensor) -> list[int]:
         """As `ModelDrafter.behind`; before it is made, every row lacks its whole text."""

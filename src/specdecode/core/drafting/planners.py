@@ -102,12 +102,18 @@ class Planner(Protocol):
         ...
 
     def plan(
-        self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
+        self,
+        ngrams: list[int],
+        found: list[int],
+        budget: list[int],
+        behind: list[int],
+        room: list[int] | None = None,
     ) -> Plan:
         """Each row's source (its lookup match, or the model) and tokens from it, and filler
         tokens after them: `ngrams[b]` the match length lookup found (0: none), `found[b]` how
         many tokens it found (<= budget[b]), `behind[b]` the committed tokens the drafter
-        model's cache lacks for the row."""
+        model's cache lacks for the row, `room[b]` the most the model may draft for it
+        within its context (0: the model skips the row; None: no limit)."""
         ...
 
     def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
@@ -139,10 +145,19 @@ class FixedPlanner:
         return self.policy.round_limits(max_tokens).tolist()
 
     def plan(
-        self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
+        self,
+        ngrams: list[int],
+        found: list[int],
+        budget: list[int],
+        behind: list[int],
+        room: list[int] | None = None,
     ) -> Plan:
-        lengths = [f if n else b for n, f, b in zip(ngrams, found, budget, strict=True)]
-        return Plan(lengths, [0] * len(lengths), [n == 0 for n in ngrams])
+        room = room if room is not None else budget  # no limit: a row drafts its budget at most
+        by_model = [n == 0 and r > 0 for n, r in zip(ngrams, room, strict=True)]
+        lengths = [  # a row the model cannot take drafts its match, if any
+            min(b, r) if m else f for f, b, r, m in zip(found, budget, room, by_model, strict=True)
+        ]
+        return Plan(lengths, [0] * len(lengths), by_model)
 
     def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
         pass
@@ -368,13 +383,21 @@ class PricedPlanner:
         return max_tokens.clamp(max=self.max_tokens).tolist()
 
     def plan(
-        self, ngrams: list[int], found: list[int], budget: list[int], behind: list[int]
+        self,
+        ngrams: list[int],
+        found: list[int],
+        budget: list[int],
+        behind: list[int],
+        room: list[int] | None = None,
     ) -> Plan:
+        room = room if room is not None else budget
         if not self.has_model:
             choices = [[False] * len(ngrams)]
-        else:  # the model takes the rows with short matches, or only those with none
-            short = [n not in self.long_matches for n in ngrams]
-            unmatched = [n == 0 for n in ngrams]
+        else:  # the model takes the rows with short matches, or only those with none, where
+            # its context has room for them
+            pairs = list(zip(ngrams, room, strict=True))
+            short = [n not in self.long_matches and r > 0 for n, r in pairs]
+            unmatched = [n == 0 and r > 0 for n, r in pairs]
             choices = [short] if short == unmatched else [short, unmatched]
         # what a row's first model token costs besides, were the model to draft it
         lags = [self.catch_up(lag) for lag in behind] if self.has_model else [0.0] * len(behind)
@@ -387,8 +410,8 @@ class PricedPlanner:
                 for b, (n, m) in enumerate(zip(ngrams, by_model, strict=True))
             ]
             caps = [
-                c if m else (f if n else 0)
-                for n, f, c, m in zip(ngrams, found, budget, by_model, strict=True)
+                min(c, r) if m else (f if n else 0)
+                for n, f, c, r, m in zip(ngrams, found, budget, room, by_model, strict=True)
             ]
             catch_up = [c if m else 0.0 for m, c in zip(by_model, lags, strict=True)]
             real, fillers, seen = plan_lengths(
