@@ -639,7 +639,10 @@ class LlamaCppModel:
                         (b, j - (n - keep) if j >= n - keep else -1, tokens_l[b][j], pos)
                     )
                     pos += 1
-        logits = torch.zeros(batch, keep, self.vocab_size)  # [batch, keep, vocab]
+        filled = sum(col >= 0 for _, col, _, _ in entries) == batch * keep
+        # [batch, keep, vocab]; zeroed only where a hole stays unwritten (a one-token step has
+        # none, and a zeroed row of 151,936 logits costs what the copy into it does)
+        logits = (torch.empty if filled else torch.zeros)(batch, keep, self.vocab_size)
         hidden = torch.zeros(batch, keep, self.hidden_size) if want_hidden else None
         # llama_decode takes at most n_batch tokens: a longer block (a batch of long prompts)
         # goes in pieces, each piece's outputs copied before the next overwrites them
