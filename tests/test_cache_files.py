@@ -505,3 +505,34 @@ def test_a_read_only_verdict_folder_decides_from_memory(weights, caplog) -> None
         root.chmod(0o755)
     (line,) = said(caplog)
     assert "verdict cannot be written" in line
+
+
+@pytest.fixture
+def smol_gguf():
+    pytest.importorskip("transformers")
+    from specdecode.models.store import gguf_file
+
+    return gguf_file("smollm2-135m", progress=False)
+
+
+def test_a_gguf_in_a_read_only_folder_gives_its_tokenizer_from_memory(
+    smol_gguf, tmp_path, monkeypatch, caplog
+):
+    """A GGUF outside the model cache has its tokenizer saved beside it; where its folder
+    refuses the scratch folder (read-only), the tokenizer still serves, said once."""
+    from specdecode.models import tokenizer as tokenizers
+
+    local = tmp_path / "mine.gguf"
+    local.write_bytes(Path(smol_gguf).read_bytes())
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied (read-only folder)", str(tmp_path))
+
+    monkeypatch.setattr(tokenizers.tempfile, "mkdtemp", refuse)
+    with caplog.at_level(logging.WARNING):
+        first = tokenizers.gguf_tokenizer(local)
+        second = tokenizers.gguf_tokenizer(local)
+    assert first.encode("def f(x):") == second.encode("def f(x):") != []
+    lines = [r.getMessage() for r in caplog.records if "cannot be saved" in r.getMessage()]
+    assert len(lines) == 1 and "read-only" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.gguf"]

@@ -14,6 +14,7 @@ from specdecode import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.core import prices as pricing
 from specdecode.core.prices import Prices, monotone
+from specdecode.models import atomic
 
 # one, two and four rows holding 1..4 tokens each (even passes). A drafter step: 0.5, 0.6, 0.8
 # steps. Padded (the default layout): a ragged pass costs the even pass of its longest row.
@@ -235,10 +236,11 @@ def test_an_unwritable_cache_is_said_once_and_decoding_goes_on(
     monkeypatch.setenv(pricing.PRICES_ENV, str(tmp_path / "prices"))
     counting(monkeypatch)
 
-    def refuse(*args, **kwargs):
-        raise PermissionError("read-only file system")
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied (read-only file system)", str(dst))
 
-    monkeypatch.setattr(pricing, "store_prices", refuse)
+    monkeypatch.setattr(atomic, "_said", set())  # said once per process: this test's first
+    monkeypatch.setattr(os, "replace", refuse)
     with caplog.at_level("WARNING", logger="specdecode"):
         prices = saved_pair.prices(1)  # timed, not stored
         saved_pair.outcomes.changed = True

@@ -225,7 +225,6 @@ class SpeculativeDecoder:
         self.corpus: CorpusIndex | None = None  # drafting auto's corpus (`use_corpus`)
         self.clock: Callable[[], float] = time.perf_counter  # rounds' and timings' seconds
         self._default_corpus: str | None = None  # read at the first drafting auto, if not chosen
-        self._cache_unwritable = False
 
     @property
     def target_backend(self) -> ModelBackend:
@@ -445,7 +444,7 @@ class SpeculativeDecoder:
                 clock=self.clock,
             )  # fmt: skip
             if key is not None:
-                self._store(lambda: pricing.store_prices(key, found, root, worth))
+                pricing.store_prices(key, found, root, worth)  # unwritable: said once, kept
         self._prices = found
         if self._outcomes is None:  # a timing for more rows keeps what rounds have shown
             self._outcomes = Outcomes(worth)
@@ -543,18 +542,8 @@ class SpeculativeDecoder:
 
         key, root = entry
         prices, worth = self._prices, outcomes.snapshot()
-        self._store(lambda: pricing.store_prices(key, prices, root, worth))
+        pricing.store_prices(key, prices, root, worth)
         outcomes.changed = False
-
-    def _store(self, write: Callable[[], object]) -> None:
-        """Write a cache entry; a cache that cannot be written (read-only, full) is said once
-        and decoding goes on from memory."""
-        try:
-            write()
-        except OSError as error:
-            if not self._cache_unwritable:
-                log.warning("the prices cache cannot be written (%s): kept in memory", error)
-            self._cache_unwritable = True
 
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from specdecode.models.atomic import say_once
 from specdecode.models.cache import (
     GGUF_FILE,
     TOKENIZER_DIR,
@@ -54,14 +55,30 @@ def gguf_tokenizer(gguf: Path, cache: Path | None = None) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    scratch = Path(tempfile.mkdtemp(prefix=TOKENIZER_SCRATCH, dir=gguf.parent))
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=TOKENIZER_SCRATCH, dir=gguf.parent))
+    except OSError as error:  # a read-only model folder: the tokenizer serves from memory
+        _unsaved(gguf, error)
+        return tokenizer
     try:
         tokenizer.save_pretrained(str(scratch))
         with contextlib.suppress(OSError):  # another process finished first: its copy serves
             scratch.rename(cache)
+    except OSError as error:  # a full disk: as above
+        _unsaved(gguf, error)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return tokenizer
+
+
+def _unsaved(gguf: Path, error: OSError) -> None:
+    say_once(
+        logger,
+        ("tokenizer", gguf.parent),
+        "the tokenizer of %s cannot be saved beside it (%s): read from the GGUF at each start",
+        gguf,
+        error,
+    )
 
 
 def _make_cached_tokenizer(c: ModelCache, progress: bool) -> None:
