@@ -109,6 +109,25 @@ def test_a_snapshot_lists_a_new_allocation_and_old_regions_are_left_alone(libc):
     assert region_of(hugepages.anonymous_regions(), address, address + SIZE) is None  # unmapped
 
 
+@needs_thp
+def test_regions_named_at_load_are_moved_and_later_ones_left_alone(libc):
+    """A move that starts after other memory was mapped (a cache, an index) moves the regions
+    named when the weights loaded, and nothing mapped since: that memory was never timed, and
+    moving it beside the passes would slow them the longer."""
+    before = hugepages.anonymous_regions()
+    weights = mapped(libc, SIZE)
+    named = hugepages.anonymous_regions() - before
+    later = mapped(libc, SIZE)
+    try:
+        pages = huge_bytes_in(later, later + SIZE)
+        assert hugepages.collapse(named) >= SIZE - 2 * hugepages.HUGE_PAGE
+        assert huge_bytes_in(weights, weights + SIZE) >= SIZE - 2 * hugepages.HUGE_PAGE
+        assert huge_bytes_in(later, later + SIZE) == pages  # left as it was
+    finally:
+        libc.munmap(weights, SIZE)
+        libc.munmap(later, SIZE)
+
+
 # ------------------------------------------------------------------ the verdict, kept
 
 

@@ -8,7 +8,7 @@ step faster (`docs/findings.md`, 12, has the measurements). The weights are read
 memory (llama.cpp's load mode "none", not a file mapping, which huge pages cannot back here) and
 this module then asks the kernel to collapse the new regions: `madvise(MADV_HUGEPAGE)` so later
 faults get huge pages, then `MADV_COLLAPSE` (Linux 6.1+) to move what is already there. Where the
-kernel or its settings refuse, nothing changes but the speed: `collapse_new_regions` reports what
+kernel or its settings refuse, nothing changes but the speed: `collapse` reports what
 it managed.
 """
 
@@ -79,9 +79,17 @@ def _madvise():
 def collapse_new_regions(
     before: set[Region], progress: Callable[[int, int], None] | None = None
 ) -> int:
-    """Ask for huge pages on every anonymous region of at least `MIN_REGION` bytes that is not
-    in `before`; returns the bytes the kernel collapsed (0 where it could not). `progress`
-    hears (bytes tried so far, bytes to try) after each huge page."""
+    """Ask for huge pages on every anonymous region that is not in `before` (`collapse`)."""
+    return collapse(anonymous_regions() - before, progress)
+
+
+def collapse(regions: set[Region], progress: Callable[[int, int], None] | None = None) -> int:
+    """Ask for huge pages on each of `regions` of at least `MIN_REGION` bytes; returns the
+    bytes the kernel collapsed (0 where it could not). `progress` hears (bytes tried so far,
+    bytes to try) after each huge page. The regions are taken as given: a model's weights are
+    named when they load, so a move that starts later leaves alone what was mapped since (the
+    caches, a corpus index, the interpreter's heap), which is no weight, was not timed, and
+    would make the move, and every pass beside it, take longer."""
     if os.name != "posix":
         return 0
     try:
@@ -90,7 +98,7 @@ def collapse_new_regions(
         return 0
     collapsed = tried = 0
     spans = []  # whole huge pages inside each new region large enough
-    for start, end in sorted(anonymous_regions() - before):
+    for start, end in sorted(regions):
         lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
         if hi - lo >= MIN_REGION:
             spans.append((lo, hi))

@@ -38,7 +38,7 @@ import torch
 
 from specdecode.backends import hugepages
 from specdecode.backends.base import pending_block
-from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
+from specdecode.backends.hugepages import anonymous_regions, collapse
 
 DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
 
@@ -229,37 +229,48 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """Sequences' cache cells in host memory, keyed by the tokens they hold, least recently
-    used dropped first past `budget` bytes. llama-server keeps such a cache of its slots
-    (`--cache-ram`); without it a server of 8 rows forgets a prompt as soon as 8 others ran."""
+    """Sequences' cache cells in host memory, keyed by the tokens they hold and the partition
+    of the rows that wrote them, least recently used dropped first past `budget` bytes.
+    llama-server keeps such a cache of its slots (`--cache-ram`); without it a server of 8 rows
+    forgets a prompt as soon as 8 others ran. A prompt matches only cells of its own partition
+    (a server's client, `RowRequest.cache_partition`): a reused prefix, or the time it saves,
+    would otherwise tell one client what another sent."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.entries: dict[tuple[int, ...], ctypes.Array] = {}  # oldest first
+        self.held: dict[tuple[str, tuple[int, ...]], ctypes.Array] = {}  # oldest first
         self.bytes = 0
 
-    def longest(self, prompt: list[int]) -> tuple[list[int], int]:
-        """The saved tokens sharing the longest prefix with `prompt`, and that length."""
+    @property
+    def entries(self) -> dict[tuple[int, ...], ctypes.Array]:
+        """The default partition's cells by their tokens, oldest first (a server without keys
+        or salts holds only these)."""
+        return {tokens: cells for (part, tokens), cells in self.held.items() if not part}
+
+    def longest(self, prompt: list[int], partition: str = "") -> tuple[list[int], int]:
+        """The saved tokens of `partition` sharing the longest prefix with `prompt`, and that
+        length."""
         best, n = [], 0
-        for held in self.entries:
-            if len(held) > n and (k := shared_prefix(held, prompt)) > n:
+        for part, held in self.held:
+            if part == partition and len(held) > n and (k := shared_prefix(held, prompt)) > n:
                 best, n = list(held), k
         return best, n
 
-    def put(self, tokens: list[int], cells: ctypes.Array) -> None:
-        key = tuple(tokens)
-        if key in self.entries:
-            self.bytes -= len(self.entries.pop(key))
-        self.entries[key] = cells
+    def put(self, tokens: list[int], cells: ctypes.Array, partition: str = "") -> None:
+        key = (partition, tuple(tokens))
+        if key in self.held:
+            self.bytes -= len(self.held.pop(key))
+        self.held[key] = cells
         self.bytes += len(cells)
-        while self.bytes > self.budget and self.entries:
-            self.bytes -= len(self.entries.pop(next(iter(self.entries))))
+        while self.bytes > self.budget and self.held:
+            self.bytes -= len(self.held.pop(next(iter(self.held))))
 
-    def take(self, tokens: list[int]) -> ctypes.Array:
-        """The cells saved for `tokens`, left in the cache as the most recently used."""
-        key = tuple(tokens)
-        cells = self.entries.pop(key)
-        self.entries[key] = cells
+    def take(self, tokens: list[int], partition: str = "") -> ctypes.Array:
+        """The cells saved for `tokens` in `partition`, left in the cache as the most recently
+        used."""
+        key = (partition, tuple(tokens))
+        cells = self.held.pop(key)
+        self.held[key] = cells
         return cells
 
 
@@ -321,6 +332,9 @@ class LlamaCppModel:
                 "architecture this llama.cpp build does not know); re-fetch it with "
                 "`specdecode models fetch NAME --force`, or use `--backend torch`"
             )
+        # the weights' regions, named now: what is mapped later (the caches, a corpus index)
+        # is no weight, and a move that took it too would run, beside the passes, far longer
+        weights = anonymous_regions() - before if huge_pages else None
         if not huge_pages:  # the weights llama.cpp copied out of its file mapping
             hugepages.release_file_pages(self.path)
         vocab = lib.llama_model_get_vocab(self.model)
@@ -341,7 +355,7 @@ class LlamaCppModel:
         # until the passes have earned it (`_mover`)
         self._moved: list[int] = [0]
         self._pages: threading.Thread | None = None
-        self._regions = before if huge_pages else None  # new regions, until the move starts
+        self._regions = weights  # the weights' regions, until the move starts
         self._mover = mover
         self._passes = 0  # `forward` calls so far
         self._step_seconds: deque[float] = deque(maxlen=64)  # the latest one-token steps'
@@ -355,8 +369,8 @@ class LlamaCppModel:
         weighs it next time): estimated once half the pages are moved, as a short run may end
         before the move does, and again at its end. Steps that ran beside the move count
         slower than they are, so the cost is rather under- than overstated."""
-        before, self._regions = self._regions, None
-        if before is None:
+        regions, self._regions = self._regions, None
+        if regions is None:
             return
         timed = self._mover is not None
         start = time.perf_counter()
@@ -374,7 +388,7 @@ class LlamaCppModel:
                 record(done, total)
 
         def move() -> None:
-            self._moved[0] = collapse_new_regions(before, progress)
+            self._moved[0] = collapse(regions, progress)
             if timed and self._moved[0]:
                 record(1, 1)
 
@@ -473,6 +487,8 @@ class LlamaCppModel:
         # sequences no row uses, with the tokens their cells still hold (oldest first): a row
         # that joins takes the one sharing the longest prefix with its prompt (prefix reuse)
         self.kept: dict[int, list[int]] = {}
+        # the partition of the rows whose tokens each sequence's cells hold (absent: "")
+        self.partitions: dict[int, str] = {}
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` sequences at once, emptied (a context is made anew only to grow)."""
@@ -489,22 +505,29 @@ class LlamaCppModel:
         The lowest, because llama.cpp runs rows in one micro-batch only while their sequence
         ids rise one by one (`_forward`): rows that join on scattered sequences (wherever their
         prefix happened to be) split every later pass. A prefix held by another free sequence
-        is copied over rather than joined there; that sequence keeps it."""
+        is copied over rather than joined there; that sequence keeps it.
+
+        A prompt's prefix is looked for only among the cells of its own partition (its
+        `partition` attribute, an `engine.PartitionedPrompt`'s; a plain list: ""), so a row
+        reuses nothing another client's rows left."""
         reused = []
         for prompt in prompts:
             if not self.kept:
                 raise ValueError(
                     f"{self.role}: all {self.rows_capacity} sequences are in use; reserve more rows"
                 )
+            partition = getattr(prompt, "partition", "")
             head = prompt[: max(len(prompt) - 1, 0)]  # the last token is fed: it starts the row
             seq = min(self.kept)
             held = self.kept.pop(seq)
-            n = shared_prefix(held, head)
-            # the longest prefix elsewhere: in another free sequence (ties: the one freed
-            # first, as the dict keeps them), else in host memory
-            other = max(self.kept, key=lambda q: shared_prefix(self.kept[q], head), default=None)
+            ours = self.partitions.get(seq, "") == partition
+            n = shared_prefix(held, head) if ours else 0
+            # the longest prefix elsewhere: in another free sequence of the partition (ties:
+            # the one freed first, as the dict keeps them), else in host memory
+            mine = [q for q in self.kept if self.partitions.get(q, "") == partition]
+            other = max(mine, key=lambda q: shared_prefix(self.kept[q], head), default=None)
             k = 0 if other is None else shared_prefix(self.kept[other], head)
-            saved, m = self.prefix_cache.longest(head)
+            saved, m = self.prefix_cache.longest(head, partition)
             if max(k, m) <= n:  # the row keeps its sequence's own prefix; the rest is lost
                 if len(held) > n:
                     self._save(seq, held)
@@ -512,12 +535,13 @@ class LlamaCppModel:
                 tokens, cells = (
                     (self.kept[other], self._cells(other))
                     if k >= m
-                    else (saved, self.prefix_cache.take(saved))
+                    else (saved, self.prefix_cache.take(saved, partition))
                 )
-                if held and tokens != held:
+                if held and (tokens != held or not ours):
                     self._save(seq, held)
                 n = max(k, m) if self._put_cells(seq, cells) else 0
             self.lib.llama_memory_seq_rm(self.memory, seq, n, -1)
+            self.partitions[seq] = partition
             self.seq_ids.append(seq)
             self.row_tokens.append(list(prompt[:n]))
             reused.append(n)
@@ -555,15 +579,17 @@ class LlamaCppModel:
             if not self._put_cells(low, cells):
                 self.kept[low] = []  # emptied and not filled: the rows stay where they are
                 return
+            self.partitions[low] = self.partitions.get(high, "")
             b = self.seq_ids.index(high)
             self.seq_ids[b] = low
             self.kept[high] = list(self.row_tokens[b])
 
     def _save(self, seq: int, tokens: list[int]) -> None:
-        """Copy a sequence's cells to host memory, keyed by the tokens they hold."""
+        """Copy a sequence's cells to host memory, keyed by the tokens they hold and their
+        partition."""
         budget = self.prefix_cache.budget
         if budget and (buf := self._cells(seq, budget)) is not None:
-            self.prefix_cache.put(tokens, buf)
+            self.prefix_cache.put(tokens, buf, self.partitions.get(seq, ""))
 
     def _put_cells(self, seq: int, cells: ctypes.Array | None) -> bool:
         """Fill an emptied sequence with copied cells; False (the sequence empty) where there
