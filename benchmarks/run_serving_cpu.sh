@@ -29,12 +29,15 @@ LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: build it with benchmarks/studies/llamacpp-peer/llamacpp_peer.sh, or set LLAMA_SERVER" >&2; exit 1; }
 # SERVING_PLAN=auto-check: only drafting auto against drafting off and llama-server (code and
 # chat at 1, 4 and 8 requests, equal work, three passes), into
-# benchmarks/studies/auto-any-machine/serving/: what `auto` gives on the machine that runs it
+# benchmarks/studies/auto-any-machine/serving/: what `auto` gives on the machine that runs it.
+# SERVING_LEVELS="1" (with auto-check): those concurrency levels only, into serving-c1/
 plan=${SERVING_PLAN:-full}
+levels=${SERVING_LEVELS:-1 4 8}
 out=benchmarks/results/serving-default-pair
 servers="ours ours-plain llama-server llama-server-draft llama-cpp-python"
 if [ "$plan" = auto-check ]; then
   out=benchmarks/studies/auto-any-machine/serving
+  [ -n "${SERVING_LEVELS:-}" ] && out=$out-c${levels// /-}
   servers="ours ours-plain llama-server"
 fi
 logs=runs/serving-logs
@@ -84,12 +87,12 @@ step() {  # step NAME BENCH-ARGS...: one bench-serve record unless it is there a
 }
 three="ours ours-plain llama-server"
 if [ "$plan" = auto-check ]; then
-  # shellcheck disable=SC2046
-  step code $(labels $three) --prompts humaneval --limit 8 --modes new --concurrency 1 4 8 \
+  # shellcheck disable=SC2046,SC2086
+  step code $(labels $three) --prompts humaneval --limit 8 --modes new --concurrency $levels \
     --repeats 3 --ignore-eos
-  # shellcheck disable=SC2046
+  # shellcheck disable=SC2046,SC2086
   step chat $(labels $three) --prompts mtbench --limit 8 --modes chat --turns 2 \
-    --concurrency 1 4 8 --repeats 3 --ignore-eos
+    --concurrency $levels --repeats 3 --ignore-eos
   grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
   exit 0
 fi
