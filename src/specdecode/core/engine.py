@@ -55,12 +55,25 @@ class RowRequest:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # which earlier rows' cached prefixes this row may reuse: only those of the same partition
+    # (a server's clients stay apart: none learns from a reused prefix what another sent)
+    cache_partition: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("a row needs at least one prompt token")
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class PartitionedPrompt(list):
+    """A row's prompt ids as `add_rows` gets them, carrying its request's `cache_partition`: a
+    backend that reuses cached prefixes matches the prompt only against cells of the same
+    partition; one that keeps none reads it as the list of ids it is."""
+
+    def __init__(self, ids: Sequence[int], partition: str = "") -> None:
+        super().__init__(ids)
+        self.partition = partition
 
 
 @dataclass(frozen=True)
@@ -451,7 +464,7 @@ class DecodeLoop:
             return {}
         taken, self.waiting = self.waiting[:room], self.waiting[room:]
         keys, requests = [k for k, _ in taken], [r for _, r in taken]
-        prompts = [list(r.prompt) for r in requests]
+        prompts = [PartitionedPrompt(r.prompt, r.cache_partition) for r in requests]
         seeds = [r.seed if r.seed is not None else fresh_seed() for r in requests]
         if self.joins:
             reused = self.target.add_rows(prompts)

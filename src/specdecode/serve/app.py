@@ -6,6 +6,12 @@ their characters bounded by the context, and only then tokenized. Parsing, rende
 template and tokenizing run in one worker thread, off the event loop, so a long prompt delays
 no other client's stream. A failure the server did not foresee answers 500 with a request id
 only; its detail goes to the log under that id, never to the client.
+
+A client that disconnects is noticed when it happens (its disconnect message is awaited, not
+polled), streamed or not: its rows are cancelled at once, so one still queued leaves the queue
+before it takes a row and is prefilled, and one whose client left while it was tokenized is
+never queued. Rows reuse cached prompt prefixes only of requests with the same API key and
+`cache_salt` (`scheduler.cache_partition`).
 """
 
 from __future__ import annotations
@@ -42,9 +48,8 @@ from specdecode.serve.protocol import (
     parse_completion,
     parse_json,
 )
-from specdecode.serve.scheduler import RowResult, RowStream, Scheduler
+from specdecode.serve.scheduler import RowResult, RowStream, Scheduler, cache_partition
 
-DISCONNECT_POLL_SECONDS = 0.5
 UNNAMED_CONTEXT = 1 << 16  # the row length `SpeculativeDecoder.loop` makes for such a model
 # a prompt's characters per token of the context beyond which it cannot fit, refused before it
 # is tokenized: generous (English runs about 4, code about 3, long runs of spaces more)
@@ -159,6 +164,14 @@ class ServerState:
         return self.scheduler.max_rows + self.scheduler.max_queue
 
 
+async def client_gone(request: Request) -> None:
+    """Return once the client has disconnected. The server's disconnect message is awaited
+    (as Starlette's own stream does), so a client that leaves is noticed at once rather than
+    at the next poll, in which a queued row could have been admitted and prefilled."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _sse(payload: Any) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
@@ -180,7 +193,14 @@ def _spec(results: list[RowResult]) -> dict[str, Any]:
 class Rows:
     """The rows of one request (a choice each), submitted together and cancelled together."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], sampling: Sampling) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        partition: str = "",
+    ) -> None:
+        """`partition`: the prefix-cache partition of the request's key and salt."""
         context = state.row_context()
         self.rows = []
         for i, prompt in enumerate(prompts):
@@ -198,13 +218,16 @@ class Rows:
             self.rows.append((prompt, max_tokens))
         self.state = state
         self.sampling = sampling
+        self.partition = partition
         self.streams: list[RowStream] = []
 
     def submit(self, arrival: float) -> None:
         """All rows join the queue, or none (a full queue refuses the whole request)."""
         try:
             for prompt, max_tokens in self.rows:
-                stream = RowStream(self.state.scheduler, prompt, max_tokens, self.sampling, arrival)
+                stream = RowStream(
+                    self.state.scheduler, prompt, max_tokens, self.sampling, arrival, self.partition
+                )
                 self.streams.append(stream)
                 stream.submit()
         except RequestError:
@@ -230,8 +253,7 @@ class Rows:
                     pass
 
         async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+            await client_gone(request)
             raise ClientGone
 
         try:
@@ -248,8 +270,10 @@ class Rows:
             self.cancel()
         return self.results
 
-    async def merged(self) -> AsyncIterator[tuple[int, str | None]]:
-        """(choice, piece) as rows produce text; (choice, None) when a row ends."""
+    async def merged(self, request: Request) -> AsyncIterator[tuple[int, str | None]]:
+        """(choice, piece) as rows produce text; (choice, None) when a row ends. A client that
+        goes away ends it with a 499 `RequestError`, whether or not the server tells the
+        response (a server of ASGI spec 2.4 tells it only when a send fails)."""
         out: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: RowStream) -> None:
@@ -261,9 +285,14 @@ class Rows:
             except RequestError as error:
                 out.put_nowait((i, error))
 
+        async def watch() -> None:
+            await client_gone(request)
+            out.put_nowait((-1, RequestError("the client went away", status=499)))
+
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        tasks.append(asyncio.create_task(watch()))
         try:
-            remaining = len(tasks)
+            remaining = len(self.streams)
             while remaining:
                 i, item = await out.get()
                 if isinstance(item, RequestError):
@@ -294,9 +323,10 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> str | None:
+        """The key presented, checked against `--api-key`; None where the server has none."""
         if state.api_key is None:
-            return
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -307,6 +337,7 @@ def create_app(state: ServerState) -> FastAPI:
                 status=401,
                 code="invalid_api_key",
             )
+        return key.strip()
 
     def admit() -> None:
         """Refuse work the server cannot take now: still loading, or shutting down."""
@@ -470,20 +501,29 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    async def read(request: Request, prepare: Callable[[bytes], T]) -> T:
+    async def read(request: Request, prepare: Callable[[bytes], T]) -> tuple[str | None, T]:
         """The request, checked: authorized, JSON of an allowed size, admitted (not loading nor
-        draining); then `prepare`d (parsed, its model ours, tokenized) in the worker thread."""
-        authorize(request)
+        draining); then `prepare`d (parsed, its model ours, tokenized) in the worker thread.
+        -> the key presented (None without `--api-key`), what `prepare` made."""
+        key = authorize(request)
         check_content_type(request)
         raw = await read_body(request)
         admit()
-        return await asyncio.get_running_loop().run_in_executor(state.worker, prepare, raw)
+        return key, await asyncio.get_running_loop().run_in_executor(state.worker, prepare, raw)
 
     async def answer(
-        request: Request, arrival: float, prompts: list[list[int]], req: Any, chat: bool
+        request: Request,
+        arrival: float,
+        key: str | None,
+        prompts: list[list[int]],
+        req: Any,
+        chat: bool,
     ) -> Response:
-        """Run the rows; a stream of chunks, or one response once every row has ended."""
-        rows = Rows(state, prompts, req.sampling)
+        """Run the rows; a stream of chunks, or one response once every row has ended. A client
+        that left while its request waited for the worker is not queued at all."""
+        rows = Rows(state, prompts, req.sampling, cache_partition(key, req.cache_salt))
+        if await request.is_disconnected():  # answers no one: no row is taken for it
+            raise RequestError("the client went away before its request was queued", status=499)
         rows.submit(arrival)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -492,7 +532,7 @@ def create_app(state: ServerState) -> FastAPI:
             "model": state.model_name,
         }
         if req.stream:
-            return _stream(rows, head, req.include_usage, chat=chat)
+            return _stream(request, rows, head, req.include_usage, chat=chat)
         results = await rows.collect(request)
         choices = [
             {"index": i, "logprobs": None, "finish_reason": r.finish_reason}
@@ -506,22 +546,24 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req, prompts = await read(request, prepare_completion)
-        return await answer(request, arrival, prompts, req, chat=False)
+        key, (req, prompts) = await read(request, prepare_completion)
+        return await answer(request, arrival, key, prompts, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         arrival = time.monotonic()
-        req, prompts = await read(request, prepare_chat)
-        return await answer(request, arrival, prompts, req, chat=True)
+        key, (req, prompts) = await read(request, prepare_chat)
+        return await answer(request, arrival, key, prompts, req, chat=True)
 
     return app
 
 
-def _stream(rows: Rows, head: dict[str, Any], include_usage: bool, chat: bool) -> Response:
+def _stream(
+    request: Request, rows: Rows, head: dict[str, Any], include_usage: bool, chat: bool
+) -> Response:
     """Server-sent events: a chunk per piece of text, a last chunk per choice with its
-    finish_reason, the usage chunk if asked, then `[DONE]`. A client that goes away closes this
-    generator, which cancels its rows."""
+    finish_reason, the usage chunk if asked, then `[DONE]`. A client that goes away ends this
+    generator (`Rows.merged`, or the server closing it), which cancels its rows."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     extra = {"usage": None} if include_usage else {}
 
@@ -544,7 +586,7 @@ def _stream(rows: Rows, head: dict[str, Any], include_usage: bool, chat: bool) -
                         "finish_reason": None,
                     }
                     yield _sse({**head, "choices": [role], **extra})
-            async for i, piece in rows.merged():
+            async for i, piece in rows.merged(request):
                 if piece is None:
                     yield _sse(chunk(i, None, rows.results[i].finish_reason))
                 else:

@@ -32,6 +32,8 @@ DEFAULT_MAX_BODY_MIB = 4.0
 # and the row's law becomes NaN
 GREEDY_BELOW = 1e-5
 SHOWN_CHARS = 40  # of a value repeated in an error message
+# a `cache_salt`'s characters: a salt needs far fewer (vLLM's examples are base64 of 32 bytes)
+MAX_SALT_CHARS = 256
 MAX_INT = 2**63 - 1  # an integer field's bound, as the int64 of OpenAI's and vLLM's schemas
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a body can carry a lone one
 # (the raw bytes are not UTF-8, refused before parsing)
@@ -135,6 +137,7 @@ COMMON = {
     "stop",
     "stream",
     "ignore_eos",
+    "cache_salt",
 }
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
@@ -162,6 +165,9 @@ class CompletionRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    # vLLM's extension: the request reuses cached prompt prefixes only of requests with the
+    # same salt (and key), so no other client learns whether it sent a guessed prompt
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,7 @@ class ChatRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None  # as `CompletionRequest.cache_salt`
 
 
 def _no_constant(name: str) -> Any:
@@ -353,6 +360,18 @@ def _common(body: dict) -> tuple[str, bool, bool]:
     return model, stream, include_usage
 
 
+def _cache_salt(body: dict) -> str | None:
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_SALT_CHARS:
+        raise RequestError(
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters",
+            "cache_salt",
+        )
+    return v
+
+
 def _prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
     def ids(x: Any) -> tuple[int, ...] | None:
         if (
@@ -386,7 +405,9 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise RequestError("prompt is required", "prompt")
     prompts = _prompts(body["prompt"])
     max_tokens = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, low=1)
-    return CompletionRequest(model, prompts, _sampling(body, max_tokens), stream, include_usage)
+    return CompletionRequest(
+        model, prompts, _sampling(body, max_tokens), stream, include_usage, _cache_salt(body)
+    )
 
 
 def _content(message: dict, where: str) -> str:
@@ -441,4 +462,11 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     max_tokens = _int(body, "max_tokens", None, low=1)
     if max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", None, low=1)
-    return ChatRequest(model, tuple(rendered), _sampling(body, max_tokens), stream, include_usage)
+    return ChatRequest(
+        model,
+        tuple(rendered),
+        _sampling(body, max_tokens),
+        stream,
+        include_usage,
+        _cache_salt(body),
+    )

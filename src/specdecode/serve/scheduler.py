@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -235,8 +237,22 @@ class Scheduler:
             self.metrics.running.set(len(self._running))
 
 
+def cache_partition(key: str | None, salt: str | None) -> str:
+    """The prefix-cache partition of a request: "" (shared) with neither an API key nor a
+    `cache_salt`, else a hash of both. Rows reuse cached prefixes only within a partition, so a
+    client cannot learn, from a prefix reused faster or counted in /metrics, what a client of
+    another key or salt sent. The key is hashed, never kept, as the partition names the cells."""
+    if key is None and salt is None:
+        return ""
+    return hashlib.sha256(json.dumps([key, salt]).encode()).hexdigest()
+
+
 def row_request(
-    prompt: list[int], max_tokens: int, sampling: Sampling, stop_ids: tuple[int, ...]
+    prompt: list[int],
+    max_tokens: int,
+    sampling: Sampling,
+    stop_ids: tuple[int, ...],
+    partition: str = "",
 ) -> RowRequest:
     return RowRequest(
         prompt=list(prompt),
@@ -244,6 +260,7 @@ def row_request(
         sampling=SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p),
         seed=sampling.seed,
         stop_token_ids=tuple(stop_ids),
+        cache_partition=partition,
     )
 
 
@@ -263,7 +280,9 @@ class RowStream:
         max_tokens: int,
         sampling: Sampling,
         arrival: float,
+        partition: str = "",
     ) -> None:
+        """`partition`: the request's prefix-cache partition (`cache_partition`)."""
         self.scheduler = scheduler
         self.arrival = arrival
         self.aloop = asyncio.get_running_loop()
@@ -271,7 +290,7 @@ class RowStream:
         decoder = scheduler.decoder
         self.stop_ids = () if sampling.ignore_eos else tuple(decoder.default_stop_ids())
         try:
-            request = row_request(prompt, max_tokens, sampling, self.stop_ids)
+            request = row_request(prompt, max_tokens, sampling, self.stop_ids, partition)
         except ValueError as error:  # what the engine's own checks refuse
             raise RequestError(str(error)) from None
         self.job = Job(request, self._deliver)
@@ -310,6 +329,7 @@ class RowStream:
     async def pieces(self) -> AsyncIterator[str]:
         metrics, result = self.scheduler.metrics, self.result
         first: float | None = None
+        shown: list[str] = []  # joined once at the end: a long answer is not copied each round
         try:
             while True:
                 update = await self.queue.get()
@@ -326,9 +346,10 @@ class RowStream:
                     metrics.ttft.observe(first - self.arrival)
                 piece = self._text(update.tokens, update.finished)
                 if piece:
-                    result.text += piece
+                    shown.append(piece)
                     yield piece
                 if self.text.stopped or update.finished:
+                    result.text = "".join(shown)
                     self.ended = update.finished
                     last = update.tokens[-1] if update.tokens else None
                     stop = self.text.stopped or last in self.stop_ids
