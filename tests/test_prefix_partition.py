@@ -226,6 +226,25 @@ def test_host_memory_restores_a_prefix_only_to_its_partition(model, prompts):
 
 
 @llama
+def test_rows_of_no_known_partition_leave_cells_no_row_reuses(model, prompts):
+    """Rows made by `reset` (a fixed batch, a drafter made mid-run beside rows of any
+    partition) did not join by `add_rows`: their partition is unknown, so the cells they leave
+    are reused by no partition, the shared one included, and not saved to host memory."""
+    from specdecode.backends.llamacpp import PrefixCache
+
+    p, q = prompts
+    model.prefix_cache = PrefixCache(64 << 20)
+    model.reset(1)
+    model.forward(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.bool))
+    model.select_rows(torch.tensor([], dtype=torch.long))
+    assert model.kept == {0: p}
+    assert serve_one(model, p, "") == 0
+    assert not model.prefix_cache.held  # the unknown row's p was not saved as it was overwritten
+    assert serve_one(model, q, "") == 0  # the shared partition's p goes to host memory
+    assert list(model.prefix_cache.entries) == [tuple(p)]
+
+
+@llama
 def test_the_engine_reports_reuse_only_within_a_partition(smol_gguf, prompts):
     """`RowUpdate.reused` through `DecodeLoop`: the same long prompt after another salt
     reuses nothing; after its own, all but its last token."""

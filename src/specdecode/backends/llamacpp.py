@@ -487,7 +487,9 @@ class LlamaCppModel:
         # sequences no row uses, with the tokens their cells still hold (oldest first): a row
         # that joins takes the one sharing the longest prefix with its prompt (prefix reuse)
         self.kept: dict[int, list[int]] = {}
-        # the partition of the rows whose tokens each sequence's cells hold (absent: "")
+        # the partition of the rows whose tokens each sequence's cells hold; absent for a row
+        # that did not join by `add_rows` (a batch made by `reset`, a drafter made mid-run),
+        # whose partition is unknown: its cells are reused by no row and not saved
         self.partitions: dict[int, str] = {}
 
     def reserve(self, rows: int) -> None:
@@ -520,11 +522,11 @@ class LlamaCppModel:
             head = prompt[: max(len(prompt) - 1, 0)]  # the last token is fed: it starts the row
             seq = min(self.kept)
             held = self.kept.pop(seq)
-            ours = self.partitions.get(seq, "") == partition
+            ours = self.partitions.get(seq) == partition
             n = shared_prefix(held, head) if ours else 0
             # the longest prefix elsewhere: in another free sequence of the partition (ties:
             # the one freed first, as the dict keeps them), else in host memory
-            mine = [q for q in self.kept if self.partitions.get(q, "") == partition]
+            mine = [q for q in self.kept if self.partitions.get(q) == partition]
             other = max(mine, key=lambda q: shared_prefix(self.kept[q], head), default=None)
             k = 0 if other is None else shared_prefix(self.kept[other], head)
             saved, m = self.prefix_cache.longest(head, partition)
@@ -579,7 +581,10 @@ class LlamaCppModel:
             if not self._put_cells(low, cells):
                 self.kept[low] = []  # emptied and not filled: the rows stay where they are
                 return
-            self.partitions[low] = self.partitions.get(high, "")
+            if high in self.partitions:
+                self.partitions[low] = self.partitions[high]
+            else:
+                self.partitions.pop(low, None)
             b = self.seq_ids.index(high)
             self.seq_ids[b] = low
             self.kept[high] = list(self.row_tokens[b])
@@ -587,9 +592,9 @@ class LlamaCppModel:
     def _save(self, seq: int, tokens: list[int]) -> None:
         """Copy a sequence's cells to host memory, keyed by the tokens they hold and their
         partition."""
-        budget = self.prefix_cache.budget
-        if budget and (buf := self._cells(seq, budget)) is not None:
-            self.prefix_cache.put(tokens, buf, self.partitions.get(seq, ""))
+        budget, partition = self.prefix_cache.budget, self.partitions.get(seq)
+        if budget and partition is not None and (buf := self._cells(seq, budget)) is not None:
+            self.prefix_cache.put(tokens, buf, partition)
 
     def _put_cells(self, seq: int, cells: ctypes.Array | None) -> bool:
         """Fill an emptied sequence with copied cells; False (the sequence empty) where there
