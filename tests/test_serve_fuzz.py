@@ -9,11 +9,7 @@ and answers a valid request with its normal text.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -46,35 +42,14 @@ CONTENT_TYPES = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server():
+def server(live_server):
     """The server process, over the fake engine, on a free port of 127.0.0.1."""
-    port = free_port()
     worker = Path(__file__).with_name("serve_fake_worker.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, str(worker), str(port), "0"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "worker did not start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        with httpx.Client(base_url=url, timeout=30) as client:
-            yield proc, client
-    finally:
-        proc.kill()
-        proc.wait(10)
+    s = live_server(lambda port: [sys.executable, str(worker), str(port), "0"], ready_s=60)
+    with httpx.Client(base_url=s.url, timeout=30) as client:
+        yield s.proc, client
+    s.stop()
 
 
 def strings() -> st.SearchStrategy[str]:

