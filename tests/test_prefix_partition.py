@@ -19,8 +19,7 @@ import torch
 
 pytest.importorskip("fastapi")
 import httpx
-from serve_fake import FakeDecoder, FakeLoop
-from test_serve import MODEL, Live
+from serve_fake import MODEL, FakeDecoder, FakeLoop, Live
 
 from specdecode.core.engine import PartitionedPrompt, RowRequest
 from specdecode.serve.protocol import (

@@ -24,91 +24,12 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-import uvicorn  # noqa: E402
-from serve_fake import EOS, ByteTokenizer, FakeDecoder, expected_text  # noqa: E402
+from serve_fake import EOS, MODEL, ByteTokenizer, FakeDecoder, Live, expected_text, free_port  # noqa: E402
 
-from specdecode.serve.app import ServerState, create_app, warm_tokenizer  # noqa: E402
-from specdecode.serve.metrics import ServerMetrics  # noqa: E402
+from specdecode.serve.app import warm_tokenizer  # noqa: E402
 from specdecode.serve.protocol import parse_completion  # noqa: E402
-from specdecode.serve.scheduler import Scheduler  # noqa: E402
 from specdecode.serve.server import ServeConfig, loopback, serve  # noqa: E402
 from specdecode.serve.text import RowText, longest_partial_stop  # noqa: E402
-
-MODEL = "fake"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    """The app under uvicorn in a thread, over a fake decoder."""
-
-    def __init__(
-        self,
-        decoder=None,
-        load=None,
-        api_key=None,
-        max_batch=4,
-        max_queue=64,
-        context=None,
-        max_body_bytes=4 << 20,
-    ) -> None:
-        self.decoder = decoder or FakeDecoder(step_delay=0.002)
-        self.metrics = ServerMetrics()
-        self.scheduler = Scheduler(
-            load or (lambda: self.decoder), self.metrics, max_batch, max_queue
-        )
-        self.api_key = api_key
-        self.state = ServerState(
-            self.scheduler, self.metrics, MODEL, api_key, context, max_body_bytes=max_body_bytes
-        )
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(create_app(self.state), port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> Live:
-        self.scheduler.start()
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.scheduler.stop()
-
-    @property
-    def loop(self):
-        return self.decoder.loops[-1]
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
-        )
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        content = json.dumps(body) if isinstance(body, dict | list) else body
-        headers = {"content-type": "application/json", **kw.pop("headers", {})}
-        return httpx.post(self.url + path, content=content, headers=headers, timeout=30, **kw)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        key = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        text = httpx.get(self.url + "/metrics", headers=key).text
-        for line in text.splitlines():
-            if line.startswith(f"specdecode:{name}{labels} ") or (
-                not labels and line.startswith(f"specdecode:{name} ")
-            ):
-                return float(line.split()[-1])
-        return 0.0
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx
-from serve_fake import ByteTokenizer, FakeDecoder, FakeLoop
-from test_serve import MODEL, Live
+from serve_fake import MODEL, ByteTokenizer, FakeDecoder, FakeLoop, Live
 
 WAIT = 20.0  # seconds a condition may take on a loaded machine
 
