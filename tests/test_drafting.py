@@ -15,7 +15,7 @@ from specdecode import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.bench.llamacpp import LLAMA
 from specdecode.bench.methods import CAUSAL
-from specdecode.cli.main import build_parser, main
+from specdecode.cli.main import build_parser
 from specdecode.core.config import DEFAULT_DRAFTING, DRAFTINGS, DecodeConfig, PromptLookup
 from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.drafting.factory import Sources, make_drafter
@@ -373,32 +373,6 @@ def test_lookup_first_flag_is_the_drafting_setting() -> None:
     parse = build_parser().parse_args
     assert parse(["generate", "--prompt", "x", "--lookup-first"]).drafting == "lookup-first"
     assert parse(["generate", "--prompt", "x", "--drafting", "model"]).drafting == "model"
-
-
-def test_priced_is_no_longer_a_length_policy(decoder, capsys) -> None:
-    with pytest.raises(ValueError, match=r"drafting='auto' \(--drafting auto"):
-        DecodeConfig(length_policy="priced")
-    with pytest.raises(ValueError, match="no longer a length policy"):
-        decoder.generate(PROMPTS, length_policy="priced", max_new_tokens=2)
-    with pytest.raises(SystemExit):
-        main(["generate", "--prompt", "x", "--length-policy", "priced"])
-    err = capsys.readouterr().err
-    assert "--drafting auto" in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize(
-    ("registry", "old", "new"),
-    [
-        (LLAMA, "priced", "specdecode"),
-        (LLAMA, "priced-lookup", "specdecode-lookup"),
-        (LLAMA, "torch-sd-int8-lookup", "torch-sd-int8-lookup-first"),
-        (CAUSAL, "sd-int8-lookup", "sd-int8-lookup-first"),
-    ],
-)
-def test_renamed_bench_methods_say_their_new_name(registry, old, new) -> None:
-    assert new in registry
-    with pytest.raises(ValueError, match=f"now called '{new}'"):
-        registry.lookup(old)
 
 
 @pytest.mark.parametrize(

@@ -227,8 +227,3 @@ def test_coupled_lookup_first_commits_one_text_for_every_k(paired) -> None:
 def test_lookup_first_needs_a_drafter_model(decoder) -> None:
     with pytest.raises(ValueError, match="drafting 'lookup-first' drafts with a drafter model"):
         decoder.generate(PROMPTS, max_new_tokens=4, drafting="lookup-first", lookup=LOOKUP_2)
-
-
-def test_the_lookup_first_argument_names_its_new_spelling(paired) -> None:
-    with pytest.raises(TypeError, match="drafting='lookup-first'"):
-        paired.generate(PROMPTS, max_new_tokens=4, lookup_first=LOOKUP_2)

@@ -57,10 +57,6 @@ from specdecode.models.tokenizer import render_chat
 
 log = logging.getLogger("specdecode")
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
-RENAMED_ARGUMENTS = {  # decoding arguments that were renamed: what to write instead
-    "lookup_first": ": drafting is one setting now, write drafting='lookup-first' (and "
-    "lookup=PromptLookup(...) for other n-grams than its 3-4)",
-}
 LLAMA_CPP = "llama.cpp"
 TORCH_STATIC = "torch-static"
 BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)
@@ -582,11 +578,9 @@ class SpeculativeDecoder:
         prices: Prices | None = None,
         **unknown,
     ) -> DecodeConfig:
-        """The call's `DecodeConfig`; an argument it does not know is refused by name (with the
-        new spelling where it was renamed)."""
+        """The call's `DecodeConfig`; an argument it does not know is refused by name."""
         for name in unknown:
-            hint = RENAMED_ARGUMENTS.get(name, "")
-            raise TypeError(f"unknown decoding argument {name!r}{hint}")
+            raise TypeError(f"unknown decoding argument {name!r}")
         return DecodeConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,

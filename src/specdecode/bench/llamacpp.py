@@ -39,14 +39,7 @@ from specdecode.bench.runner import bench_record, measure_shared, speed_rows
 from specdecode.core.config import DEFAULT_DRAFTING, PromptLookup
 from specdecode.core.prices import PRICE_CONTEXT_TOKENS, PRICED_TOKENS, Prices
 
-LLAMA = Registry(
-    "llama.cpp",
-    renamed={
-        "priced": "specdecode",
-        "priced-lookup": "specdecode-lookup",
-        "torch-sd-int8-lookup": "torch-sd-int8-lookup-first",
-    },
-)
+LLAMA = Registry("llama.cpp")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -102,13 +102,11 @@ M = TypeVar("M", bound=type)
 
 
 class Registry(dict[str, type]):
-    """Method names to classes, filled by `add` where each class is defined; `renamed` maps
-    names a method no longer has to the one it has now."""
+    """Method names to classes, filled by `add` where each class is defined."""
 
-    def __init__(self, family: str, renamed: dict[str, str] | None = None) -> None:
+    def __init__(self, family: str) -> None:
         super().__init__()
         self.family = family
-        self.renamed = renamed or {}
 
     def add(self, cls: M) -> M:
         """Class decorator: the class's `name` now names it in `--methods`."""
@@ -118,14 +116,12 @@ class Registry(dict[str, type]):
         return cls
 
     def lookup(self, name: str) -> type:
-        if name in self.renamed:
-            raise ValueError(f"method {name!r} is now called {self.renamed[name]!r}")
         if name not in self:
             raise ValueError(f"unknown method {name!r}; known: {', '.join(self)}")
         return self[name]
 
 
-CAUSAL = Registry("causal", renamed={"sd-int8-lookup": "sd-int8-lookup-first"})
+CAUSAL = Registry("causal")
 
 T = TypeVar("T")
 

@@ -288,9 +288,7 @@ def _default_bench_backend(args: argparse.Namespace, default_backend) -> str:
     bench has (a dtype, length policies, bounds, heads, its methods, its kernels)."""
     from specdecode.bench.llamacpp import LLAMA
 
-    torch_only = _torch_only_settings(args) or any(
-        m not in LLAMA and m not in LLAMA.renamed for m in args.methods or []
-    )
+    torch_only = _torch_only_settings(args) or any(m not in LLAMA for m in args.methods or [])
     return "torch" if torch_only else default_backend(args.target, args.device)
 
 

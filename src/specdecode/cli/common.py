@@ -21,7 +21,6 @@ from specdecode.core.config import (
     NO_CORPUS,
     POLICIES,
     PROMPT_LOOKUP,
-    RETIRED_POLICIES,
     SamplingConfig,
 )
 
@@ -34,13 +33,6 @@ DRAFT_PRECISIONS = ("auto", "int8", "fp32")
 LLAMA_CPP = "llama.cpp"
 TORCH_STATIC = "torch-static"
 BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)  # `api.BACKENDS`, here for the same reason
-
-
-def length_policy_option(name: str) -> str:
-    """`--length-policy NAME`: a retired name is refused with what to write instead."""
-    if name in RETIRED_POLICIES:
-        raise argparse.ArgumentTypeError(RETIRED_POLICIES[name])
-    return name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +112,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="k of the constant policy")
     parser.add_argument(
         "--length-policy",
-        type=length_policy_option,
         choices=POLICIES,
         default="constant",
         help="how many tokens the drafter model or lookup drafts per round (drafting auto plans "

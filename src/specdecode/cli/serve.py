@@ -11,7 +11,6 @@ from specdecode.cli.common import (
     add_drafting_arguments,
     add_model_arguments,
     checked_corpus,
-    length_policy_option,
 )
 from specdecode.core.config import HEAD_POLICIES, POLICIES
 from specdecode.serve.protocol import DEFAULT_MAX_BODY_MIB  # needs no serve extra
@@ -105,7 +104,6 @@ def add_subcommands(subparsers) -> None:
     add_drafting_arguments(p)
     p.add_argument(
         "--length-policy",
-        type=length_policy_option,
         choices=[name for name in POLICIES if name not in HEAD_POLICIES],
         default="constant",
         help="how many tokens drafting model, lookup or lookup-first drafts per round (drafting "

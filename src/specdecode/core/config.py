@@ -161,8 +161,6 @@ class DecodeConfig:
         if self.drafting not in DRAFTINGS:
             known = ", ".join(DRAFTINGS)
             raise ValueError(f"unknown drafting {self.drafting!r}; known: {known}")
-        if self.length_policy in RETIRED_POLICIES:
-            raise ValueError(RETIRED_POLICIES[self.length_policy])
         if self.length_policy not in POLICIES:
             known = ", ".join(POLICIES)
             raise ValueError(f"unknown length policy {self.length_policy!r}; known: {known}")
@@ -226,11 +224,6 @@ POLICY_DEFAULT_THRESHOLDS = {
 }
 POLICIES = tuple(POLICY_DEFAULT_THRESHOLDS)  # the length policies, by name (`length_policies`)
 HEAD_POLICIES = ("head", "head-u")  # the policies that read an acceptance head
-RETIRED_POLICIES = {  # names that are no longer length policies, and what to write instead
-    "priced": "'priced' is no longer a length policy: drafting is a setting of its own, and "
-    "drafting='auto' (--drafting auto, the default) drafts as far as this machine's prices "
-    "say it pays",
-}
 DEFAULT_BOUND = (1, 8)  # at most 8: on a CPU a verify pass over more tokens is compute-bound
 
 
