@@ -139,7 +139,8 @@ def release_file_pages(path: str | os.PathLike[str]) -> int:
 
     Why: llama.cpp maps a GGUF file, then copies most of its weights into repacked CPU buffers
     for faster kernels, and the copied pages stay mapped, counted in the process's resident
-    memory a second time though never read again (most of a Q4_K_M model; findings 16). The pages
+    memory a second time though never read again (most of a Q4_K_M model, as docs/findings.md
+    measured). The pages
     stay in the page cache: the tensors still read from the mapping (the token embeddings, say)
     fault back in on their first pass at the cost of a minor fault each, the rest are the
     kernel's to reclaim.

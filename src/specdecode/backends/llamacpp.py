@@ -660,7 +660,7 @@ class LlamaCppModel:
         # logits or -1, token, position). With a cache stream per row llama.cpp puts rows in
         # one micro-batch only while their sequence ids rise one by one through the batch; a
         # server's rows join on whichever sequence holds their prefix, so in row order a round
-        # of 8 rows ran as several passes (findings 15)
+        # of 8 rows ran as several passes (docs/findings.md has the measurement)
         entries: list[tuple[int, int, int, int]] = []
         for b in sorted(range(batch), key=self.seq_ids.__getitem__):
             pos = lengths_l[b]

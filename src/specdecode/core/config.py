@@ -127,7 +127,7 @@ class DecodeConfig:
     # shrink the batch and drafting resumes. Drafting `auto` needs none: its plan prices rows.
     max_draft_batch: int | None = None
     # what passes cost here (`prices.Prices`), read by the head policies (None: every verify
-    # pass alike, SpecDec++) and the priced policy (None: timed or cached at first use)
+    # pass alike, SpecDec++) and drafting `auto`'s plan (None: timed or cached at first use)
     prices: Prices | None = None
 
     def __post_init__(self) -> None:

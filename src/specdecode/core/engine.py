@@ -3,8 +3,9 @@
 `speculative_step` is Leviathan et al. (2023), Alg. 1 and Chen et al. (2023), batched: the drafter
 proposes up to k tokens per row, the target scores the k + 1 positions of every row in one
 forward pass, the verification rule decides per row how many to keep, and both caches are rolled
-back per row by bookkeeping (see `kv_cache`). Plain autoregressive decoding is the same step with
-no drafter: same cache, same sampling code, so every speedup is measured against a fair baseline.
+back per row by bookkeeping (each backend's `truncate`). Plain autoregressive decoding is the same
+step with no drafter: same cache, same sampling code, so every speedup is measured against a
+fair baseline.
 """
 
 from __future__ import annotations

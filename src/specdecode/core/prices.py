@@ -274,7 +274,7 @@ def _along(curve: tuple[float, ...], per_row: float) -> float:
     """The curve (entry t - 1: t tokens) at `per_row` tokens: linear between its points; past
     its end, the line through its upper half. Not the last step's slope: two neighbouring
     timings are as noisy as their difference, and a flat last step once priced a batch of 8
-    rows of 9 tokens at the cost of 12 tokens, which made the priced policy draft where it lost
+    rows of 9 tokens at the cost of 12 tokens, which made the plan draft where it lost
     to plain decoding. Never under the mean growth per token over the whole curve."""
     known = len(curve)
     if per_row <= known:

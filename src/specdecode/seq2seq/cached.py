@@ -1,8 +1,8 @@
 """An encoder-decoder target for the core engine: encode once, then a ragged decoder cache.
 
-`CachedSeq2Seq` has the interface of `kv_cache.CachedModel` (forward a ragged block, truncate per
-row, select rows), so `engine.decode` and `speculative_step` run seq2seq models unchanged. What
-differs:
+`CachedSeq2Seq` has the interface of `backends.torch_eager.CachedModel` (forward a ragged block,
+truncate per row, select rows), so `engine.decode` and `speculative_step` run seq2seq models
+unchanged. What differs:
 
 * The encoder runs once per input (`encode`); its states and mask follow the rows through
   `select_rows`, as does the cross-attention cache (computed on the first decoder call).
