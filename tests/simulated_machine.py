@@ -379,7 +379,7 @@ class SimModel:
         self.scripts = self.scripts[rows]
         self.keys = [self.keys[b] for b in keep]
 
-    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+    def add_rows(self, prompts: list[list[int]], partitions=None) -> list[int]:
         keys = [World.key(p) for p in prompts]
         self.keys += keys
         self.lengths = torch.cat([self.lengths, torch.zeros(len(prompts), dtype=torch.long)])

@@ -13,7 +13,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from specdecode import DecodeConfig, SamplingConfig, SpeculativeDecoder
 from specdecode.backends.torch_eager import UnsupportedModelError
 from specdecode.core.checks import IncompatibleModelsError
-from specdecode.core.sampling import InvalidLogitsError, bad_logits
+from specdecode.core.sampling import InvalidLogitsError, bad_rows
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +92,18 @@ def test_bad_settings(decoder, kwargs, match):
         min_size=1, max_size=4,
     )
 )  # fmt: skip
-def test_bad_logits_matches_its_definition(rows):
-    """The one-reduction check flags exactly NaN, +inf, or a position with every logit -inf."""
+def test_bad_rows_matches_its_definition(rows):
+    """The one-reduction check flags exactly NaN, +inf, or a position with every logit -inf,
+    per row."""
     logits = torch.tensor(rows)  # [positions, vocab]
-    expected = any(
+    each = [
         any(v != v or v == float("inf") for v in row) or all(v == float("-inf") for v in row)
         for row in rows
-    )
-    assert bool(bad_logits(logits)) == expected
-    assert bool(bad_logits(logits[None])) == expected  # any leading shape
+    ]
+    expected = any(each)
+    assert bad_rows(logits).tolist() == each  # a row a position
+    assert bool(bad_rows(logits).any()) == expected
+    assert bool(bad_rows(logits[None]).any()) == expected  # one row of every position
 
 
 @pytest.mark.parametrize("poison", ["target", "drafter"])

@@ -65,8 +65,8 @@ class Faulty:
         self.inner.select_rows(rows)
         self.flags = [self.flags[b] for b in rows.tolist()]
 
-    def add_rows(self, prompts: list[list[int]]) -> list[int]:
-        reused = self.inner.add_rows(prompts)
+    def add_rows(self, prompts: list[list[int]], partitions=None) -> list[int]:
+        reused = self.inner.add_rows(prompts, partitions)
         self.flags += [p == self.marked for p in prompts]
         if self.fault == "admit" and self.armed and any(self.flags):
             self.armed = False

@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 import httpx
 from serve_fake import MODEL, FakeDecoder, FakeLoop, Live
 
-from specdecode.core.engine import PartitionedPrompt, RowRequest
+from specdecode.core.engine import RowRequest
 from specdecode.serve.protocol import (
     MAX_SALT_CHARS,
     RequestError,
@@ -158,7 +158,7 @@ def prompts(smol_gguf):
 def serve_one(model, prompt: list[int], partition: str) -> int:
     """One row joins with `prompt` in `partition`, is fed the rest and ends (its sequence
     keeps its cells): the prompt tokens it reused."""
-    (n,) = model.add_rows([PartitionedPrompt(prompt, partition)])
+    (n,) = model.add_rows([prompt], [partition])
     rest = prompt[n:]
     model.forward(torch.tensor([rest]), torch.ones(1, len(rest), dtype=torch.bool))
     model.select_rows(torch.tensor([], dtype=torch.long))
@@ -190,7 +190,7 @@ def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, 
     p, q = prompts
     model.prefix_cache = PrefixCache(0)
     model.reserve(2)
-    model.add_rows([PartitionedPrompt(q, "a"), PartitionedPrompt(p, "a")])
+    model.add_rows([q, p], ["a", "a"])
     block = torch.zeros(2, max(len(p), len(q)), dtype=torch.long)
     valid = torch.zeros_like(block, dtype=torch.bool)
     for b, row in enumerate((q, p)):
@@ -198,9 +198,9 @@ def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, 
     model.forward(block, valid)
     model.select_rows(torch.tensor([], dtype=torch.long))
     assert model.kept == {0: q, 1: p}
-    assert model.add_rows([PartitionedPrompt(p, "b")]) == [0]
+    assert model.add_rows([p], ["b"]) == [0]
     model.select_rows(torch.tensor([], dtype=torch.long))  # the row on 0 ends unfed
-    assert model.add_rows([PartitionedPrompt(p, "a")]) == [len(p) - 1]
+    assert model.add_rows([p], ["a"]) == [len(p) - 1]
     assert model.seq_ids == [0] and model.kept[1] == p
 
 

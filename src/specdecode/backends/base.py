@@ -49,9 +49,11 @@ class ModelBackend(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
-    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> list[int]:
         """Append an empty row per prompt (rows join a running batch between rounds); returns
-        how many leading tokens of each prompt its cache already holds (a reused prefix)."""
+        how many leading tokens of each prompt its cache already holds (a reused prefix).
+        `partitions[i]`: whose cells prompt i may reuse (`RowRequest.cache_partition`; None:
+        all ""), for a backend that keeps prefixes; others ignore it."""
         ...
 
     def pending(

@@ -499,7 +499,7 @@ class LlamaCppModel:
         self.seq_ids, self.row_tokens = [], []
         self.lengths = torch.zeros(0, dtype=torch.long)
 
-    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> list[int]:
         """Append a row per prompt on the lowest free sequence, holding the longest prefix of
         its prompt found in any free sequence or in host memory, so the engine feeds only the
         rest. At least the prompt's last token is left to feed: its logits start the row.
@@ -509,16 +509,14 @@ class LlamaCppModel:
         prefix happened to be) split every later pass. A prefix held by another free sequence
         is copied over rather than joined there; that sequence keeps it.
 
-        A prompt's prefix is looked for only among the cells of its own partition (its
-        `partition` attribute, an `engine.PartitionedPrompt`'s; a plain list: ""), so a row
-        reuses nothing another client's rows left."""
+        A prompt's prefix is looked for only among the cells of its own partition
+        (`partitions[i]`), so a row reuses nothing another client's rows left."""
         reused = []
-        for prompt in prompts:
+        for prompt, partition in zip(prompts, partitions or [""] * len(prompts), strict=True):
             if not self.kept:
                 raise ValueError(
                     f"{self.role}: all {self.rows_capacity} sequences are in use; reserve more rows"
                 )
-            partition = getattr(prompt, "partition", "")
             head = prompt[: max(len(prompt) - 1, 0)]  # the last token is fed: it starts the row
             seq = min(self.kept)
             held = self.kept.pop(seq)

@@ -212,7 +212,7 @@ class CachedModel(TorchDecoderInfo):
         self.lengths = lengths
         self._crop_and_compact()
 
-    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> list[int]:
         """Append an empty row per prompt: every physical slot of it a hole (no prefix reuse
         here: rows share one cache tensor, and a finished row's slots leave with it)."""
         count = len(prompts)

@@ -224,7 +224,7 @@ class StaticCachedModel(TorchDecoderInfo):
         lengths = torch.minimum(self.lengths, lengths.to(self.device))  # [batch]
         self.phys_lengths = self.phys_lengths.index_put((self.rows,), lengths)
 
-    def add_rows(self, prompts: list[list[int]]) -> list[int]:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> list[int]:
         """Rows of a captured batch are fixed for its life: refused, with what to use."""
         raise ValueError(
             "the torch-static backend decodes fixed batches: rows cannot join a running batch; "

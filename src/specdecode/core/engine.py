@@ -67,16 +67,6 @@ class RowRequest:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-class PartitionedPrompt(list):
-    """A row's prompt ids as `add_rows` gets them, carrying its request's `cache_partition`: a
-    backend that reuses cached prefixes matches the prompt only against cells of the same
-    partition; one that keeps none reads it as the list of ids it is."""
-
-    def __init__(self, ids: Sequence[int], partition: str = "") -> None:
-        super().__init__(ids)
-        self.partition = partition
-
-
 @dataclass(frozen=True)
 class RowUpdate:
     """What one round did for one row (`DecodeLoop.step`)."""
@@ -465,12 +455,13 @@ class DecodeLoop:
             return {}
         taken, self.waiting = self.waiting[:room], self.waiting[room:]
         keys, requests = [k for k, _ in taken], [r for _, r in taken]
-        prompts = [PartitionedPrompt(r.prompt, r.cache_partition) for r in requests]
+        prompts = [list(r.prompt) for r in requests]
+        partitions = [r.cache_partition for r in requests]
         seeds = [r.seed if r.seed is not None else fresh_seed() for r in requests]
         if self.joins:
-            reused = self.target.add_rows(prompts)
+            reused = self.target.add_rows(prompts, partitions)
             if self.drafter is not None:
-                self.drafter.add_rows(prompts)
+                self.drafter.add_rows(prompts, partitions)
             self.rng.add_rows(seeds)
             self.sampling.add_rows([r.sampling for r in requests])
         else:

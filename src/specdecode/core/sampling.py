@@ -44,19 +44,9 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(best, dtype=np.int64))
 
 
-def bad_logits(logits: torch.Tensor) -> torch.Tensor:
-    """NaN, +inf, or a position whose every logit is -inf (a single -inf is a legitimate mask).
-
-    Returns a device-side flag, so the hot loop checks every logit with one host sync per step.
-    One reduction does it (see `bad_maxima`): at small models' sizes every extra pass over the
-    vocabulary is a measurable share of a step.
-    """
-    # logits: [..., vocab] -> [] bool
-    return bad_maxima(logits.amax(dim=-1))
-
-
 def bad_maxima(maxima: torch.Tensor) -> torch.Tensor:
-    """`bad_logits` from each position's largest logit, for callers that take the max anyway.
+    """`bad_rows`'s verdict over the whole batch from each position's largest logit, for
+    callers that take the max anyway.
 
     A position's max is NaN when any of its logits is NaN (max propagates NaN), +inf when one is
     +inf, and -inf when all are -inf: it is finite exactly when the position is usable.
@@ -66,10 +56,13 @@ def bad_maxima(maxima: torch.Tensor) -> torch.Tensor:
 
 
 def bad_rows(logits: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """`bad_logits` per row; with `scales` ([batch], `law_scales`), also a row whose law its
-    temperature spoils: finite logits whose largest, divided by a tiny temperature, overflows
-    float32, where the softmax of `logits_to_probs` is NaN (top-k and top-p keep the largest
-    logit, so this one check covers them). Per row, so that one row's fault fails it alone.
+    """NaN, +inf, or a position whose every logit is -inf (a single -inf is a legitimate mask),
+    per row; with `scales` ([batch], `law_scales`), also a row whose law its temperature
+    spoils: finite logits whose largest, divided by a tiny temperature, overflows float32,
+    where the softmax of `logits_to_probs` is NaN (top-k and top-p keep the largest logit, so
+    this one check covers them). Per row, so that one row's fault fails it alone. One
+    reduction over the vocabulary does it, on the device: the loop reads the flags in its one
+    host copy of the round.
     """
     # logits: [batch, ..., vocab] -> [batch] bool
     maxima = logits.amax(dim=-1).reshape(logits.shape[0], -1)  # [batch, positions]

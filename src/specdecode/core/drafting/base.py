@@ -52,8 +52,9 @@ class Drafter(Protocol):
 
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
-    def add_rows(self, prompts: list[list[int]]) -> None:
-        """Rows that join a running batch between rounds (their committed tokens so far)."""
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> None:
+        """Rows that join a running batch between rounds (their committed tokens so far, and
+        whose cached prefixes each may reuse: `ModelBackend.add_rows`)."""
         ...
 
     def next_law(

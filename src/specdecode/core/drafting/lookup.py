@@ -111,5 +111,5 @@ class PromptLookupDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.policy.select_rows(rows)
 
-    def add_rows(self, prompts: list[list[int]]) -> None:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> None:
         self.policy.add_rows(len(prompts))

@@ -143,12 +143,12 @@ class MixedDrafter:
         if self.model is not None:
             self.model.select_rows(rows)
 
-    def add_rows(self, prompts: list[list[int]]) -> None:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> None:
         self.planner.add_rows(len(prompts))
         self.primed += [False] * len(prompts)
         self.round = None
         if self.model is not None:
-            self.model.add_rows(prompts)
+            self.model.add_rows(prompts, partitions)
 
 
 def corpus_key(lookup: PromptLookup, band: int) -> int:

@@ -149,8 +149,8 @@ class ModelDrafter:
         self.lm.select_rows(rows)
         self.policy.select_rows(rows)
 
-    def add_rows(self, prompts: list[list[int]]) -> None:
-        self.lm.add_rows(prompts)  # the drafter's cache catches up when the row first drafts
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> None:
+        self.lm.add_rows(prompts, partitions)  # the drafter's cache catches up when it drafts
         self.policy.add_rows(len(prompts))
 
 
@@ -206,8 +206,8 @@ class DeferredModelDrafter:
         if self.drafter is not None:
             self.drafter.select_rows(rows)
 
-    def add_rows(self, prompts: list[list[int]]) -> None:
+    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> None:
         self.rows += len(prompts)
         self.capacity = max(self.capacity, self.rows)
         if self.drafter is not None:
-            self.drafter.add_rows(prompts)
+            self.drafter.add_rows(prompts, partitions)
