@@ -2,37 +2,26 @@
 
 Speculative decoding pays only if scoring k + 1 tokens costs about as much as scoring one. On
 the CPUs this project is measured on, PyTorch's default fp32 `nn.Linear` (MKL) runs products of
-4-8 rows about twice as slow as one row (measured on the 1.5B target: 399 ms for one token, 773
-ms for four, 1160 ms for eight), which caps every speedup. Weights reordered once for oneDNN
-(`torch.ops.mkldnn._reorder_linear_weight`) run 4-8 rows in about the time of one (455 ms for
-five, 590 ms for eight), but a single row a little slower than MKL (465 ms).
+a few rows at two to four times the cost of one row, which caps every speedup. Weights
+reordered once for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`) run several rows in about
+the time of one, but a single row is faster on one kernel or the other depending on the CPU.
 
 `prepack_linears` therefore gives every `nn.Linear` both paths: products of fewer than
 `min_rows` rows use the original weight, larger ones the prepacked copy. The switch is at 2 rows
 at most: MKL's cost grows with every row from the second on, while the packed copy's 2-3 rows
-cost what one does. Whether one row is faster on MKL or packed depends on the CPU, so by default
-it is timed once at load. Measured on a 2-core AMD EPYC, on the 1.5B target's shapes (ms for
-1 / 2 / 3 / 4 rows): output layer 1536 x 151936, MKL 65 / 130 / 183 / 203, packed 57 / 53 / 57 /
-66; MLP 1536 x 8960, MKL 3.7 / 8.0 / 11.1 / 11.0, packed 3.5 / 3.6 / 3.0 / 3.8. With the switch
-at 4 rows, as before, a verify pass of 1 or 2 drafted tokens cost 1.9 and 2.8 target steps on
-that machine, against about one for 3 to 12: an adaptive length policy paid three times over
-for every short round.
+cost what one does; where the one-row winner lies is timed once at load. A switch at 4 rows
+made a verify pass of 1 or 2 drafted tokens cost two or three target steps, and an adaptive
+length policy paid three times over for every short round.
 
 The packed kernel itself is not monotone in the rows either: oneDNN picks its blocking by the
-row count, and on a later 2-core EPYC the output layer took 30 / 38 / 26 / 23 / 23 / 23 / 29 /
-32 / 31 ms for 1-9 rows (medians) and the MLP's 8960 x 1536 1.36 / 1.49 / 1.38 / 1.24 / 1.21 /
-1.25 / 1.58 / 1.71 / 1.69 ms, while the attention products (1536 x 1536) grow with every row.
-Each packed weight therefore also has `pad_to`: the row count each short product is padded to
-with zero rows, the cheapest count at or above its own (each row of a product depends on that
-row alone, so padding changes nothing but the kernel). Both are timed once per distinct weight
-shape at load (`row_plan`); on that machine a whole step of the 1.5B target went from 252 to
-208 ms and a verify pass of 2 tokens from 342 to 200 ms.
-
-The plan is read off median times, not the best of a few: a one-row product of the MLP's weight
-now and then runs as fast as five rows (1.20 ms best) but typically takes 1.36 ms, and plans
-read off best times left it unpadded in two runs of three, which made a verify pass of 2
-positions cost 1.14-1.20 target steps where one of 3-6 cost 0.8-0.9 (`docs/findings.md`,
-measured 2026-11-24).
+row count, while the attention products grow with every row. Each packed weight therefore also
+has `pad_to`: the row count each short product is padded to with zero rows, the cheapest count
+at or above its own (each row of a product depends on that row alone, so padding changes
+nothing but the kernel). Both are timed once per distinct weight shape at load (`row_plan`),
+read off median times, not the best of a few: a best time now and then shows a one-row product
+as fast as five rows, and plans read off best times left it unpadded. The figures are in
+docs/findings.md ("On a CPU a verify pass costs one decoding step only on the right kernels",
+"Pad each short product to the cheapest row count at or above it") with their records.
 
 The dense weight stays the module's parameter (nothing else changes for `transformers`); the
 packed copy costs one more copy of the linear weights in memory. Results agree with the default
@@ -185,10 +174,9 @@ def row_plan(module: _Packed, repeats: int = 7, clock=time.perf_counter) -> Plan
     """(min_rows, pad_to) fastest for `module`'s weight on this machine, timed on its copy.
 
     Which kernel is faster for one row depends on the CPU: on the 2-core Intel Xeon the
-    project was first measured on, MKL (a token of the 1.5B target: 399 ms against 465 packed);
-    on the 2-core AMD EPYC, the packed copy (whole decodes 1.40x faster for the 1.5B target and
-    1.21x for the seq2seq verifier; benchmarks/studies/kernel-rows-causal/ and
-    benchmarks/studies/specdec-kernel-rows/).
+    project was first measured on, MKL; on the 2-core AMD EPYC, the packed copy
+    (benchmarks/studies/kernel-rows-causal/ and benchmarks/studies/specdec-kernel-rows/ have
+    the figures).
     Plain decoding is the baseline of every speedup, so it gets the faster one.
     """
     candidates = product_candidates(module, range(1, MOST_PADDED_ROWS + 1))
