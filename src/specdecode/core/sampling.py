@@ -75,8 +75,14 @@ def law_scales(
     sampling: SamplingConfig | RowSampling, rows: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """[rows] what each row's logits are divided by before its softmax: its temperature, 1 for
-    a greedy row (its law is its argmax's point mass)."""
-    configs = sampling.configs if isinstance(sampling, RowSampling) else [sampling] * rows
+    a greedy row (its law is its argmax's point mass). A running batch's (`RowSampling`) is
+    made once per set of rows, for the target's check and the drafter's alike."""
+    if isinstance(sampling, RowSampling):
+        return sampling.scales(device)
+    return _scales([sampling] * rows, device)
+
+
+def _scales(configs: list[SamplingConfig], device: torch.device | str) -> torch.Tensor:
     return torch.tensor([1.0 if c.greedy else c.temperature for c in configs], device=device)
 
 
@@ -92,17 +98,33 @@ class RowSampling:
     """
 
     def __init__(self, configs: list[SamplingConfig] | None = None) -> None:
-        self.configs: list[SamplingConfig] = list(configs or [])
+        self.configs = list(configs or [])
+
+    @property
+    def configs(self) -> list[SamplingConfig]:
+        return self._configs
+
+    @configs.setter
+    def configs(self, configs: list[SamplingConfig]) -> None:
+        self._configs = configs
+        self._scales: torch.Tensor | None = None  # `scales`, made anew for new rows
+        self._scales_on: torch.device | str = "cpu"
 
     @property
     def greedy(self) -> bool:
         return all(c.greedy for c in self.configs)
 
     def add_rows(self, configs: list[SamplingConfig]) -> None:
-        self.configs.extend(configs)
+        self.configs = self.configs + list(configs)
 
     def select(self, rows: list[int]) -> None:
         self.configs = [self.configs[i] for i in rows]
+
+    def scales(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[rows] `law_scales` of these rows, made once until the rows change."""
+        if self._scales is None or self._scales_on != device:
+            self._scales, self._scales_on = _scales(self.configs, device), device
+        return self._scales
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [batch, ..., vocab] -> each row's law [batch, ..., vocab] (float32)."""
