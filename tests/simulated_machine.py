@@ -56,7 +56,8 @@ KEYS = 1 << 20  # distinct rows before their scripts repeat
 class Curve:
     """A machine's true costs, in steps: `passes[i][t - 1]` an even pass of `rows[i]` rows of t
     tokens, `drafts[i]` a drafter step over `rows[i]` rows; `step_ms` a one-row step.
-    `plan_steps`: host work of a drafting round that no pass holds (the plan, the lookup)."""
+    `plan_steps`: host work of a round that searches for drafts and plans them, whether it
+    then drafts or not (the lookup, the corpus, the plan), which no pass holds."""
 
     name: str
     rows: tuple[int, ...]
@@ -402,6 +403,7 @@ class SimDrafter(MixedDrafter):
         self.world, self.machine, self.use_corpus = world, machine, use_corpus
 
     def find(self, texts, lens, budget):
+        self.machine.spend(self.machine.curve.plan_steps)  # the search and plan of this round
         found = []
         for b, length in enumerate(lens):
             key = World.key(texts[b, :2].tolist())
@@ -416,12 +418,6 @@ class SimDrafter(MixedDrafter):
             else:
                 found.append((texts[b, :0], 0))
         return found
-
-    def propose(self, sequences, seq_lens, max_tokens, rng):
-        draft = super().propose(sequences, seq_lens, max_tokens, rng)
-        if int(draft.lengths.sum()):  # host work a drafting round does besides its passes
-            self.machine.spend(self.machine.curve.plan_steps)
-        return draft
 
 
 # ---- runs ----

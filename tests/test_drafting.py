@@ -419,3 +419,49 @@ def test_a_plan_drafts_only_where_its_gain_times_its_worth_beats_a_plain_step() 
     none, pads, seen = plan_lengths(*args, worth=0.99 * plain / promised.ratio)
     assert sum(none) == sum(pads) == 0 and seen.ratio == pytest.approx(plain)
     assert plan_lengths(*args, worth=0.0)[0] == [0, 0]
+
+
+def test_a_search_that_finds_nothing_rests_and_wakes_on_a_draft_or_a_new_row() -> None:
+    """Rounds whose plan drafts nothing: after `QUIET` of them the search runs a round, then
+    two, then at most `MOST_REST` rounds apart (a fifth of the rounds or fewer); the first
+    search that drafts puts it back to every round, and so does a row joining."""
+    from specdecode.core.config import LOOKUP_ALONE
+    from specdecode.core.drafting.mixed import MOST_REST, QUIET, MixedDrafter
+
+    searched = []
+
+    class Counted(MixedDrafter):
+        def find(self, texts, lens, budget):
+            searched.append(len(searched))
+            return super().find(texts, lens, budget)
+
+    plain_text, repeating = list(range(10, 60)), [1, 2, 3, 4] * 12
+    planner = PricedPlanner(4, False, priced(draft=None), 4)
+    drafter = Counted(LOOKUP_ALONE, None, planner, 64)
+    drafter.start(1)
+
+    def rounds(text: list[int], count: int) -> list[int]:
+        """Per round: the tokens drafted."""
+        lengths = []
+        for _ in range(count):
+            draft = drafter.propose(
+                torch.tensor([text]), torch.tensor([len(text)]), torch.tensor([4]), None
+            )
+            lengths.append(int(draft.lengths[0]))
+            drafter.round = None
+        return lengths
+
+    assert sum(rounds(plain_text, 400)) == 0
+    assert QUIET + (400 - QUIET) // (MOST_REST + 1) <= len(searched) <= QUIET + 400 // MOST_REST
+    drafted = rounds(repeating, MOST_REST + 1)  # the text starts repeating mid-rest
+    assert any(drafted)
+    searched.clear()
+    assert all(rounds(repeating, 20))  # drafting: a search every round
+    assert len(searched) == 20
+    rounds(plain_text, 2 * QUIET)  # resting again
+    assert drafter.rest.left > 0
+    drafter.add_rows([[7, 7]])  # a joining row wakes the search
+    searched.clear()
+    texts = torch.tensor([plain_text, plain_text])
+    drafter.propose(texts, torch.tensor([50, 50]), torch.tensor([4, 4]), None)
+    assert searched == [0]

@@ -11,6 +11,13 @@ catches up on the committed tokens the next time it drafts with the model
 (`ModelBackend.pending`). The model drafts a row only within its own context (`room`): past
 it the row drafts by lookup or not at all, while the target's longer context serves it.
 
+A search that keeps finding nothing worth drafting rests (`Rest`): where the plan has drafted
+nothing for `QUIET` rounds in a row, the next searches come a round, then two, then up to
+`MOST_REST` rounds apart, until one drafts again or a row joins. On a machine where almost
+nothing pays (a CPU whose every extra token costs most of a step) the search and plan would
+otherwise cost every round a few percent of a step and make `auto` slower than plain decoding;
+a resting search costs a fifth of that, and misses a match for at most `MOST_REST` rounds.
+
 Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
 lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
 measurements on the default pair).
@@ -26,6 +33,38 @@ from specdecode.core.drafting.corpus import ORDERS, CorpusIndex
 from specdecode.core.drafting.lookup import lookup_continuation, lookup_law
 from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import Planner
+
+QUIET = 8  # searched rounds in a row that drafted nothing before the search rests
+MOST_REST = 4  # rounds a resting search skips at most between two searches
+
+
+class Rest:
+    """When the search for drafts runs: every round while it finds drafts, less often once it
+    has found nothing worth drafting for `QUIET` rounds (rests of 1, 2, 4 ... `MOST_REST`
+    rounds between searches), every round again once a search drafts or a row joins."""
+
+    def __init__(self) -> None:
+        self.idle = 0  # searched rounds in a row whose plan drafted nothing
+        self.rest = 0  # the latest rest, in rounds
+        self.left = 0  # rounds of the current rest still to skip
+
+    def skip(self) -> bool:
+        """Whether this round rests (runs plain, no search)."""
+        if self.left:
+            self.left -= 1
+            return True
+        return False
+
+    def searched(self, drafted: bool) -> None:
+        if drafted:
+            self.idle = self.rest = 0
+            return
+        self.idle += 1
+        if self.idle >= QUIET:
+            self.rest = self.left = min(2 * self.rest or 1, MOST_REST)
+
+    def wake(self) -> None:
+        self.idle = self.rest = self.left = 0
 
 
 class MixedDrafter:
@@ -44,14 +83,19 @@ class MixedDrafter:
         # (match length or 0, tokens from the source, tokens from the model) per row
         self.round: tuple[list[int], list[int], list[int]] | None = None
         self.primed: list[bool] = []  # per row: the planner has heard the corpus on its prompt
+        self.rest = Rest()
 
     def start(self, batch_size: int) -> None:
         self.planner.start(batch_size)
         self.primed = [False] * batch_size
+        self.rest = Rest()
         if self.model is not None:
             self.model.start(batch_size)
 
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
+        if self.rest.skip():  # a plain round, as the engine runs one with no drafter asked
+            self.round = None
+            return Draft.empty(len(seq_lens), sequences.device)
         budget = self.planner.budget(max_tokens)  # most tokens per row this round
         lens = seq_lens.tolist()
         texts = sequences[:, : max(lens, default=0)].cpu()  # [batch, longest] the round's copy
@@ -63,6 +107,7 @@ class MixedDrafter:
             ngrams, [len(c) for c, _ in found], budget, behind, room
         )
         by_model = [m and self.model is not None for m in by_model]
+        self.rest.searched(any(plan) or any(pads))
         model_k = [k if m else 0 for m, k in zip(by_model, plan, strict=True)]
         # what the planner learns from: the match length of a row that drafted by lookup
         self.round = ([0 if m else n for n, m in zip(ngrams, by_model, strict=True)], plan, model_k)
@@ -147,6 +192,7 @@ class MixedDrafter:
         self.planner.add_rows(len(prompts))
         self.primed += [False] * len(prompts)
         self.round = None
+        self.rest.wake()  # a new prompt may hold what the others did not
         if self.model is not None:
             self.model.add_rows(prompts, partitions)
 
