@@ -90,6 +90,10 @@ class Job:
 
 
 class Scheduler:
+    """The engine thread, its admissions and its rows. What the routes need of the served model
+    (its tokenizer, vocabulary, context) they ask here, so the decoder stays the engine
+    thread's, read by no route, and a stand-in decoder need only meet `ServedDecoder`."""
+
     def __init__(
         self,
         load: Callable[[], ServedDecoder],
@@ -116,7 +120,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self.loaded = threading.Event()  # set once state leaves "loading"
 
-    # ------------------------------------------------------------ event loop side
+    # ------------------------------------------------------------ the served model
 
     def _served(self) -> ServedDecoder:
         if self._decoder is None:  # the routes admit requests only once the models are ready
@@ -141,6 +145,8 @@ class Scheduler:
     def default_stop_ids(self) -> tuple[int, ...]:
         """The ids that end a row unless its request ignores the end of sequence."""
         return tuple(self._served().default_stop_ids())
+
+    # ------------------------------------------------------------ event loop side
 
     def start(self) -> None:
         self._thread.start()
