@@ -1,4 +1,5 @@
-"""A stand-in for the engine's `DecodeLoop` and decoder, for the server's fast tests.
+"""A stand-in for the engine's `DecodeLoop` and decoder (the scheduler's `EngineLoop` and
+`ServedDecoder`), for the server's fast tests.
 
 Tokens are bytes (a multi-byte character spans tokens, as with real byte-level tokenizers), so
 text holding-back is exercised. A row echoes its prompt's bytes cyclically, a few tokens a round
@@ -14,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdecode.serve.scheduler import RowFailed
+from specdecode.core.engine import RowFailed, RowUpdate
 
 EOS = 256
 
@@ -39,16 +40,6 @@ class ByteTokenizer:
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
         text = "".join(f"[{m['role']}]{m['content']}\n" for m in messages)
         return text + ("[assistant]" if add_generation_prompt else "")
-
-
-@dataclass(frozen=True)
-class FakeUpdate:
-    key: int
-    tokens: list[int]
-    finished: bool
-    drafted: int
-    accepted: int
-    reused: int
 
 
 @dataclass
@@ -95,7 +86,7 @@ class FakeLoop:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def step(self) -> list[FakeUpdate]:
+    def step(self) -> list[RowUpdate]:
         self._same_thread()
         if self.step_delay:
             time.sleep(self.step_delay)
@@ -112,7 +103,7 @@ class FakeLoop:
             prompt = prompts[key]
             row.rounds += 1
             if row.rounds == 1:  # the prompt's prefill
-                updates.append(FakeUpdate(key, [], False, 0, 0, 0))
+                updates.append(RowUpdate(key, [], False, 0, 0, 0))
                 continue
             want = 1 + (row.rounds + key) % 3
             tokens: list[int] = []
@@ -129,7 +120,7 @@ class FakeLoop:
                 del self.rows[key]
             drafted = 3 if row.rounds % 2 else 0  # every other round a plain step
             accepted = min(drafted, len(tokens) - 1)
-            updates.append(FakeUpdate(key, tokens, finished, drafted, accepted, 0))
+            updates.append(RowUpdate(key, tokens, finished, drafted, accepted, 0))
         return updates
 
 

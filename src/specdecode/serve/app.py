@@ -36,7 +36,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.models.tokenizer import render_chat
-from specdecode.serve.metrics import RequestSpec, ServerMetrics
+from specdecode.serve.metrics import ServerMetrics
+from specdecode.serve.output import RowResult, spec_metrics, usage
 from specdecode.serve.protocol import (
     DEFAULT_MAX_BODY_MIB,
     ChatRequest,
@@ -48,7 +49,7 @@ from specdecode.serve.protocol import (
     parse_completion,
     parse_json,
 )
-from specdecode.serve.scheduler import RowResult, RowStream, Scheduler, cache_partition
+from specdecode.serve.scheduler import RowStream, Scheduler, cache_partition
 
 UNNAMED_CONTEXT = 1 << 16  # the row length `SpeculativeDecoder.loop` makes for such a model
 # a prompt's characters per token of the context beyond which it cannot fit, refused before it
@@ -155,7 +156,7 @@ class ServerState:
 
     def row_context(self) -> int:
         # a model that names no context length: as long as the engine's rows are made
-        model = int(self.scheduler.decoder.context or UNNAMED_CONTEXT)
+        model = int(self.scheduler.context_length or UNNAMED_CONTEXT)
         return min(model, self.context) if self.context else model
 
     def max_prompts(self) -> int:
@@ -174,20 +175,6 @@ async def client_gone(request: Request) -> None:
 
 def _sse(payload: Any) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
-
-
-def _usage(results: list[RowResult]) -> dict[str, int]:
-    prompt = sum(r.prompt_tokens for r in results)
-    completion = sum(r.completion_tokens for r in results)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def _spec(results: list[RowResult]) -> dict[str, Any]:
-    return {"speculative_decoding": RequestSpec.total([r.spec for r in results]).as_dict()}
 
 
 class Rows:
@@ -421,13 +408,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     def encode_text(text: str, where: str = "", add_special_tokens: bool = True) -> list[int]:
         check_length(len(text), "characters", where)
-        return list(
-            scheduler.decoder.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-        )
+        return list(scheduler.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def check_ids(ids: tuple[int, ...], where: str = "") -> list[int]:
         check_length(len(ids), "tokens", where)
-        vocab = int(scheduler.decoder.vocab_size)
+        vocab = scheduler.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(
@@ -438,7 +423,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def render(messages: tuple[dict[str, str], ...]) -> str:
         """The conversation in the model's chat template; a template's refusal is a 400."""
-        tokenizer = scheduler.decoder.tokenizer
+        tokenizer = scheduler.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template; use /v1/completions", "messages"
@@ -540,7 +525,7 @@ def create_app(state: ServerState) -> FastAPI:
             for i, r in enumerate(results)
         ]
         return JSONResponse(
-            {**head, "choices": choices, "usage": _usage(results), "metrics": _spec(results)}
+            {**head, "choices": choices, "usage": usage(results), "metrics": spec_metrics(results)}
         )
 
     @app.post("/v1/completions")
@@ -594,7 +579,12 @@ def _stream(
             if include_usage:
                 results = rows.results
                 yield _sse(
-                    {**head, "choices": [], "usage": _usage(results), "metrics": _spec(results)}
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": usage(results),
+                        "metrics": spec_metrics(results),
+                    }
                 )
         except RequestError as error:
             yield _sse(public(error).body())

@@ -7,7 +7,7 @@ lock and wakes the thread. A row's updates go to its request through
 `call_soon_threadsafe` into an asyncio queue. Requests beyond the batch wait in a bounded queue
 (`max_queue`); past it the server answers 429 at once instead of letting latency grow without
 bound. A row that fails inside the engine (`RowFailed`: its logits or law unusable) fails
-alone, as does one whose tokens cannot be turned into text (`RowStream`), and the other rows
+alone, as does one whose tokens cannot be turned into text (`serve.output`), and the other rows
 go on; any other error of a round fails every running row and resets the loop and both models,
 so the next requests start from a clean state.
 """
@@ -20,19 +20,55 @@ import hashlib
 import json
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from specdecode.core.config import SamplingConfig
-from specdecode.core.engine import RowFailed, RowRequest
-from specdecode.serve.metrics import RequestSpec, ServerMetrics
+from specdecode.core.engine import RowFailed, RowRequest, RowUpdate
+from specdecode.serve.metrics import ServerMetrics
+from specdecode.serve.output import RowOutput, RowResult
 from specdecode.serve.protocol import RequestError, Sampling
-from specdecode.serve.text import RowText
 
 log = logging.getLogger("specdecode.serve")
+
+
+class EngineLoop(Protocol):
+    """What the engine thread asks of the engine's loop: `DecodeLoop`, or the fast tests'
+    stand-in, which is why this is a protocol rather than the class."""
+
+    def __len__(self) -> int: ...
+
+    def add(self, request: RowRequest) -> int: ...
+
+    def cancel(self, key: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def step(self) -> list[RowUpdate]: ...
+
+
+class ServedDecoder(Protocol):
+    """What the server asks of the decoder it serves: `SpeculativeDecoder`'s public interface,
+    or the fast tests' stand-in."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context(self) -> int | None: ...
+
+    def default_stop_ids(self) -> tuple[int, ...]: ...
+
+    def store_outcomes(self) -> None: ...
+
+    def loop(
+        self, *, max_rows: int = ..., prefill_chunk: int | None = ..., **drafting: Any
+    ) -> EngineLoop: ...
 
 
 @dataclass(frozen=True)
@@ -48,25 +84,19 @@ class Job:
     """One row's request on its way through the scheduler."""
 
     request: RowRequest
-    deliver: Callable[[Any], None]  # thread-safe: puts an update or a Failure in the row's queue
+    # thread-safe: puts an update or a Failure in the row's queue
+    deliver: Callable[[RowUpdate | Failure], None]
     key: int | None = None
 
 
-@dataclass
-class RowResult:
-    """What the asyncio side knows of a row once it has ended."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    spec: RequestSpec = field(default_factory=RequestSpec)
-
-
 class Scheduler:
+    """The engine thread, its admissions and its rows. What the routes need of the served model
+    (its tokenizer, vocabulary, context) they ask here, so the decoder stays the engine
+    thread's, read by no route, and a stand-in decoder need only meet `ServedDecoder`."""
+
     def __init__(
         self,
-        load: Callable[[], Any],
+        load: Callable[[], ServedDecoder],
         metrics: ServerMetrics,
         max_rows: int = 8,
         max_queue: int = 64,
@@ -79,7 +109,7 @@ class Scheduler:
         self.max_rows = max_rows
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.decoder: Any = None
+        self._decoder: ServedDecoder | None = None
         self.state = "loading"  # then "ready", or "failed" with load_error
         self.load_error: str | None = None
         self._lock = threading.Condition()
@@ -89,6 +119,32 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self.loaded = threading.Event()  # set once state leaves "loading"
+
+    # ------------------------------------------------------------ the served model
+
+    def _served(self) -> ServedDecoder:
+        if self._decoder is None:  # the routes admit requests only once the models are ready
+            raise RuntimeError("the models have not loaded yet")
+        return self._decoder
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer, for the routes to tokenize prompts and render chats."""
+        return self._served().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The token ids a prompt may hold are 0 to `vocab_size - 1`."""
+        return int(self._served().vocab_size)
+
+    @property
+    def context_length(self) -> int | None:
+        """The served model's tokens per row; None for a model that names none."""
+        return self._served().context
+
+    def default_stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a row unless its request ignores the end of sequence."""
+        return tuple(self._served().default_stop_ids())
 
     # ------------------------------------------------------------ event loop side
 
@@ -150,8 +206,8 @@ class Scheduler:
 
     def _run(self) -> None:
         try:
-            self.decoder = self._load()
-            loop = self.decoder.loop(
+            self._decoder = decoder = self._load()
+            loop = decoder.loop(
                 max_rows=self.max_rows, prefill_chunk=self.prefill_chunk, **self.loop_options
             )
         except Exception as error:  # reported by the server, which then exits
@@ -164,7 +220,7 @@ class Scheduler:
         self.loaded.set()
         while True:
             if not len(loop) or self._stopping:
-                self._store()
+                self._store(decoder)
             with self._lock:
                 while not (self._stopping or self._cancels or self._waiting or len(loop)):
                     self._lock.wait()
@@ -177,15 +233,15 @@ class Scheduler:
             except Exception as error:  # the loop's state is not to be trusted: start clean
                 self._fail_running(loop, error)
 
-    def _store(self) -> None:
+    def _store(self, decoder: ServedDecoder) -> None:
         """What drafting was worth, stored beside the prices while no round runs (idle, or
         stopping); a store that fails is logged and serving goes on."""
         try:
-            self.decoder.store_outcomes()
+            decoder.store_outcomes()
         except Exception:
             log.exception("storing what drafting was worth failed; it is kept in memory")
 
-    def _admit(self, loop: Any) -> None:
+    def _admit(self, loop: EngineLoop) -> None:
         """Cancelled rows leave and waiting requests take the free rows, before the round."""
         with self._lock:
             for job in self._cancels:
@@ -203,7 +259,7 @@ class Scheduler:
             self.metrics.waiting.set(len(self._waiting))
             self.metrics.running.set(len(self._running))
 
-    def _fail_running(self, loop: Any, error: Exception) -> None:
+    def _fail_running(self, loop: EngineLoop, error: Exception) -> None:
         log.exception("a decoding round failed; every running request fails with it")
         with self._lock:
             jobs = list(self._running.values())
@@ -216,7 +272,7 @@ class Scheduler:
         for job in jobs:
             job.deliver(Failure(f"the engine failed during a decoding round: {error}"))
 
-    def _round(self, loop: Any) -> None:
+    def _round(self, loop: EngineLoop) -> None:
         try:
             updates = loop.step()
         except RowFailed as failed:  # those rows have left the loop; the others' updates stand
@@ -267,6 +323,7 @@ def row_request(
 class RowStream:
     """One row of a request: `submit` it (a full queue refuses at once, before any response
     starts), then iterate `pieces` for its text as it becomes safe to show; `result` fills in.
+    Its updates are turned into output by a `RowOutput` as they are read.
 
     The row leaves the engine whenever its consumer stops early (a client that disconnects, a
     stop string, another row of the request failing): `pieces`' `finally` cancels it, so its
@@ -284,21 +341,24 @@ class RowStream:
     ) -> None:
         """`partition`: the request's prefix-cache partition (`cache_partition`)."""
         self.scheduler = scheduler
-        self.arrival = arrival
         self.aloop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        decoder = scheduler.decoder
-        self.stop_ids = () if sampling.ignore_eos else tuple(decoder.default_stop_ids())
+        self.queue: asyncio.Queue[RowUpdate | Failure] = asyncio.Queue()
+        stop_ids = () if sampling.ignore_eos else scheduler.default_stop_ids()
         try:
-            request = row_request(prompt, max_tokens, sampling, self.stop_ids, partition)
+            request = row_request(prompt, max_tokens, sampling, stop_ids, partition)
         except ValueError as error:  # what the engine's own checks refuse
             raise RequestError(str(error)) from None
         self.job = Job(request, self._deliver)
-        self.text = RowText(decoder.tokenizer, sampling.stop, self.stop_ids)
-        self.result = RowResult(prompt_tokens=len(prompt))
+        self.output = RowOutput(
+            scheduler.tokenizer, sampling.stop, stop_ids, len(prompt), arrival, scheduler.metrics
+        )
         self.ended = True  # nothing to cancel until submitted
 
-    def _deliver(self, item: Any) -> None:  # engine thread
+    @property
+    def result(self) -> RowResult:
+        return self.output.result
+
+    def _deliver(self, item: RowUpdate | Failure) -> None:  # engine thread
         with contextlib.suppress(RuntimeError):  # the event loop has closed (shutdown)
             self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -311,25 +371,8 @@ class RowStream:
             self.ended = True
             self.scheduler.cancel(self.job)
 
-    def _text(self, tokens: list[int], finished: bool) -> str:
-        """`RowText.feed`, where a tokenizer that cannot decode the row's tokens, or a stop
-        string that cannot be matched, fails this request alone (its row is cancelled on the
-        way out of `pieces`), with an OpenAI error rather than a broken response."""
-        try:
-            return self.text.feed(tokens, final=finished)
-        except Exception as error:
-            log.exception("turning a row's tokens into text failed; that request fails")
-            raise RequestError(
-                f"the server could not turn this request's tokens into text: "
-                f"{type(error).__name__}: {error}",
-                status=500,
-                type="server_error",
-            ) from None
-
     async def pieces(self) -> AsyncIterator[str]:
-        metrics, result = self.scheduler.metrics, self.result
-        first: float | None = None
-        shown: list[str] = []  # joined once at the end: a long answer is not copied each round
+        output = self.output
         try:
             while True:
                 update = await self.queue.get()
@@ -337,31 +380,12 @@ class RowStream:
                     self.ended = True
                     kind = "invalid_request_error" if update.status < 500 else "server_error"
                     raise RequestError(update.message, status=update.status, type=kind)
-                if update.reused:
-                    metrics.prefix_reused_tokens.inc(update.reused)
-                result.spec.add(update.drafted, update.accepted)
-                metrics.add_round(update.drafted, update.accepted)
-                if update.tokens and first is None:
-                    first = time.monotonic()
-                    metrics.ttft.observe(first - self.arrival)
-                piece = self._text(update.tokens, update.finished)
+                piece = output.add(update)
                 if piece:
-                    shown.append(piece)
                     yield piece
-                if self.text.stopped or update.finished:
-                    result.text = "".join(shown)
+                if output.ended:  # a row stopped by a stop string still runs: cancelled below
                     self.ended = update.finished
-                    last = update.tokens[-1] if update.tokens else None
-                    stop = self.text.stopped or last in self.stop_ids
-                    result.finish_reason = "stop" if stop else "length"
-                    result.completion_tokens = self.text.tokens_used
                     break
         finally:
             self.cancel()
-        done = time.monotonic()
-        metrics.e2e.observe(done - self.arrival)
-        if first is not None and result.completion_tokens > 1:
-            metrics.tpot.observe((done - first) / (result.completion_tokens - 1))
-        metrics.prompt_tokens.inc(result.prompt_tokens)
-        metrics.generation_tokens.inc(result.completion_tokens)
-        metrics.requests_success.labels(finished_reason=result.finish_reason).inc()
+        output.finish()

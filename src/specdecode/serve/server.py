@@ -26,7 +26,7 @@ import uvicorn
 from specdecode.serve.app import ServerState, create_app, warm_tokenizer
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.protocol import DEFAULT_MAX_BODY_MIB
-from specdecode.serve.scheduler import Scheduler
+from specdecode.serve.scheduler import Scheduler, ServedDecoder
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def loopback(host: str) -> bool:
         return False
 
 
-def serve(load: Callable[[], Any], config: ServeConfig) -> int:
+def serve(load: Callable[[], ServedDecoder], config: ServeConfig) -> int:
     """Serve until a signal; 0 after a clean drain, 2 if the models could not be loaded."""
     if config.api_key is None and not loopback(config.host):
         print(
@@ -134,7 +134,7 @@ def serve(load: Callable[[], Any], config: ServeConfig) -> int:
             flush=True,
         )
 
-    def load_ready() -> Any:
+    def load_ready() -> ServedDecoder:
         decoder = load()
         warm_tokenizer(decoder.tokenizer)
         return decoder
