@@ -147,3 +147,17 @@ def test_exploration_is_bounded() -> None:
     plain, priced = asked.count(0.0), asked.count(1.0)
     assert 1 <= plain <= 2000 // 50 and 1 <= priced <= 2000 // 50
     assert plain + priced <= 2 * (1 + 2 + 4 + 8 * 5) / 1  # the waits double to 8x
+
+
+def test_a_stored_worth_starts_halfway_back_to_the_first() -> None:
+    """A worth measured by an earlier process (on the machine as it was then) starts the next
+    halfway, in ratio, back toward `FIRST_WORTH`, from below and from above; a snapshot
+    taken before any correction is that starting point, so a start that measures nothing new
+    stores nothing new."""
+    from specdecode.core.outcomes import FIRST_WORTH
+
+    low, high = Outcomes({1: 0.49, 8: 1.6}).snapshot().values()
+    assert low == pytest.approx((0.49 * FIRST_WORTH) ** 0.5)
+    assert high == pytest.approx((1.6 * FIRST_WORTH) ** 0.5)
+    assert 0.49 < low < FIRST_WORTH < high < 1.6
+    assert not Outcomes({1: 0.49}).changed

@@ -36,6 +36,10 @@ at the default 50); each exploration that finds nothing new doubles the wait for
 its kind, up to `BACKOFF` times (0.5% a kind), until a correction says the machine changed or
 an explored drafting round beats a plain one.
 
+A worth stored by an earlier process starts the next one halfway (in ratio) back toward
+`FIRST_WORTH`: it was measured on the machine as it was then, perhaps beside another process or
+a move of pages, and a low worth drafts little, so its own rounds would take long to correct it.
+
 No file is read or written here: a decoder stores the worth beside its prices outside any round.
 """
 
@@ -62,6 +66,7 @@ SETTLE = 30  # rounds at a row count before its drafting rounds are weighed (acc
 # estimates start at their priors)
 FIRST_WORTH = 0.97  # a drafting round must promise 3% over a plain step until measured
 CLIP = 3.0  # a round's time is read within 1/3 to 3 times its prediction: a stall is not a price
+CARRIED = 0.5  # the power of a stored worth's ratio to `FIRST_WORTH` that a new process keeps
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Outcomes:
 
     def __init__(
         self,
-        worth: Mapping[int, float] | None = None,
+        worth: Mapping[int, float] | None = None,  # stored by an earlier process (`CARRIED`)
         *,
         explore_every: int = EXPLORE_EVERY,
         confidence: float = CONFIDENCE,
@@ -128,7 +133,8 @@ class Outcomes:
         self.tolerance, self.hold = tolerance, hold
         self.counts: dict[int, _RowCount] = {}
         for rows, value in (worth or {}).items():
-            self._at(int(rows)).worth = _clamped(float(value))
+            carried = FIRST_WORTH * (_clamped(float(value)) / FIRST_WORTH) ** CARRIED
+            self._at(int(rows)).worth = _clamped(carried)
         self.corrections: list[Correction] = []
         self.explored = 0  # rounds run as exploration
         self.changed = False  # a correction not yet stored (`stored`)
