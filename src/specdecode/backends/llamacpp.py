@@ -27,7 +27,6 @@ import contextlib
 import ctypes
 import os
 import statistics
-import struct
 import threading
 import time
 from collections import deque
@@ -39,6 +38,7 @@ import torch
 from specdecode.backends import hugepages
 from specdecode.backends.base import pending_block
 from specdecode.backends.hugepages import anonymous_regions, collapse
+from specdecode.models.gguf import GGUFMetadataError, trained_context
 
 DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
 
@@ -131,12 +131,6 @@ def time_huge_pages(path: Path, threads: int | None = None, steps: int = 8) -> t
             huge.close()
 
 
-# GGUF metadata value types (the GGUF specification): fixed sizes in bytes; 8 is a string,
-# 9 an array
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
-
-
 def end_of_generation_ids(lib, vocab, vocab_size: int) -> tuple[int, ...]:
     """Every id llama.cpp ends a generation at (`llama_vocab_is_eog`), not only the GGUF's eos
     and eot: an instruct model's eos is its end of turn (Qwen2.5's `<|im_end|>`), yet it also
@@ -165,57 +159,11 @@ def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -
     """The context per row `LlamaCppModel(path, context=context)` will have, read from the
     file's metadata alone (no llama.cpp, no weights): a prompt that cannot fit is refused
     before gigabytes are read. The trained context where the GGUF names none smaller."""
-    trained = _gguf_trained_context(Path(path))
-    return min(context, trained) if trained is not None else context
-
-
-def _gguf_trained_context(path: Path) -> int | None:
-    """`{architecture}.context_length` of a GGUF (v2, v3), stopping as soon as it is read (it
-    comes before the tokenizer's long arrays in files llama.cpp writes)."""
     try:
-        with path.open("rb") as f:
-            magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-            if magic != b"GGUF" or version < 2:
-                raise LlamaCppLoadError(f"{path} is not a GGUF file of version 2 or later")
-            _, n_kv = struct.unpack("<QQ", f.read(16))
-            values: dict[str, int | str] = {}
-            for _ in range(n_kv):
-                key = _gguf_string(f)
-                kind = struct.unpack("<I", f.read(4))[0]
-                if kind == 8:
-                    values[key] = _gguf_string(f)
-                elif kind in _GGUF_INTS:
-                    values[key] = struct.unpack(_GGUF_INTS[kind], f.read(_GGUF_SIZES[kind]))[0]
-                else:
-                    _gguf_skip(f, kind)
-                arch = values.get("general.architecture")
-                if isinstance(arch, str) and f"{arch}.context_length" in values:
-                    return int(values[f"{arch}.context_length"])
-    except (OSError, struct.error, UnicodeDecodeError) as error:
-        raise LlamaCppLoadError(f"cannot read the metadata of {path}: {error}") from error
-    return None
-
-
-def _gguf_string(f) -> str:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return f.read(length).decode("utf-8")
-
-
-def _gguf_skip(f, kind: int) -> None:
-    if kind in _GGUF_SIZES:
-        f.seek(_GGUF_SIZES[kind], os.SEEK_CUR)
-    elif kind == 8:
-        (length,) = struct.unpack("<Q", f.read(8))
-        f.seek(length, os.SEEK_CUR)
-    elif kind == 9:
-        item, count = struct.unpack("<IQ", f.read(12))
-        if item in _GGUF_SIZES:
-            f.seek(_GGUF_SIZES[item] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _gguf_skip(f, item)
-    else:
-        raise struct.error(f"unknown GGUF value type {kind}")
+        trained = trained_context(Path(path))
+    except GGUFMetadataError as error:
+        raise LlamaCppLoadError(str(error)) from error
+    return min(context, trained) if trained is not None else context
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
