@@ -19,9 +19,9 @@ import torch
 pytest.importorskip("llama_cpp")
 
 from specdecode import SpeculativeDecoder
-from specdecode.backends.llamacpp import (
+from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp_lib import (
     LlamaCppLoadError,
-    LlamaCppModel,
     LlamaCppUnavailableError,
     physical_cores,
 )

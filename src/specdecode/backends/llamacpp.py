@@ -38,64 +38,15 @@ import torch
 from specdecode.backends import hugepages
 from specdecode.backends.base import pending_block
 from specdecode.backends.hugepages import anonymous_regions, collapse
+from specdecode.backends.llamacpp_lib import (
+    LlamaCppLoadError,
+    end_of_generation_ids,
+    load_library,
+    physical_cores,
+)
 from specdecode.models.gguf import GGUFMetadataError, trained_context
 
 DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
-
-
-class LlamaCppUnavailableError(RuntimeError):
-    """llama-cpp-python is not installed (or failed to build) in this environment."""
-
-
-class LlamaCppLoadError(ValueError):
-    """llama.cpp could not load a model file or create its context."""
-
-
-def _llama():
-    try:
-        import llama_cpp
-    except ImportError as error:  # missing, or a build that failed to produce its library
-        raise LlamaCppUnavailableError(
-            "the llama.cpp backend needs llama-cpp-python: install it with "
-            '`pip install -e ".[llamacpp]"` (it compiles llama.cpp, several minutes on 2 cores), '
-            f"or use `--backend torch` ({error})"
-        ) from error
-    return llama_cpp
-
-
-_QUIET = None
-
-
-def _init_once(lib) -> None:
-    """Start llama.cpp's backend and route its log lines to nowhere (they would flood stderr
-    with every tensor it loads); errors still surface as our own exceptions."""
-    global _QUIET
-    if _QUIET is None:
-        _QUIET = lib.llama_log_callback(lambda level, text, data: None)
-        lib.llama_log_set(_QUIET, ctypes.c_void_p())
-        lib.llama_backend_init()
-
-
-def physical_cores() -> int:
-    """Physical cores this process may use: llama.cpp's matrix kernels gain nothing from a
-    core's second hyperthread and lose to the contention, so threads default to these."""
-    allowed = os.sched_getaffinity(0)
-    cores: set[tuple[str, str]] = set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return len(allowed)
-    cpu, phys = None, "0"
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "processor":
-            cpu = int(value)
-        elif key == "physical id":
-            phys = value
-        elif key == "core id" and cpu in allowed:
-            cores.add((phys, value))
-    return max(1, min(len(cores) or len(allowed), len(allowed)))
 
 
 def time_huge_pages(path: Path, threads: int | None = None, steps: int = 8) -> tuple[float, float]:
@@ -129,30 +80,6 @@ def time_huge_pages(path: Path, threads: int | None = None, steps: int = 8) -> t
         plain.close()
         if huge is not None:
             huge.close()
-
-
-def end_of_generation_ids(lib, vocab, vocab_size: int) -> tuple[int, ...]:
-    """Every id llama.cpp ends a generation at (`llama_vocab_is_eog`), not only the GGUF's eos
-    and eot: an instruct model's eos is its end of turn (Qwen2.5's `<|im_end|>`), yet it also
-    writes `<|endoftext|>` or `<|file_sep|>` after a completed file, where llama-server and
-    llama-cpp-python stop. One call per id (a tenth of a second for 152k ids)."""
-    return tuple(i for i in range(vocab_size) if lib.llama_vocab_is_eog(vocab, i))
-
-
-def gguf_stop_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
-    """`LlamaCppModel(path).stop_token_ids()` without the weights: a vocabulary-only load."""
-    lib = _llama()
-    _init_once(lib)
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    model = lib.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise LlamaCppLoadError(f"llama.cpp could not read the vocabulary of {path}")
-    try:
-        vocab = lib.llama_model_get_vocab(model)
-        return end_of_generation_ids(lib, vocab, int(lib.llama_vocab_n_tokens(vocab)))
-    finally:
-        lib.llama_model_free(model)
 
 
 def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -> int:
@@ -250,8 +177,7 @@ class LlamaCppModel:
         `prefix_cache_mib`: host memory for the cache cells of sequences a joining row is about
         to overwrite (`add_rows`), so a prompt seen before is restored rather than prefilled
         even after its sequence served others; 0: only the cells still in the sequences."""
-        lib = _llama()
-        _init_once(lib)
+        lib = load_library()
         self.lib = lib
         self.path = Path(path)
         self.role = role
