@@ -122,7 +122,8 @@ def test_a_joining_row_takes_the_lowest_free_sequence_and_its_prefix_is_copied_t
     scores as a fresh prefill does, and the other sequence keeps them."""
     target, _, tok = smol
     rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
-    target.reserve(4)
+    target.reset(4)  # room for 4 rows, none running: as the engine readies rows that join
+    target.select_rows(torch.zeros(0, dtype=torch.long))
     assert target.add_rows(rows) == [0, 0, 0, 0]
     tokens, valid = left_padded(rows)
     target.forward(tokens, valid)
@@ -145,7 +146,8 @@ def test_rows_left_scattered_move_down_and_score_as_before(smol):
     a row left keeps its tokens for a later prompt."""
     target, _, tok = smol
     rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
-    target.reserve(4)
+    target.reset(4)  # room for 4 rows, none running: as the engine readies rows that join
+    target.select_rows(torch.zeros(0, dtype=torch.long))
     target.add_rows(rows)
     tokens, valid = left_padded(rows)
     target.forward(tokens, valid)

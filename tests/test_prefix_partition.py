@@ -155,6 +155,13 @@ def prompts(smol_gguf):
     return list(tok(PROMPT).input_ids), list(tok(OTHER).input_ids)
 
 
+def empty_rows(model, rows: int) -> None:
+    """Room for `rows` rows and none running, every sequence free and empty: as the engine
+    readies a model for rows that join (`reset`, then `select_rows` of none)."""
+    model.reset(rows)
+    model.select_rows(torch.zeros(0, dtype=torch.long))
+
+
 def serve_one(model, prompt: list[int], partition: str) -> int:
     """One row joins with `prompt` in `partition`, is fed the rest and ends (its sequence
     keeps its cells): the prompt tokens it reused."""
@@ -173,7 +180,7 @@ def test_a_sequence_keeps_its_cells_for_its_own_partition_only(model, prompts):
 
     p, _ = prompts
     model.prefix_cache = PrefixCache(0)
-    model.reserve(1)
+    empty_rows(model, 1)
     assert serve_one(model, p, "a") == 0
     assert serve_one(model, p, "b") == 0
     assert serve_one(model, p, "b") == len(p) - 1
@@ -189,7 +196,7 @@ def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, 
 
     p, q = prompts
     model.prefix_cache = PrefixCache(0)
-    model.reserve(2)
+    empty_rows(model, 2)
     model.add_rows([q, p], ["a", "a"])
     block = torch.zeros(2, max(len(p), len(q)), dtype=torch.long)
     valid = torch.zeros_like(block, dtype=torch.bool)
@@ -212,7 +219,7 @@ def test_host_memory_restores_a_prefix_only_to_its_partition(model, prompts):
 
     p, q = prompts
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     assert serve_one(model, p, "a") == 0
     assert serve_one(model, q, "a") == 0  # p of "a" goes to host memory
     assert serve_one(model, p, "b") == 0  # there, but not for "b"

@@ -101,13 +101,6 @@ class LlamaCppSequences:
         self.kept = {}
         self.partitions = {}
 
-    def reserve(self, rows: int) -> None:
-        """Room for `rows` sequences at once, emptied (a context is made anew only to grow)."""
-        self.reset(rows)
-        self.kept = {seq: [] for seq in self.seq_ids}
-        self.seq_ids, self.row_tokens = [], []
-        self.lengths = torch.zeros(0, dtype=torch.long)
-
     def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> list[int]:
         """Append a row per prompt on the lowest free sequence, holding the longest prefix of
         its prompt found in any free sequence or in host memory, so the engine feeds only the
