@@ -508,9 +508,9 @@ def test_a_decided_move_waits_for_the_work_that_pays_it(smol_gguf, monkeypatch):
         token, valid = torch.tensor([[1]]), ones(1)
         for _ in range(6):
             model.forward(token, valid)
-            assert model.moving_pages and model._pages is None  # waiting
+            assert model.moving_pages and model.pages.thread is None  # waiting
         model.forward(token, valid)
-        assert model._pages is not None  # started at the 7th pass
+        assert model.pages.thread is not None  # started at the 7th pass
         if hugepages.available():
             assert model.huge_page_bytes > 0 and kept and all(k > 0 for k in kept)
             assert not model.moving_pages

@@ -26,17 +26,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import statistics
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
 from specdecode.backends import hugepages
 from specdecode.backends.base import pending_block
-from specdecode.backends.hugepages import anonymous_regions, collapse
+from specdecode.backends.hugepages import anonymous_regions
+from specdecode.backends.hugepages_move import PageMove, plan_move, time_huge_pages
 from specdecode.backends.llamacpp_lib import (
     LlamaCppLoadError,
     end_of_generation_ids,
@@ -47,39 +45,6 @@ from specdecode.backends.llamacpp_sequences import LlamaCppSequences, PrefixCach
 from specdecode.models.gguf import GGUFMetadataError, trained_context
 
 DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
-
-
-def time_huge_pages(path: Path, threads: int | None = None, steps: int = 8) -> tuple[float, float]:
-    """Median seconds of a one-token step of the GGUF at `path`: its weights in llama.cpp's
-    file mapping (4 KiB pages), and read into memory moved to 2 MiB pages.
-
-    Both copies are loaded at once and stepped in turn, so a burst of other work on the
-    machine slows both alike. Where the kernel moves nothing, the two are the same pages and
-    the times are returned as equal (no gain), without timing.
-    """
-    plain = LlamaCppModel(path, role="4 KiB pages", context=64, threads=threads, huge_pages=False)
-    huge = None
-    try:
-        huge = LlamaCppModel(path, role="2 MiB pages", context=64, threads=threads, huge_pages=True)
-        token = torch.zeros(1, 1, dtype=torch.long)  # [1, 1]
-        valid = torch.ones(1, 1, dtype=torch.bool)
-        if huge.huge_page_bytes == 0:
-            return 1.0, 1.0
-        times: dict[int, list[float]] = {0: [], 1: []}
-        models = (plain, huge)
-        for model in models:
-            model.reset(1)
-            model.forward(token, valid)  # faults the file mapping in; not timed
-        for step in range(steps):
-            for which in (0, 1) if step % 2 == 0 else (1, 0):
-                start = time.perf_counter()
-                models[which].forward(token, valid)
-                times[which].append(time.perf_counter() - start)
-        return statistics.median(times[0]), statistics.median(times[1])
-    finally:
-        plain.close()
-        if huge is not None:
-            huge.close()
 
 
 def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -> int:
@@ -128,15 +93,13 @@ class LlamaCppModel(LlamaCppSequences):
         self.device = torch.device("cpu")
         if not self.path.is_file():
             raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
-        mover = None  # where the move waits until it pays
-        self._slower = False  # the weights stay in 4 KiB pages although 2 MiB would gain
-        if huge_pages is None:
-            huge_pages = hugepages.decide(self.path, lambda: time_huge_pages(self.path, threads))
-            entry = hugepages.recorded(self.path) if huge_pages else None
-            if huge_pages and passes is not None and not hugepages.pays_within(entry, passes):
-                huge_pages, self._slower = False, True  # mapped as shipped: no copy, no move
-            elif huge_pages:
-                mover = hugepages.Mover(entry)
+
+        def load(role: str, huge: bool) -> LlamaCppModel:
+            return LlamaCppModel(self.path, role=role, context=64, threads=threads, huge_pages=huge)
+
+        huge_pages, mover, slower = plan_move(
+            self.path, huge_pages, passes, lambda: time_huge_pages(load)
+        )
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         before = anonymous_regions() if huge_pages else set()
@@ -167,51 +130,8 @@ class LlamaCppModel(LlamaCppSequences):
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
         self.prefix_cache = PrefixCache(prefix_cache_mib << 20)
-        # the move to 2 MiB pages runs beside the passes rather than before them: it takes
-        # seconds, which a short answer would wait for and not get back (the kernel moves each
-        # page in place; the passes read the same bytes throughout). A decided move also waits
-        # until the passes have earned it (`_mover`)
-        self._moved: list[int] = [0]
-        self._pages: threading.Thread | None = None
-        self._regions = weights  # the weights' regions, until the move starts
-        self._mover = mover
-        self._passes = 0  # `forward` calls so far
-        self._step_seconds: deque[float] = deque(maxlen=64)  # the latest one-token steps'
-        if huge_pages and (mover is None or mover.due(0)):
-            self._start_move()
+        self.pages = PageMove(self.path, role, weights, mover, slower)
         self.reset(0)
-
-    def _start_move(self) -> None:
-        """Move the weights' regions to 2 MiB pages in a thread. A decided move is timed and
-        its cost kept beside the verdict, in this model's one-token steps (`hugepages.Mover`
-        weighs it next time): estimated once half the pages are moved, as a short run may end
-        before the move does, and again at its end. Steps that ran beside the move count
-        slower than they are, so the cost is rather under- than overstated."""
-        regions, self._regions = self._regions, None
-        if regions is None:
-            return
-        timed = self._mover is not None
-        start = time.perf_counter()
-        halfway = [False]
-
-        def record(done: int, total: int) -> None:
-            if not self._step_seconds or done <= 0:
-                return
-            seconds = (time.perf_counter() - start) * total / done
-            hugepages.record_move(self.path, seconds / statistics.median(self._step_seconds))
-
-        def progress(done: int, total: int) -> None:
-            if timed and not halfway[0] and 2 * done >= total and self._step_seconds:
-                halfway[0] = True
-                record(done, total)
-
-        def move() -> None:
-            self._moved[0] = collapse(regions, progress)
-            if timed and self._moved[0]:
-                record(1, 1)
-
-        self._pages = threading.Thread(target=move, name=f"{self.role}-2MiB-pages", daemon=True)
-        self._pages.start()
 
     @property
     def moving_pages(self) -> bool:
@@ -219,16 +139,12 @@ class LlamaCppModel(LlamaCppSequences):
         in: being moved, waiting to be, or left in 4 KiB pages for a run too short to repay the
         move. Passes then run slower than priced (prices are timed on moved weights), and that
         is no reason to correct the prices."""
-        moving = self._pages is not None and self._pages.is_alive()
-        return moving or self._regions is not None or self._slower
+        return self.pages.moving
 
     @property
     def huge_page_bytes(self) -> int:
         """Bytes of weights moved to 2 MiB pages (starts a waiting move, and waits for it)."""
-        self._start_move()
-        if self._pages is not None:
-            self._pages.join()
-        return self._moved[0]
+        return self.pages.finish()
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """Every end-of-generation id of the GGUF (`end_of_generation_ids`)."""
@@ -275,8 +191,8 @@ class LlamaCppModel(LlamaCppSequences):
 
     def close(self) -> None:
         """Free llama.cpp's memory now rather than at garbage collection."""
-        if getattr(self, "_pages", None) is not None:
-            self._pages.join()  # the move reads the weights' pages: they stay until it ends
+        if getattr(self, "pages", None) is not None:
+            self.pages.join()
         lib = self.lib
         if self.batch is not None:
             lib.llama_batch_free(self.batch)
@@ -322,14 +238,11 @@ class LlamaCppModel(LlamaCppSequences):
         tokens, valid: [batch, n] -> logits [batch, logits_to_keep, vocab] (float32; zero at a
         hole), hidden [batch, logits_to_keep, hidden] when asked.
         """
-        waiting = self._regions is not None and self._mover is not None
-        if waiting and self._mover.due(self._passes):
-            self._start_move()
-        self._passes += 1
+        self.pages.before_pass()
         start = time.perf_counter()
         out = self._forward(tokens, valid, logits_to_keep, want_hidden)
         if tokens.shape == (1, 1):  # a one-token step: the unit a move's cost is kept in
-            self._step_seconds.append(time.perf_counter() - start)
+            self.pages.step_seconds.append(time.perf_counter() - start)
         return out
 
     def _forward(
