@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from specdecode.backends import hugepages
-from specdecode.backends.base import pending_block
+from specdecode.backends.base import PendingFromLengths
 from specdecode.backends.hugepages import anonymous_regions
 from specdecode.backends.hugepages_move import PageMove, plan_move, time_huge_pages
 from specdecode.backends.llamacpp_lib import (
@@ -58,7 +58,7 @@ def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -
     return min(context, trained) if trained is not None else context
 
 
-class LlamaCppModel(LlamaCppSequences):
+class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
     """A GGUF decoder on llama.cpp with one sequence per batch row (a `ModelBackend`)."""
 
     # with a cache stream per row, llama_decode splits a batch into passes where every row
@@ -216,15 +216,6 @@ class LlamaCppModel(LlamaCppSequences):
         else:
             self.lib.llama_memory_clear(self.memory, True)
         self._start_rows(batch_size)
-
-    def pending(
-        self,
-        sequences: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pad_id: int = 0,
-        width: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
 
     def forward(
         self,
