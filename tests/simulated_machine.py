@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode.backends.base import pending_block
+from specdecode.backends.base import PendingFromLengths
 from specdecode.core.config import LOOKUP_ALONE, LOOKUP_FIRST, DecodeConfig
 from specdecode.core.drafting.corpus import BAND_PRIORS
 from specdecode.core.drafting.mixed import MixedDrafter, corpus_key
@@ -322,7 +322,7 @@ class World:
 # ---- models ----
 
 
-class SimModel:
+class SimModel(PendingFromLengths):
     """A `ModelBackend` that runs no model: the target's logits point at the script's next
     token; the drafter model's at it where the model is right, at another token elsewhere.
     Every pass advances the machine's clock by what it costs there."""
@@ -387,9 +387,6 @@ class SimModel:
         scripts = torch.stack([self._script(k) for k in keys]) if keys else self.scripts[:0]
         self.scripts = torch.cat([self.scripts, scripts])
         return [0] * len(prompts)
-
-    def pending(self, sequences, seq_lens, pad_id=0, width=None):
-        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
 
     def stop_token_ids(self) -> tuple[int, ...]:
         return ()

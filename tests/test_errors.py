@@ -355,7 +355,8 @@ def test_gguf_context_from_metadata_alone(tmp_path, trained, expected):
     """What `LlamaCppModel` will allow per row: the trained context, capped at the backend's
     default, read past strings and arrays of other keys (written by the gguf package)."""
     gguf = pytest.importorskip("gguf")
-    from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppLoadError, gguf_context
+    from specdecode.backends.llamacpp import DEFAULT_CONTEXT, gguf_context
+    from specdecode.backends.llamacpp_lib import LlamaCppLoadError
 
     path = tmp_path / "m.gguf"
     _write_gguf(path, gguf, trained)

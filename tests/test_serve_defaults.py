@@ -219,7 +219,7 @@ def test_a_prompt_back_from_host_memory_decodes_the_same_text(server, plain):
     of it but the last token (`prefix_cache_reused_tokens_total` rises by that many) and gives
     the plain greedy text. A prompt sharing only its first sentence, sent after another
     overwrite, restores just the shared tokens and also gives the plain greedy text."""
-    from specdecode.backends.llamacpp import shared_prefix
+    from specdecode.backends.llamacpp_sequences import shared_prefix
 
     other = "Dear Sir, I am writing to you about the invoice of last month."
     first = complete(server, LONG, temperature=0)

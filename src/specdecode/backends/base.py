@@ -11,7 +11,8 @@ The engine never sees a `torch.nn.Module`, a llama.cpp context or a static cache
 * `select_rows(index)`: keep only these rows (finished rows stop costing compute);
 * `add_rows(prompts)`: append rows that join between rounds, reusing cached prefixes where the
   backend keeps them;
-* `pending(sequences, seq_lens)`: the committed tokens a row has not yet been fed.
+* `pending(sequences, seq_lens)`: the committed tokens a row has not yet been fed (one
+  definition for every backend, `PendingFromLengths`).
 
 `torch_eager.CachedModel` implements it over a `transformers` decoder with a ragged
 `DynamicCache` view; `llamacpp.LlamaCppModel` over a GGUF file with one llama.cpp sequence
@@ -63,6 +64,26 @@ class ModelBackend(Protocol):
         pad_id: int = 0,
         width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class PendingFromLengths:
+    """`ModelBackend.pending` from the tokens each row's cache holds (`lengths`): the one
+    definition every backend takes, so that none can drift from the block the others give."""
+
+    lengths: torch.Tensor  # [batch]
+
+    def pending(
+        self,
+        sequences: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pad_id: int = 0,
+        width: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed tokens not yet in the cache, as a left-padded ragged block.
+
+        sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]
+        """
+        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
 
 
 def pending_block(

@@ -26,255 +26,39 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import statistics
-import struct
-import threading
 import time
-from collections import deque
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from specdecode.backends import hugepages
-from specdecode.backends.base import pending_block
-from specdecode.backends.hugepages import anonymous_regions, collapse
+from specdecode.backends.base import PendingFromLengths
+from specdecode.backends.hugepages import anonymous_regions
+from specdecode.backends.hugepages_move import PageMove, plan_move, time_huge_pages
+from specdecode.backends.llamacpp_lib import (
+    LlamaCppLoadError,
+    end_of_generation_ids,
+    load_library,
+    physical_cores,
+)
+from specdecode.backends.llamacpp_sequences import LlamaCppSequences, PrefixCache
+from specdecode.models.gguf import GGUFMetadataError, trained_context
 
 DEFAULT_CONTEXT = 4096  # tokens per row; a row's prompt plus its new tokens must fit
-
-
-class LlamaCppUnavailableError(RuntimeError):
-    """llama-cpp-python is not installed (or failed to build) in this environment."""
-
-
-class LlamaCppLoadError(ValueError):
-    """llama.cpp could not load a model file or create its context."""
-
-
-def _llama():
-    try:
-        import llama_cpp
-    except ImportError as error:  # missing, or a build that failed to produce its library
-        raise LlamaCppUnavailableError(
-            "the llama.cpp backend needs llama-cpp-python: install it with "
-            '`pip install -e ".[llamacpp]"` (it compiles llama.cpp, several minutes on 2 cores), '
-            f"or use `--backend torch` ({error})"
-        ) from error
-    return llama_cpp
-
-
-_QUIET = None
-
-
-def _init_once(lib) -> None:
-    """Start llama.cpp's backend and route its log lines to nowhere (they would flood stderr
-    with every tensor it loads); errors still surface as our own exceptions."""
-    global _QUIET
-    if _QUIET is None:
-        _QUIET = lib.llama_log_callback(lambda level, text, data: None)
-        lib.llama_log_set(_QUIET, ctypes.c_void_p())
-        lib.llama_backend_init()
-
-
-def physical_cores() -> int:
-    """Physical cores this process may use: llama.cpp's matrix kernels gain nothing from a
-    core's second hyperthread and lose to the contention, so threads default to these."""
-    allowed = os.sched_getaffinity(0)
-    cores: set[tuple[str, str]] = set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return len(allowed)
-    cpu, phys = None, "0"
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "processor":
-            cpu = int(value)
-        elif key == "physical id":
-            phys = value
-        elif key == "core id" and cpu in allowed:
-            cores.add((phys, value))
-    return max(1, min(len(cores) or len(allowed), len(allowed)))
-
-
-def time_huge_pages(path: Path, threads: int | None = None, steps: int = 8) -> tuple[float, float]:
-    """Median seconds of a one-token step of the GGUF at `path`: its weights in llama.cpp's
-    file mapping (4 KiB pages), and read into memory moved to 2 MiB pages.
-
-    Both copies are loaded at once and stepped in turn, so a burst of other work on the
-    machine slows both alike. Where the kernel moves nothing, the two are the same pages and
-    the times are returned as equal (no gain), without timing.
-    """
-    plain = LlamaCppModel(path, role="4 KiB pages", context=64, threads=threads, huge_pages=False)
-    huge = None
-    try:
-        huge = LlamaCppModel(path, role="2 MiB pages", context=64, threads=threads, huge_pages=True)
-        token = torch.zeros(1, 1, dtype=torch.long)  # [1, 1]
-        valid = torch.ones(1, 1, dtype=torch.bool)
-        if huge.huge_page_bytes == 0:
-            return 1.0, 1.0
-        times: dict[int, list[float]] = {0: [], 1: []}
-        models = (plain, huge)
-        for model in models:
-            model.reset(1)
-            model.forward(token, valid)  # faults the file mapping in; not timed
-        for step in range(steps):
-            for which in (0, 1) if step % 2 == 0 else (1, 0):
-                start = time.perf_counter()
-                models[which].forward(token, valid)
-                times[which].append(time.perf_counter() - start)
-        return statistics.median(times[0]), statistics.median(times[1])
-    finally:
-        plain.close()
-        if huge is not None:
-            huge.close()
-
-
-# GGUF metadata value types (the GGUF specification): fixed sizes in bytes; 8 is a string,
-# 9 an array
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
-
-
-def end_of_generation_ids(lib, vocab, vocab_size: int) -> tuple[int, ...]:
-    """Every id llama.cpp ends a generation at (`llama_vocab_is_eog`), not only the GGUF's eos
-    and eot: an instruct model's eos is its end of turn (Qwen2.5's `<|im_end|>`), yet it also
-    writes `<|endoftext|>` or `<|file_sep|>` after a completed file, where llama-server and
-    llama-cpp-python stop. One call per id (a tenth of a second for 152k ids)."""
-    return tuple(i for i in range(vocab_size) if lib.llama_vocab_is_eog(vocab, i))
-
-
-def gguf_stop_ids(path: str | os.PathLike[str]) -> tuple[int, ...]:
-    """`LlamaCppModel(path).stop_token_ids()` without the weights: a vocabulary-only load."""
-    lib = _llama()
-    _init_once(lib)
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    model = lib.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise LlamaCppLoadError(f"llama.cpp could not read the vocabulary of {path}")
-    try:
-        vocab = lib.llama_model_get_vocab(model)
-        return end_of_generation_ids(lib, vocab, int(lib.llama_vocab_n_tokens(vocab)))
-    finally:
-        lib.llama_model_free(model)
 
 
 def gguf_context(path: str | os.PathLike[str], context: int = DEFAULT_CONTEXT) -> int:
     """The context per row `LlamaCppModel(path, context=context)` will have, read from the
     file's metadata alone (no llama.cpp, no weights): a prompt that cannot fit is refused
     before gigabytes are read. The trained context where the GGUF names none smaller."""
-    trained = _gguf_trained_context(Path(path))
+    try:
+        trained = trained_context(Path(path))
+    except GGUFMetadataError as error:
+        raise LlamaCppLoadError(str(error)) from error
     return min(context, trained) if trained is not None else context
 
 
-def _gguf_trained_context(path: Path) -> int | None:
-    """`{architecture}.context_length` of a GGUF (v2, v3), stopping as soon as it is read (it
-    comes before the tokenizer's long arrays in files llama.cpp writes)."""
-    try:
-        with path.open("rb") as f:
-            magic, version = f.read(4), struct.unpack("<I", f.read(4))[0]
-            if magic != b"GGUF" or version < 2:
-                raise LlamaCppLoadError(f"{path} is not a GGUF file of version 2 or later")
-            _, n_kv = struct.unpack("<QQ", f.read(16))
-            values: dict[str, int | str] = {}
-            for _ in range(n_kv):
-                key = _gguf_string(f)
-                kind = struct.unpack("<I", f.read(4))[0]
-                if kind == 8:
-                    values[key] = _gguf_string(f)
-                elif kind in _GGUF_INTS:
-                    values[key] = struct.unpack(_GGUF_INTS[kind], f.read(_GGUF_SIZES[kind]))[0]
-                else:
-                    _gguf_skip(f, kind)
-                arch = values.get("general.architecture")
-                if isinstance(arch, str) and f"{arch}.context_length" in values:
-                    return int(values[f"{arch}.context_length"])
-    except (OSError, struct.error, UnicodeDecodeError) as error:
-        raise LlamaCppLoadError(f"cannot read the metadata of {path}: {error}") from error
-    return None
-
-
-def _gguf_string(f) -> str:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return f.read(length).decode("utf-8")
-
-
-def _gguf_skip(f, kind: int) -> None:
-    if kind in _GGUF_SIZES:
-        f.seek(_GGUF_SIZES[kind], os.SEEK_CUR)
-    elif kind == 8:
-        (length,) = struct.unpack("<Q", f.read(8))
-        f.seek(length, os.SEEK_CUR)
-    elif kind == 9:
-        item, count = struct.unpack("<IQ", f.read(12))
-        if item in _GGUF_SIZES:
-            f.seek(_GGUF_SIZES[item] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _gguf_skip(f, item)
-    else:
-        raise struct.error(f"unknown GGUF value type {kind}")
-
-
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class PrefixCache:
-    """Sequences' cache cells in host memory, keyed by the tokens they hold and the partition
-    of the rows that wrote them, least recently used dropped first past `budget` bytes.
-    llama-server keeps such a cache of its slots (`--cache-ram`); without it a server of 8 rows
-    forgets a prompt as soon as 8 others ran. A prompt matches only cells of its own partition
-    (a server's client, `RowRequest.cache_partition`): a reused prefix, or the time it saves,
-    would otherwise tell one client what another sent."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.held: dict[tuple[str, tuple[int, ...]], ctypes.Array] = {}  # oldest first
-        self.bytes = 0
-
-    @property
-    def entries(self) -> dict[tuple[int, ...], ctypes.Array]:
-        """The default partition's cells by their tokens, oldest first (a server without keys
-        or salts holds only these)."""
-        return {tokens: cells for (part, tokens), cells in self.held.items() if not part}
-
-    def longest(self, prompt: list[int], partition: str = "") -> tuple[list[int], int]:
-        """The saved tokens of `partition` sharing the longest prefix with `prompt`, and that
-        length."""
-        best, n = [], 0
-        for part, held in self.held:
-            if part == partition and len(held) > n and (k := shared_prefix(held, prompt)) > n:
-                best, n = list(held), k
-        return best, n
-
-    def put(self, tokens: list[int], cells: ctypes.Array, partition: str = "") -> None:
-        key = (partition, tuple(tokens))
-        if key in self.held:
-            self.bytes -= len(self.held.pop(key))
-        self.held[key] = cells
-        self.bytes += len(cells)
-        while self.bytes > self.budget and self.held:
-            self.bytes -= len(self.held.pop(next(iter(self.held))))
-
-    def take(self, tokens: list[int], partition: str = "") -> ctypes.Array:
-        """The cells saved for `tokens` in `partition`, left in the cache as the most recently
-        used."""
-        key = (partition, tuple(tokens))
-        cells = self.held.pop(key)
-        self.held[key] = cells
-        return cells
-
-
-class LlamaCppModel:
+class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
     """A GGUF decoder on llama.cpp with one sequence per batch row (a `ModelBackend`)."""
 
     # with a cache stream per row, llama_decode splits a batch into passes where every row
@@ -302,23 +86,20 @@ class LlamaCppModel:
         `prefix_cache_mib`: host memory for the cache cells of sequences a joining row is about
         to overwrite (`add_rows`), so a prompt seen before is restored rather than prefilled
         even after its sequence served others; 0: only the cells still in the sequences."""
-        lib = _llama()
-        _init_once(lib)
+        lib = load_library()
         self.lib = lib
         self.path = Path(path)
         self.role = role
         self.device = torch.device("cpu")
         if not self.path.is_file():
             raise LlamaCppLoadError(f"{role}: no GGUF file at {self.path}")
-        mover = None  # where the move waits until it pays
-        self._slower = False  # the weights stay in 4 KiB pages although 2 MiB would gain
-        if huge_pages is None:
-            huge_pages = hugepages.decide(self.path, lambda: time_huge_pages(self.path, threads))
-            entry = hugepages.recorded(self.path) if huge_pages else None
-            if huge_pages and passes is not None and not hugepages.pays_within(entry, passes):
-                huge_pages, self._slower = False, True  # mapped as shipped: no copy, no move
-            elif huge_pages:
-                mover = hugepages.Mover(entry)
+
+        def load(role: str, huge: bool) -> LlamaCppModel:
+            return LlamaCppModel(self.path, role=role, context=64, threads=threads, huge_pages=huge)
+
+        huge_pages, mover, slower = plan_move(
+            self.path, huge_pages, passes, lambda: time_huge_pages(load)
+        )
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         before = anonymous_regions() if huge_pages else set()
@@ -349,51 +130,8 @@ class LlamaCppModel:
         self.batch_capacity = 0
         self._new_context(max(1, max_rows))
         self.prefix_cache = PrefixCache(prefix_cache_mib << 20)
-        # the move to 2 MiB pages runs beside the passes rather than before them: it takes
-        # seconds, which a short answer would wait for and not get back (the kernel moves each
-        # page in place; the passes read the same bytes throughout). A decided move also waits
-        # until the passes have earned it (`_mover`)
-        self._moved: list[int] = [0]
-        self._pages: threading.Thread | None = None
-        self._regions = weights  # the weights' regions, until the move starts
-        self._mover = mover
-        self._passes = 0  # `forward` calls so far
-        self._step_seconds: deque[float] = deque(maxlen=64)  # the latest one-token steps'
-        if huge_pages and (mover is None or mover.due(0)):
-            self._start_move()
+        self.pages = PageMove(self.path, role, weights, mover, slower)
         self.reset(0)
-
-    def _start_move(self) -> None:
-        """Move the weights' regions to 2 MiB pages in a thread. A decided move is timed and
-        its cost kept beside the verdict, in this model's one-token steps (`hugepages.Mover`
-        weighs it next time): estimated once half the pages are moved, as a short run may end
-        before the move does, and again at its end. Steps that ran beside the move count
-        slower than they are, so the cost is rather under- than overstated."""
-        regions, self._regions = self._regions, None
-        if regions is None:
-            return
-        timed = self._mover is not None
-        start = time.perf_counter()
-        halfway = [False]
-
-        def record(done: int, total: int) -> None:
-            if not self._step_seconds or done <= 0:
-                return
-            seconds = (time.perf_counter() - start) * total / done
-            hugepages.record_move(self.path, seconds / statistics.median(self._step_seconds))
-
-        def progress(done: int, total: int) -> None:
-            if timed and not halfway[0] and 2 * done >= total and self._step_seconds:
-                halfway[0] = True
-                record(done, total)
-
-        def move() -> None:
-            self._moved[0] = collapse(regions, progress)
-            if timed and self._moved[0]:
-                record(1, 1)
-
-        self._pages = threading.Thread(target=move, name=f"{self.role}-2MiB-pages", daemon=True)
-        self._pages.start()
 
     @property
     def moving_pages(self) -> bool:
@@ -401,16 +139,12 @@ class LlamaCppModel:
         in: being moved, waiting to be, or left in 4 KiB pages for a run too short to repay the
         move. Passes then run slower than priced (prices are timed on moved weights), and that
         is no reason to correct the prices."""
-        moving = self._pages is not None and self._pages.is_alive()
-        return moving or self._regions is not None or self._slower
+        return self.pages.moving
 
     @property
     def huge_page_bytes(self) -> int:
         """Bytes of weights moved to 2 MiB pages (starts a waiting move, and waits for it)."""
-        self._start_move()
-        if self._pages is not None:
-            self._pages.join()
-        return self._moved[0]
+        return self.pages.finish()
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """Every end-of-generation id of the GGUF (`end_of_generation_ids`)."""
@@ -457,8 +191,8 @@ class LlamaCppModel:
 
     def close(self) -> None:
         """Free llama.cpp's memory now rather than at garbage collection."""
-        if getattr(self, "_pages", None) is not None:
-            self._pages.join()  # the move reads the weights' pages: they stay until it ends
+        if getattr(self, "pages", None) is not None:
+            self.pages.join()
         lib = self.lib
         if self.batch is not None:
             lib.llama_batch_free(self.batch)
@@ -481,135 +215,7 @@ class LlamaCppModel:
             self._new_context(batch_size)
         else:
             self.lib.llama_memory_clear(self.memory, True)
-        self.seq_ids = list(range(batch_size))  # row b is llama.cpp sequence seq_ids[b]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
-        self.row_tokens: list[list[int]] = [[] for _ in range(batch_size)]  # what each holds
-        # sequences no row uses, with the tokens their cells still hold (oldest first): a row
-        # that joins takes the one sharing the longest prefix with its prompt (prefix reuse)
-        self.kept: dict[int, list[int]] = {}
-        # the partition of the rows whose tokens each sequence's cells hold; absent for a row
-        # that did not join by `add_rows` (a batch made by `reset`, a drafter made mid-run),
-        # whose partition is unknown: its cells are reused by no row and not saved
-        self.partitions: dict[int, str] = {}
-
-    def reserve(self, rows: int) -> None:
-        """Room for `rows` sequences at once, emptied (a context is made anew only to grow)."""
-        self.reset(rows)
-        self.kept = {seq: [] for seq in self.seq_ids}
-        self.seq_ids, self.row_tokens = [], []
-        self.lengths = torch.zeros(0, dtype=torch.long)
-
-    def add_rows(self, prompts: list[list[int]], partitions: list[str] | None = None) -> list[int]:
-        """Append a row per prompt on the lowest free sequence, holding the longest prefix of
-        its prompt found in any free sequence or in host memory, so the engine feeds only the
-        rest. At least the prompt's last token is left to feed: its logits start the row.
-
-        The lowest, because llama.cpp runs rows in one micro-batch only while their sequence
-        ids rise one by one (`_forward`): rows that join on scattered sequences (wherever their
-        prefix happened to be) split every later pass. A prefix held by another free sequence
-        is copied over rather than joined there; that sequence keeps it.
-
-        A prompt's prefix is looked for only among the cells of its own partition
-        (`partitions[i]`), so a row reuses nothing another client's rows left."""
-        reused = []
-        for prompt, partition in zip(prompts, partitions or [""] * len(prompts), strict=True):
-            if not self.kept:
-                raise ValueError(
-                    f"{self.role}: all {self.rows_capacity} sequences are in use; reserve more rows"
-                )
-            head = prompt[: max(len(prompt) - 1, 0)]  # the last token is fed: it starts the row
-            seq = min(self.kept)
-            held = self.kept.pop(seq)
-            ours = self.partitions.get(seq) == partition
-            n = shared_prefix(held, head) if ours else 0
-            # the longest prefix elsewhere: in another free sequence of the partition (ties:
-            # the one freed first, as the dict keeps them), else in host memory
-            mine = [q for q in self.kept if self.partitions.get(q) == partition]
-            other = max(mine, key=lambda q: shared_prefix(self.kept[q], head), default=None)
-            k = 0 if other is None else shared_prefix(self.kept[other], head)
-            saved, m = self.prefix_cache.longest(head, partition)
-            if max(k, m) <= n:  # the row keeps its sequence's own prefix; the rest is lost
-                if len(held) > n:
-                    self._save(seq, held)
-            else:  # taken before `held` is saved, which could push them out of host memory
-                tokens, cells = (
-                    (self.kept[other], self._cells(other))
-                    if k >= m
-                    else (saved, self.prefix_cache.take(saved, partition))
-                )
-                if held and (tokens != held or not ours):
-                    self._save(seq, held)
-                n = max(k, m) if self._put_cells(seq, cells) else 0
-            self.lib.llama_memory_seq_rm(self.memory, seq, n, -1)
-            self.partitions[seq] = partition
-            self.seq_ids.append(seq)
-            self.row_tokens.append(list(prompt[:n]))
-            reused.append(n)
-        self.lengths = torch.cat([self.lengths, torch.tensor(reused, dtype=torch.long)])
-        return reused
-
-    def _cells(self, seq: int, most: int | None = None) -> ctypes.Array | None:
-        """A copy of a sequence's cache cells in host memory; None where llama.cpp gives none
-        or they are over `most` bytes."""
-        size = int(self.lib.llama_state_seq_get_size(self.ctx, seq))
-        if not size or (most is not None and size > most):
-            return None
-        buf = (ctypes.c_uint8 * size)()
-        copied = int(self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq))
-        return buf if copied == size else None
-
-    def _compact(self) -> None:
-        """Move the rows on the highest sequences into the free ones below them, so that the
-        rows hold sequences 0..n-1. llama.cpp runs rows in one micro-batch only while their
-        sequence ids rise one by one: rows that end with none joining in their place (the
-        last requests of a burst, a load under the batch's rows) leave the others scattered,
-        and a scattered batch runs a pass per run of sequences (docs/findings.md). Called
-        before a pass, after the round's newcomers took the lowest free sequences. A move
-        copies the row's cells (its own tokens', not the whole stream); the free sequence's
-        prefix goes to host memory first (within its budget), and the sequence the row left
-        keeps the row's tokens for a later prompt that shares them."""
-        while self.kept and self.seq_ids and min(self.kept) < max(self.seq_ids):
-            low, high = min(self.kept), max(self.seq_ids)
-            cells = self._cells(high)
-            if cells is None:
-                return
-            held = self.kept.pop(low)
-            if held:
-                self._save(low, held)
-            if not self._put_cells(low, cells):
-                self.kept[low] = []  # emptied and not filled: the rows stay where they are
-                return
-            if high in self.partitions:
-                self.partitions[low] = self.partitions[high]
-            else:
-                self.partitions.pop(low, None)
-            b = self.seq_ids.index(high)
-            self.seq_ids[b] = low
-            self.kept[high] = list(self.row_tokens[b])
-
-    def _save(self, seq: int, tokens: list[int]) -> None:
-        """Copy a sequence's cells to host memory, keyed by the tokens they hold and their
-        partition."""
-        budget, partition = self.prefix_cache.budget, self.partitions.get(seq)
-        if budget and partition is not None and (buf := self._cells(seq, budget)) is not None:
-            self.prefix_cache.put(tokens, buf, partition)
-
-    def _put_cells(self, seq: int, cells: ctypes.Array | None) -> bool:
-        """Fill an emptied sequence with copied cells; False (the sequence empty) where there
-        are none or llama.cpp refuses them, and the row then prefills."""
-        self.lib.llama_memory_seq_rm(self.memory, seq, 0, -1)
-        return cells is not None and bool(
-            self.lib.llama_state_seq_set_data(self.ctx, cells, len(cells), seq)
-        )
-
-    def pending(
-        self,
-        sequences: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pad_id: int = 0,
-        width: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
+        self._start_rows(batch_size)
 
     def forward(
         self,
@@ -623,14 +229,11 @@ class LlamaCppModel:
         tokens, valid: [batch, n] -> logits [batch, logits_to_keep, vocab] (float32; zero at a
         hole), hidden [batch, logits_to_keep, hidden] when asked.
         """
-        waiting = self._regions is not None and self._mover is not None
-        if waiting and self._mover.due(self._passes):
-            self._start_move()
-        self._passes += 1
+        self.pages.before_pass()
         start = time.perf_counter()
         out = self._forward(tokens, valid, logits_to_keep, want_hidden)
         if tokens.shape == (1, 1):  # a one-token step: the unit a move's cost is kept in
-            self._step_seconds.append(time.perf_counter() - start)
+            self.pages.step_seconds.append(time.perf_counter() - start)
         return out
 
     def _forward(
@@ -733,22 +336,3 @@ class LlamaCppModel:
         """A view of llama.cpp's output buffer (no copy; the caller's assignment copies once)."""
         array = (ctypes.c_float * (rows * width)).from_address(ctypes.addressof(pointer.contents))
         return torch.frombuffer(array, dtype=torch.float32).view(rows, width)
-
-    def truncate(self, lengths: torch.Tensor) -> None:
-        """Keep the first `lengths[b]` tokens of each row: remove the rest from its sequence."""
-        lengths = torch.minimum(self.lengths, lengths.to(self.lengths.device))
-        for b, (old, new) in enumerate(zip(self.lengths.tolist(), lengths.tolist(), strict=True)):
-            if new < old:
-                self.lib.llama_memory_seq_rm(self.memory, self.seq_ids[b], new, -1)
-                del self.row_tokens[b][new:]
-        self.lengths = lengths
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows. The sequences of the others keep their cells for a row that
-        joins later with the same prefix (`add_rows`); a new batch (`reset`) clears them."""
-        keep = rows.tolist()
-        for b in sorted(set(range(len(self.seq_ids))) - set(keep)):
-            self.kept[self.seq_ids[b]] = self.row_tokens[b]
-        self.seq_ids = [self.seq_ids[b] for b in keep]
-        self.row_tokens = [self.row_tokens[b] for b in keep]
-        self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))

@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdecode.backends.base import pending_block
+from specdecode.backends.base import PendingFromLengths
 
 HOLE = -1
 
@@ -148,7 +148,7 @@ class TorchDecoderInfo:
         return tuple(sorted([eos] if isinstance(eos, int) else (eos or [])))
 
 
-class CachedModel(TorchDecoderInfo):
+class CachedModel(PendingFromLengths, TorchDecoderInfo):
     """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
 
     def __init__(
@@ -236,19 +236,6 @@ class CachedModel(TorchDecoderInfo):
         self.slot_pos = self.slot_pos.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._crop_and_compact()
-
-    def pending(
-        self,
-        sequences: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pad_id: int = 0,
-        width: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed tokens not yet in the cache, as a left-padded ragged block.
-
-        sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]
-        """
-        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
 
     def _crop_and_compact(self) -> None:
         occupied = (self.slot_pos >= 0).any(0).nonzero()

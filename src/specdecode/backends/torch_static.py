@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdecode.backends.base import pending_block
+from specdecode.backends.base import PendingFromLengths
 from specdecode.backends.torch_eager import (
     TorchDecoderInfo,
     cache_argument,
@@ -118,7 +118,7 @@ class RowOffsetCache(Cache):
                 setattr(layer, name, new)
 
 
-class StaticCachedModel(TorchDecoderInfo):
+class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
     """A transformers decoder over a `RowOffsetCache`: the `ModelBackend` of fixed shapes."""
 
     def __init__(self, model: torch.nn.Module, role: str = "model", compile: bool = False) -> None:
@@ -247,12 +247,3 @@ class StaticCachedModel(TorchDecoderInfo):
         free = torch.ones(self.phys_rows, dtype=torch.bool, device=self.device)
         free[self.rows] = False
         return free.nonzero().flatten()[:count]
-
-    def pending(
-        self,
-        sequences: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pad_id: int = 0,
-        width: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return pending_block(sequences, seq_lens, self.lengths, pad_id, width)

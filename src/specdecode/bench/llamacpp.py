@@ -32,7 +32,8 @@ import torch
 
 from specdecode.api import SpeculativeDecoder, gguf_path
 from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
-from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel, physical_cores
+from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel
+from specdecode.backends.llamacpp_lib import physical_cores
 from specdecode.bench.config import DEFAULT_METHODS_OF, REFERENCE, PromptBenchConfig
 from specdecode.bench.methods import Registry, Result, Settings, SharedModels, T
 from specdecode.bench.runner import bench_record, measure_shared, speed_rows
@@ -589,7 +590,7 @@ def high_water_gib() -> float:
 def _stop_ids(cfg: LlamaBenchConfig) -> tuple[int, ...]:
     """The ids every method stops at, as `generate` and llama.cpp's own tools do (every
     end-of-generation id of the GGUF), read without loading the weights."""
-    from specdecode.backends.llamacpp import gguf_stop_ids
+    from specdecode.backends.llamacpp_lib import gguf_stop_ids
 
     return gguf_stop_ids(gguf_path(cfg.target))
 
