@@ -136,6 +136,10 @@ class FakeDecoder:
     def default_stop_ids(self) -> tuple[int, ...]:
         return (EOS,)
 
+    def settle(self) -> None:
+        """What the server calls once loaded, before it answers; counted."""
+        self.settled = getattr(self, "settled", 0) + 1
+
     def store_outcomes(self) -> None:
         """What the scheduler calls between rounds; counted, so a test can see when."""
         self.stores = getattr(self, "stores", 0) + 1

@@ -517,6 +517,26 @@ def test_a_decided_move_waits_for_the_work_that_pays_it(smol_gguf, monkeypatch):
         model.close()
 
 
+def test_settling_moves_a_waiting_move_before_any_pass(smol_gguf, monkeypatch):
+    """A server settles its decoder before it answers: a move that would wait for its passes
+    (a verdict for 2 MiB pages, a recorded cost of 300 steps) starts and ends then, with no
+    pass run, so no request meets it and drafting's judge does not wait for it."""
+    from specdecode import SpeculativeDecoder
+    from specdecode.backends import hugepages
+
+    entry = {"huge_pages": True, "step_s_4k": 2.0, "step_s_2m": 1.0, "move_steps": 300.0}
+    monkeypatch.setattr(hugepages, "decide", lambda path, measure: True)
+    monkeypatch.setattr(hugepages, "recorded", lambda path: dict(entry))
+    monkeypatch.setattr(hugepages, "record_move", lambda path, steps: None)
+    model = LlamaCppModel(smol_gguf, role="target", context=256)
+    assert model.moving_pages and model.pages.thread is None  # waiting for 600 passes
+    SpeculativeDecoder(model).settle()
+    assert model.pages.passes == 0 and model.pages.thread is not None
+    assert not model.pages.thread.is_alive()
+    assert not model.moving_pages or not hugepages.available()
+    model.close()
+
+
 def test_generate_on_llamacpp_never_imports_transformers():
     """`specdecode generate` on a GGUF reads its tokenizer with `tokenizers` and decodes with
     no `transformers` import (seconds before a first token); in a fresh process, as this one

@@ -28,7 +28,7 @@ from serve_fake import EOS, MODEL, ByteTokenizer, FakeDecoder, Live, expected_te
 
 from specdecode.serve.app import warm_tokenizer  # noqa: E402
 from specdecode.serve.protocol import parse_completion  # noqa: E402
-from specdecode.serve.server import ServeConfig, loopback, serve  # noqa: E402
+from specdecode.serve.server import ServeConfig, loopback, ready_after, serve  # noqa: E402
 from specdecode.serve.text import RowText, longest_partial_stop  # noqa: E402
 
 
@@ -642,6 +642,12 @@ def test_an_unforeseen_failure_is_500_with_a_request_id_only(caplog):
         logged = [r for r in caplog.records if request_id in r.getMessage()]
         assert len(logged) == 1 and "secret internal state" in str(logged[0].exc_info[1])
         assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_a_server_settles_its_models_once_before_it_answers():
+    decoder = FakeDecoder()
+    assert ready_after(lambda: decoder)() is decoder
+    assert decoder.settled == 1
 
 
 def test_the_tokenizer_is_ready_before_the_first_request(tmp_path):

@@ -227,6 +227,18 @@ class SpeculativeDecoder:
         """The target's `ModelBackend` (what prices and benches time passes through)."""
         return self._target_lm
 
+    def settle(self) -> None:
+        """Do now what the models would do beside their first passes, before a long run: a
+        llama.cpp model's move to 2 MiB pages (`LlamaCppModel.settle`), which otherwise waits
+        until the passes have repaid it. A server calls it before it answers: it runs for long,
+        and its requests would otherwise meet the move, and drafting's judge would wait for
+        it (`observe_round`). A drafter not loaded yet is left as it is."""
+        from specdecode.backends.llamacpp import LlamaCppModel  # no llama.cpp for torch models
+
+        for model in (self._target_lm, self._draft):
+            if isinstance(model, LlamaCppModel):
+                model.settle()
+
     @property
     def drafter_backend(self) -> ModelBackend | None:
         return self._draft_lm

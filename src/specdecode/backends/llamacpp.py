@@ -146,6 +146,12 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
         """Bytes of weights moved to 2 MiB pages (starts a waiting move, and waits for it)."""
         return self.pages.finish()
 
+    def settle(self) -> None:
+        """Move the weights to 2 MiB pages now, where this machine's verdict says they gain,
+        and wait for the move: for a caller about to run for long (a server), which the move
+        repays whatever it costs, and whose passes would otherwise meet it halfway."""
+        self.pages.finish()
+
     def stop_token_ids(self) -> tuple[int, ...]:
         """Every end-of-generation id of the GGUF (`end_of_generation_ids`)."""
         return self._stop_ids

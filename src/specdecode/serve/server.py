@@ -123,6 +123,20 @@ def loopback(host: str) -> bool:
         return False
 
 
+def ready_after(load: Callable[[], ServedDecoder]) -> Callable[[], ServedDecoder]:
+    """`load`, then what a server does before it answers: the models settled (their move to
+    2 MiB pages made now, not met halfway by requests: a server runs for long) and the
+    tokenizer's chat template loaded (a first chat request would otherwise wait for it)."""
+
+    def load_ready() -> ServedDecoder:
+        decoder = load()
+        decoder.settle()
+        warm_tokenizer(decoder.tokenizer)
+        return decoder
+
+    return load_ready
+
+
 def serve(load: Callable[[], ServedDecoder], config: ServeConfig) -> int:
     """Serve until a signal; 0 after a clean drain, 2 if the models could not be loaded."""
     if config.api_key is None and not loopback(config.host):
@@ -134,14 +148,9 @@ def serve(load: Callable[[], ServedDecoder], config: ServeConfig) -> int:
             flush=True,
         )
 
-    def load_ready() -> ServedDecoder:
-        decoder = load()
-        warm_tokenizer(decoder.tokenizer)
-        return decoder
-
     metrics = ServerMetrics()
     scheduler = Scheduler(
-        load_ready,
+        ready_after(load),
         metrics,
         config.max_batch,
         config.max_queue,
