@@ -59,8 +59,9 @@ from specdecode.core.config import (
     POLICIES,
     POLICY_DEFAULT_THRESHOLDS,
 )
-from specdecode.core.prices import Prices, pass_seconds
+from specdecode.core.prices import Prices
 from specdecode.core.stats import CostFigures, DecodeStats, RowStats
+from specdecode.pricebook import pass_seconds
 
 
 @dataclass
