@@ -40,8 +40,9 @@ from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, model
 from specdecode.core.engine import DecodeLoop, RowRequest
 from specdecode.core.length_policies import ConstantLength
 from specdecode.core.outcomes import Outcomes
-from specdecode.core.prices import PRICED_TOKENS, Prices, measure_prices
+from specdecode.core.prices import PRICED_TOKENS, Prices
 from specdecode.core.sampling import RowSampling
+from specdecode.pricebook import measure_prices
 
 VOCAB = 64
 TEXT = 1024  # positions of a row's script (prompt, new tokens, drafts)

@@ -19,10 +19,10 @@ from specdecode.bench.metrics import (
     modelled_speedup,
     summarize,
 )
-from specdecode.bench.prompts import load_prompts
 from specdecode.bench.runner import measure, round_prices, speed_rows
 from specdecode.cli.main import main
 from specdecode.core.prices import Prices
+from specdecode.prompts import load_prompts
 
 
 def test_modelled_speedup_from_counts_and_a_fitted_verify_line() -> None:

@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specdecode import pricebook as pricing
 from specdecode.backends import hugepages
-from specdecode.core import prices as pricing
-from specdecode.core.drafting.corpus import LOAD_ERRORS, CorpusIndex, corpus_index
+from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.prices import Prices
+from specdecode.corpora import LOAD_ERRORS, corpus_index, load_index
 from specdecode.models import atomic
 from specdecode.models.cache import RECORD_FILE, FileRecords
 
@@ -106,9 +107,10 @@ from pathlib import Path
 
 kind, folder, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
 if kind == "corpus":
-    from specdecode.core.drafting.corpus import corpus_index
+    from specdecode.corpora import corpus_index
 else:
-    from specdecode.core.prices import Prices, store_prices
+    from specdecode.core.prices import Prices
+    from specdecode.pricebook import store_prices
 real = os.replace
 
 def late(src, dst):  # both writers hold a finished scratch file when the first renames its own
@@ -159,7 +161,7 @@ def test_two_processes_build_one_corpus_index_at_once(tmp_path, docs) -> None:
     outputs = run_at_once(tmp_path, "corpus", folder, [docs, docs])
     built = CorpusIndex.build(Encoder()([(Path(docs) / "a.txt").read_text()]))
     assert outputs == [str(built.next_token([ord("a")]))] * 2
-    kept = CorpusIndex.load(index_file(folder))  # whole: one writer's or the other's
+    kept = load_index(index_file(folder))  # whole: one writer's or the other's
     assert kept.next_token([ord("a"), ord("b")]) == built.next_token([ord("a"), ord("b")])
     assert scratch_in(folder) == []
     encode = Encoder()
@@ -208,7 +210,7 @@ def test_a_killed_index_write_with_a_cut_target_is_rebuilt(tmp_path, docs, caplo
     assert again.next_token([ord("a")]) == first.next_token([ord("a")])
     (line,) = said(caplog)
     assert "corpus index" in line and "BadZipFile" in line and "\n" not in line
-    assert CorpusIndex.load(path).next_token([ord("a")]) == first.next_token([ord("a")])
+    assert load_index(path).next_token([ord("a")]) == first.next_token([ord("a")])
     encode = Encoder()
     corpus_index(docs, encode, "c", folder)
     assert encode.builds == 0  # rewritten whole
@@ -322,14 +324,14 @@ def test_a_damaged_corpus_index_is_rebuilt_with_one_line(tmp_path, docs, caplog,
     path = index_file(folder)
     path.write_bytes(INDEX_DAMAGE[damage](path.read_bytes()))
     with pytest.raises(LOAD_ERRORS):  # the damage is real
-        CorpusIndex.load(path)
+        load_index(path)
     encode = Encoder()
     again = corpus_index(docs, encode, "c", folder)
     assert encode.builds == 1
     assert again.next_token([ord("b"), ord("c")]) == first.next_token([ord("b"), ord("c")])
     (line,) = said(caplog)
     assert str(path) in line and "building it again" in line and "\n" not in line
-    assert CorpusIndex.load(path).next_token([ord("a")]) == first.next_token([ord("a")])
+    assert load_index(path).next_token([ord("a")]) == first.next_token([ord("a")])
     assert scratch_in(folder) == []
 
 

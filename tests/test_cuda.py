@@ -16,7 +16,8 @@ import torch
 
 from specdecode import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.core.prices import Prices, pass_seconds
+from specdecode.core.prices import Prices
+from specdecode.pricebook import pass_seconds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CUDA = "cuda"

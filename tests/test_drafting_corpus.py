@@ -9,19 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdecode import corpora as corpus_module
 from specdecode.cli.common import checked_corpus
 from specdecode.core.config import DEFAULT_CORPUS, LOOKUP_ALONE
-from specdecode.core.drafting import corpus as corpus_module
-from specdecode.core.drafting.corpus import (
-    CHAIN_SHARE,
-    ORDERS,
-    STDLIB,
-    CorpusIndex,
-    corpus_files,
-    corpus_index,
-    share_band,
-)
+from specdecode.core.drafting.corpus import CHAIN_SHARE, ORDERS, CorpusIndex, share_band
 from specdecode.core.drafting.mixed import corpus_key
+from specdecode.corpora import STDLIB, corpus_files, corpus_index, load_index, save_index
 
 
 def brute_next(documents: list[list[int]], context: list[int], min_count: int = 2):
@@ -111,8 +104,8 @@ def test_share_bands_and_keys_sit_past_the_match_lengths() -> None:
 def test_an_index_is_saved_and_read_back(tmp_path) -> None:
     docs = [[3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 3, 5]]
     index = CorpusIndex.build(docs)
-    index.save(tmp_path / "i.npz")
-    again = CorpusIndex.load(tmp_path / "i.npz")
+    save_index(index, tmp_path / "i.npz")
+    again = load_index(tmp_path / "i.npz")
     for context in ([3], [3, 1], [1, 4, 1], [1, 5], [4]):
         assert again.next_token(context) == index.next_token(context)
 

@@ -8,13 +8,13 @@ import torch
 from specdecode.backends.kernels import (
     PackedTiedOutput,
     PrepackedLinear,
-    int8_draft_wanted,
     kernel_summary,
     prepack_available,
     prepack_linears,
     quantize_int8,
     use_prepacked,
 )
+from specdecode.loading import int8_draft_wanted
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear kernels")
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode import SpeculativeDecoder
+from specdecode import pricebook as pricing
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.core import prices as pricing
 from specdecode.core.prices import Prices, monotone
 from specdecode.models import atomic
 
@@ -179,7 +179,7 @@ def test_a_corrupt_entry_is_timed_afresh(saved_pair, tmp_path, monkeypatch) -> N
     saved_pair.prices(cache_dir=tmp_path)
     (entry,) = (tmp_path / pricing.PRICES_DIR).glob("*.json")
     entry.write_text('{"key": {"half a file"')
-    saved_pair._prices = None  # as a new decoder would
+    saved_pair.price_book.known = None  # as a new decoder would
     again = saved_pair.prices(cache_dir=tmp_path)
     assert calls == [1, 1]
     key = pricing.price_key(saved_pair.target_backend, saved_pair.drafter_backend)
@@ -222,7 +222,7 @@ def test_the_worth_is_stored_beside_the_prices_outside_the_rounds(
     (said,) = {r.getMessage() for r in caplog.records if "delivers" in r.getMessage()}
     assert "1 row(s)" in said
     saved_pair.store_outcomes()
-    key = saved_pair._price_entry[0]
+    key = saved_pair.price_book.entry[0]
     assert pricing.load_worth(key, tmp_path) == judge.snapshot()
     assert pricing.load_prices(key, tmp_path) == known  # the prices stand; the worth moved
     assert not judge.changed

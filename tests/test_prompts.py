@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from specdecode.bench.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl, require_prompts
 from specdecode.models import packages
 from specdecode.models.packages import PackageInstallError, package_dir
+from specdecode.prompts import PROMPT_SETS, Prompt, load_prompts, parse_jsonl, require_prompts
 
 
 def jsonl(rows: list[dict]) -> bytes:

@@ -15,7 +15,7 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.backends.torch_eager import CachedModel
 from specdecode.cli.main import main
-from specdecode.core.prices import pass_seconds
+from specdecode.pricebook import pass_seconds
 
 
 class Recorder(logging.Handler):

@@ -75,8 +75,8 @@ def seed_prices(path: Path) -> bool:
     minutes for 8 rows on a shared CPU. They are keyed by the model file, backend, threads
     and CPU, so copied prices are this machine's own; where there are none the server times
     them at load, as a user's first start does. Whether any were copied."""
+    from specdecode import pricebook as pricing
     from specdecode.backends.llamacpp import LlamaCppModel
-    from specdecode.core import prices as pricing
     from specdecode.models.packages import cache_root
 
     model = LlamaCppModel(path, role="key", context=64, threads=1, huge_pages=False)

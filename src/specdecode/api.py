@@ -17,13 +17,13 @@ autoregressive decoding on the same engine, the baseline of every speedup.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +39,6 @@ from specdecode.core.config import (
     DEFAULT_DRAFTING,
     DEFAULT_MAX_NEW_TOKENS,
     HEAD_POLICIES,
-    PROMPT_LOOKUP,
     DecodeConfig,
     PromptLookup,
     SamplingConfig,
@@ -53,46 +52,19 @@ from specdecode.core.prices import Prices
 from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
-from specdecode.models.tokenizer import render_chat
+from specdecode.loading import (
+    LLAMA_CPP,
+    TORCH_BACKENDS,
+    TORCH_STATIC,
+    DeferredModel,
+    ModelSource,
+    as_backend,
+    load_pair,
+)
+from specdecode.pricebook import LivePrices, PriceBook
+from specdecode.prompts import Prompts, encode_prompts
 
 log = logging.getLogger("specdecode")
-Prompts = str | Sequence[str] | Sequence[Sequence[int]]
-LLAMA_CPP = "llama.cpp"
-TORCH_STATIC = "torch-static"
-BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)
-TORCH_BACKENDS = ("torch", TORCH_STATIC)  # transformers modules, the heads and peers read them
-
-
-def as_backend(model, role: str) -> ModelBackend:
-    """A `transformers` decoder gets the PyTorch backend; a backend is taken as it is."""
-    if isinstance(model, torch.nn.Module):
-        from specdecode.backends.torch_eager import CachedModel
-
-        return CachedModel(model.eval(), role)
-    if isinstance(model, ModelBackend):
-        return model
-    raise TypeError(
-        f"{role} must be a transformers causal LM or a model backend (e.g. "
-        f"backends.llamacpp.LlamaCppModel), got {type(model).__name__}"
-    )
-
-
-def encode_prompts(tokenizer, prompts: Prompts, chat: bool = False) -> list[list[int]]:
-    """Token ids of text prompts (with the tokenizer's chat template if `chat`), or the ids as
-    given; one kind per call."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, str) for p in prompts):
-        if tokenizer is None:
-            raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
-        if chat:
-            prompts = [render_chat(tokenizer, p) for p in prompts]
-            return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        return [tokenizer(p).input_ids if p else [] for p in prompts]
-    if any(isinstance(p, str) for p in prompts):
-        raise ValueError("mix of text and token-id prompts; give one kind")
-    return [[int(t) for t in p] for p in prompts]
 
 
 def _torch_backends():
@@ -106,66 +78,6 @@ def module_of(backend: ModelBackend):
     """The transformers module under a PyTorch backend; any other backend as it is."""
     eager = _torch_backends()
     return backend.model if eager and isinstance(backend, eager.TorchDecoderInfo) else backend
-
-
-def default_backend(name_or_path: str, device: str) -> str:
-    """llama.cpp for what is a GGUF (a known model, a .gguf file) on the CPU; else torch."""
-    from specdecode.models.catalogue import MODELS
-
-    is_gguf = name_or_path in MODELS or str(name_or_path).endswith(".gguf")
-    return LLAMA_CPP if is_gguf and str(device) == "cpu" else "torch"
-
-
-def gguf_path(name_or_path: str) -> Path:
-    """The GGUF file of a known model (fetched and checked) or a local .gguf path."""
-    from specdecode.models.catalogue import MODELS
-
-    if name_or_path in MODELS:
-        from specdecode.models.store import gguf_file
-
-        return gguf_file(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.suffix != ".gguf" or not path.is_file():
-        raise ValueError(
-            f"{name_or_path!r} is neither a known model nor a .gguf file: the llama.cpp backend "
-            f"runs GGUF files (known models: {', '.join(MODELS)}); a transformers model "
-            "directory runs with --backend torch"
-        )
-    return path
-
-
-class DeferredModel:
-    """A drafter model not loaded yet: what its prices are keyed by (its kind, files and
-    threads, as `prices.model_identity` reads them), and how to load it. Drafting `auto` on a
-    machine where the model cannot pay never loads it."""
-
-    def __init__(
-        self,
-        load: Callable[[], ModelBackend],
-        kind: str,
-        path: Path,
-        threads: int,
-        context_length: int | None = None,
-    ) -> None:
-        self.load, self.backend_kind, self.path, self.threads = load, kind, path, threads
-        self.context_length = context_length  # tokens per row the loaded model will have
-        self.device = torch.device("cpu")
-
-
-class LivePrices:
-    """A decoder's current prices, read anew at every call (a `PriceModel`)."""
-
-    def __init__(self, decoder: SpeculativeDecoder) -> None:
-        self.decoder = decoder
-
-    def shape_cost(self, counts: Sequence[int]) -> float:
-        return self.decoder._prices.shape_cost(counts)
-
-    def even_cost(self, rows: int, per_row: float) -> float:
-        return self.decoder._prices.even_cost(rows, per_row)
-
-    def draft_cost(self, rows: int) -> float | None:
-        return self.decoder._prices.draft_cost(rows)
 
 
 @dataclass
@@ -213,11 +125,13 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.acceptance_head = acceptance_head
         self._shipped_heads: dict[str, torch.nn.Module | None] = {}
-        self._prices: Prices | None = None
-        self._outcomes: Outcomes | None = None  # drafting's judge, with the prices
-        self._price_entry: tuple[dict, Path] | None = None  # the cache key and root they came by
         self.vocab_size = self._target_lm.vocab_size
         self.context = self._target_lm.context_length
+        # the prices and drafting's judge; a deferred drafter keys them unloaded
+        self.price_book = PriceBook(
+            self._target_lm, lambda: self._draft, lambda: self._draft_lm, self.vocab_size,
+            self.context,
+        )  # fmt: skip
         self.corpus: CorpusIndex | None = None  # drafting auto's corpus (`use_corpus`)
         self.clock: Callable[[], float] = time.perf_counter  # rounds' and timings' seconds
         self._default_corpus: str | None = None  # read at the first drafting auto, if not chosen
@@ -269,17 +183,9 @@ class SpeculativeDecoder:
         return TORCH_STATIC if isinstance(self._target_lm, StaticCachedModel) else LLAMA_CPP
 
     @classmethod
-    def _named(cls, *args) -> SpeculativeDecoder:
-        """A decoder of models loaded by name or path: drafting auto reads what `generate` and
-        `serve` read, the standard library's code (`use_corpus` chooses otherwise)."""
-        decoder = cls(*args)
-        decoder._default_corpus = DEFAULT_CORPUS
-        return decoder
-
-    @classmethod
     def from_pretrained(
         cls,
-        target: str,
+        target: str | ModelSource,
         drafter: str | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
@@ -288,13 +194,15 @@ class SpeculativeDecoder:
         backend: str | None = None,
         threads: int | None = None,
         compile: bool | None = None,
-        tokenizer=None,
+        tokenizer: Any = None,
         context: int | None = None,
         prefix_cache_mib: int = 0,
         passes: int | None = None,
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
-        "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`).
+        "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`). `target` may be
+        a `loading.ModelSource` the caller resolved already (`loading.resolve`): its files are
+        not looked up again. The loading itself is `loading.load_pair`'s.
 
         `backend`: "llama.cpp" runs GGUF files as shipped (4-bit, an eighth of fp32's memory
         and bytes per step); "torch" runs `transformers` models (a known model is converted to
@@ -325,158 +233,47 @@ class SpeculativeDecoder:
         has no match, as `specdecode generate` and `serve` do (indexed at its first use,
         seconds, then cached; `use_corpus(None)` turns it off).
         """
-        backend = backend or default_backend(target, device)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-        if compile is not None and backend != TORCH_STATIC:
-            raise ValueError(
-                "compile is an option of the torch-static backend (--backend torch-static)"
-            )
-        if backend == LLAMA_CPP:
-            if device != "cpu" or dtype != torch.float32 or prepack or drafter_int8:
-                raise ValueError(
-                    "the llama.cpp backend runs a GGUF's own weights on the CPU: dtype, device, "
-                    "prepack and int8 drafting are options of the torch backend (--backend torch)"
-                )
-            return cls._from_gguf(
-                target, drafter, threads, tokenizer, context, prefix_cache_mib, passes
-            )
-        if context is not None or prefix_cache_mib:
-            raise ValueError(
-                "context and prefix_cache_mib size llama.cpp's cache; the torch backends grow "
-                "theirs as rows do (--backend llama.cpp, or leave them out)"
-            )
-        from specdecode.backends.kernels import (
-            cpu_fp32,
-            prepack_available,
-            prepack_linears,
-            quantize_int8,
-        )
-        from specdecode.models.store import load_causal_lm
-
-        fits = cpu_fp32(device, dtype)
-        if prepack and not (fits and prepack_available()):
-            raise ValueError(
-                "prepack needs float32 on the CPU and a torch build with oneDNN kernels; got "
-                f"{dtype} on {device}"
-            )
-        if drafter_int8 and not fits:
-            raise ValueError(f"an int8 drafter needs float32 on the CPU; got {dtype} on {device}")
-        if drafter_int8 and drafter in (None, PROMPT_LOOKUP):
-            raise ValueError("drafter_int8 needs a drafter model")
-        target_model, tokenizer = load_causal_lm(target, dtype=dtype, device=device)
-        pack = prepack or (prepack is None and fits and prepack_available())
-        if pack:
-            prepack_linears(target_model)
-        wrap = as_backend
-        if backend == TORCH_STATIC:
-            from specdecode.backends.torch_static import StaticCachedModel
-
-            captured = compile if compile is not None else torch.device(device).type == "cuda"
-
-            def wrap(model, role):
-                return StaticCachedModel(model.eval(), role, compile=captured)
-
-        target_lm = wrap(target_model, "target")
-        if drafter is None:
-            return cls._named(target_lm, tokenizer)
-        if drafter == PROMPT_LOOKUP:
-            return cls._named(target_lm, tokenizer, PromptLookup())
-        draft_model, draft_tokenizer = load_causal_lm(drafter, dtype=dtype, device=device)
-        if drafter_int8:
-            draft_model = quantize_int8(draft_model)
-        if pack:  # an int8 copy has no fp32 Linear left, so packing leaves it as it is
-            prepack_linears(draft_model)
-        return cls._named(target_lm, tokenizer, wrap(draft_model, "drafter"), draft_tokenizer)
-
-    @classmethod
-    def _from_gguf(
-        cls,
-        target: str,
-        drafter: str | None,
-        threads: int | None,
-        tokenizer=None,
-        context: int | None = None,
-        prefix_cache_mib: int = 0,
-        passes: int | None = None,
-    ) -> SpeculativeDecoder:
-        from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel, gguf_context
-        from specdecode.models.tokenizer import gguf_tokenizer
-
-        path = gguf_path(target)
-        tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(path)
-        sized = {
-            "prefix_cache_mib": prefix_cache_mib,
-            "context": DEFAULT_CONTEXT if context is None else context,
-        }
-        target_lm = LlamaCppModel(path, role="target", threads=threads, passes=passes, **sized)
-        if drafter is None:
-            return cls._named(target_lm, tokenizer)
-        if drafter == PROMPT_LOOKUP:
-            return cls._named(target_lm, tokenizer, PromptLookup())
-        draft_path = gguf_path(drafter)
-        draft_lm = DeferredModel(
-            lambda: LlamaCppModel(draft_path, role="drafter", threads=threads, **sized),
-            "LlamaCppModel",
-            draft_path,
-            target_lm.threads,
-            gguf_context(draft_path, sized["context"]),  # its own: a drafter may know fewer
-        )  # loaded where a drafting setting drafts with it (`_draft_lm`)
-        return cls._named(target_lm, tokenizer, draft_lm)
+        pair = load_pair(
+            target, drafter, dtype, device, prepack, drafter_int8, backend, threads, compile,
+            tokenizer, context, prefix_cache_mib, passes,
+        )  # fmt: skip
+        decoder = cls(*pair)
+        decoder._default_corpus = DEFAULT_CORPUS  # what `generate` and `serve` read
+        return decoder
 
     def prices(
         self, rows: int = 1, retime: bool = False, cache_dir: str | Path | None = None
     ) -> Prices:
         """What passes cost on this backend here, for batches of up to `rows` rows (timed at
-        `prices.timed_rows(rows)`): what the priced and head policies weigh drafting against.
+        `pricebook.timed_rows(rows)`): what the priced and head policies weigh drafting against.
 
-        Kept for this decoder once known; read from the cache (`prices.prices_folder`:
+        Kept for this decoder once known; read from the cache (`pricebook.prices_folder`:
         `<key>.json`, keyed by the model files, backend, threads and CPU) where an entry covers
         these rows,
         else timed (seconds; a minute or more for 8 rows on a CPU) and stored there. `retime`
         times afresh whatever is kept. A model built in memory (no files to key it by) is
         timed once per decoder and not cached.
         """
-        from specdecode.core import prices as pricing
-
-        wanted = pricing.timed_rows(rows)[-1]
-        if not retime and self._prices is not None and self._prices.rows[-1] >= wanted:
-            return self._prices
-        key = pricing.price_key(self._target_lm, self._draft)  # a deferred drafter unloaded
-        root = pricing.prices_folder(cache_dir)
-        found = None if retime or key is None else pricing.load_prices(key, root, rows)
-        worth = pricing.load_worth(key, root) if key is not None else {}
-        if found is None:
-            found = pricing.measure_prices(
-                self._target_lm, self._draft_lm, self.vocab_size, self.context, rows=rows,
-                clock=self.clock,
-            )  # fmt: skip
-            if key is not None:
-                pricing.store_prices(key, found, root, worth)  # unwritable: said once, kept
-        self._prices = found
-        if self._outcomes is None:  # a timing for more rows keeps what rounds have shown
-            self._outcomes = Outcomes(worth)
-        self._price_entry = (key, root) if key is not None else None
-        return found
+        return self.price_book.prices(rows, retime, cache_dir, self.clock)
 
     @property
     def known_prices(self) -> Prices | None:
         """The prices this decoder holds now, or None where it has timed or read none: unlike
         `prices()`, never a timing."""
-        return self._prices
+        return self.price_book.known
 
     @property
     def outcomes(self) -> Outcomes | None:
         """Drafting's judge: what the plan's predicted gains have been worth here, by row count
         (`snapshot()`), and its corrections; None before any prices are known."""
-        return self._outcomes
+        return self.price_book.outcomes
 
     def use_prices(self, prices: Prices) -> None:
         """Take prices another decoder of the same model files found (`prices()` of a decoder
         closed to free its memory, now loaded again): its timing stands, where a model built
         in memory has no cache entry and a reload would time a minute afresh. They are not
         stored anew; what drafting has been worth starts afresh."""
-        self._prices, self._outcomes, self._price_entry = prices, Outcomes(), None
+        self.price_book.use(prices)
 
     def use_corpus(
         self, corpus: str | CorpusIndex | None, cache_dir: str | Path | None = None
@@ -489,20 +286,9 @@ class SpeculativeDecoder:
         if corpus is None or isinstance(corpus, CorpusIndex):
             self.corpus = corpus
             return
-        from specdecode.core.drafting.corpus import corpus_index
-        from specdecode.models.packages import cache_root
+        from specdecode.corpora import named_index
 
-        if self.tokenizer is None:
-            raise ValueError(
-                "a named corpus is tokenized with the target's tokenizer: none is loaded"
-            )
-        vocab = sorted(self.tokenizer.get_vocab().items())
-        tokenizer_id = hashlib.sha256(repr(vocab).encode()).hexdigest()
-
-        def encode(texts: list[str]) -> list[list[int]]:
-            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-        self.corpus = corpus_index(corpus, encode, tokenizer_id, cache_root(cache_dir) / "corpora")
+        self.corpus = named_index(corpus, self.tokenizer, cache_dir)
 
     def _read_default_corpus(self) -> None:
         """The default corpus, indexed (or read from the cache) once; a Python without its
@@ -518,40 +304,22 @@ class SpeculativeDecoder:
         """This decoder's prices as they stand at each reading (a later `prices()` may read a
         larger timing)."""
         self.prices(rows)
-        return LivePrices(self)
+        return LivePrices(self.price_book)
 
     def observe_round(self, fed: Sequence[int], committed: int, seconds: float) -> bool:
         """Feed one timed decoding round (the tokens its target pass took per row, the tokens
         it committed, its seconds) to drafting's judge (`outcomes.Outcomes`). True when it
         corrected what the plan's predicted gains are worth; the correction holds in memory at
-        once and is stored beside the prices outside any round (`store_outcomes`)."""
-        if self._outcomes is None:
-            return False
-        if getattr(self._target_lm, "moving_pages", False):  # slower for now, not mispriced
-            return False
-        change = self._outcomes.observe(fed, committed, seconds)
-        if change is None:
-            return False
-        log.warning(
-            "drafting at %d row(s) delivers %.2fx the gain its prices predict (was %.2fx, "
-            "+-%.2f): the plan drafts accordingly",
-            change.rows, change.new, change.old, change.standard_error,
-        )  # fmt: skip
-        return True
+        once and is stored beside the prices outside any round (`store_outcomes`). Rounds of a
+        backend still moving its weights (`ModelBackend.moving_pages`) are slower for now, not
+        mispriced, and are not fed."""
+        return self.price_book.observe(fed, committed, seconds)
 
     def store_outcomes(self) -> None:
         """Store what drafting has been worth beside the prices, where it changed: called
         between rounds (the end of a generation, a server's idle moment or its stop), never
         inside one. A cache that cannot be written leaves the worth in memory."""
-        outcomes, entry = self._outcomes, self._price_entry
-        if outcomes is None or not outcomes.changed or entry is None or self._prices is None:
-            return
-        from specdecode.core import prices as pricing
-
-        key, root = entry
-        prices, worth = self._prices, outcomes.snapshot()
-        pricing.store_prices(key, prices, root, worth)
-        outcomes.changed = False
+        self.price_book.store()
 
     def load_head(self, path: str | Path) -> torch.nn.Module:
         """Load an acceptance head for `length_policy="head"`; refused if made for another pair."""
@@ -620,27 +388,41 @@ class SpeculativeDecoder:
         stats: DecodeStats | None = None,
         rule: str | None = None,
         lookup: PromptLookup | None = None,
-        wrap_drafter: Callable[[Drafter], Drafter] | None = None,
+        drafter: Drafter | None = None,
         **kwargs,
     ) -> Iterator[StepEvent]:
         """Yield the tokens each step commits, per row (original prompt indices).
 
         `drafting` (in `kwargs`, see `config`) says how tokens are drafted; `lookup`: the
         n-grams lookup drafting reads (default: the decoder's `PromptLookup`, else the
-        setting's own). `use_drafter=False` decodes plainly. `wrap_drafter`: applied to the
-        drafter built for the call (the controlled-acceptance bench wraps the drafter model's
-        so it pays its passes but proposes a script).
+        setting's own). `use_drafter=False` decodes plainly. `drafter`: the call's drafter,
+        built already (`drafter_for`; the controlled-acceptance bench wraps the drafter model's
+        so that it pays its passes but proposes a script); default: the one `drafting` asks for.
         """
         cfg = self.config(**kwargs)
         ids = self.encode(prompts, chat)
         check_prompts(ids, cfg.max_new_tokens, self.context)
         verification = make_rule(rule, cfg.sampling)
-        drafter = self._drafter(cfg, use_drafter, verification.name, lookup, len(ids))
-        if wrap_drafter is not None and drafter is not None:
-            drafter = wrap_drafter(drafter)
+        if not use_drafter:
+            drafter = None
+        elif drafter is None:
+            drafter = self._drafter(cfg, use_drafter, verification.name, lookup, len(ids))
         events = decode(self._target_lm, drafter, verification, ids, cfg, stats,
                         observe=self._watch(drafter), clock=self.clock)  # fmt: skip
         return self._storing(events)
+
+    def drafter_for(
+        self,
+        rows: int,
+        *,
+        rule: str | None = None,
+        lookup: PromptLookup | None = None,
+        **kwargs,
+    ) -> Drafter | None:
+        """The drafter a call of `rows` rows with these settings (`stream`'s keywords) drafts
+        with, for a caller that wraps it and hands it to `stream(drafter=...)`."""
+        cfg = self.config(**kwargs)
+        return self._drafter(cfg, True, make_rule(rule, cfg.sampling).name, lookup, rows)
 
     def _storing(self, events: Iterator[StepEvent]) -> Iterator[StepEvent]:
         """The events, then what drafting was worth stored (after the last round)."""
@@ -678,7 +460,7 @@ class SpeculativeDecoder:
 
     def _watch(self, drafter: Drafter | None):
         """Timed rounds go to the prices' watch where a drafter plans from measured prices."""
-        planned = drafter is not None and self._prices is not None
+        planned = drafter is not None and self.price_book.known is not None
         return self.observe_round if planned else None
 
     def _drafter(
@@ -704,7 +486,7 @@ class SpeculativeDecoder:
             device=self._target_lm.device,
             head=lambda: self._checked_head(cfg, rule),
             prices=lambda: cfg.prices or self._live_prices(drafting_rows),
-            outcomes=lambda: self._outcomes if cfg.prices is None else None,
+            outcomes=lambda: self.price_book.outcomes if cfg.prices is None else None,
             rows=drafting_rows,
             corpus=self.corpus,
         )

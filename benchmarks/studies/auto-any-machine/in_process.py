@@ -20,8 +20,8 @@ import sys
 import time
 
 from specdecode import SpeculativeDecoder
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.engine import RowRequest
+from specdecode.prompts import load_prompts
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--passes", type=int, default=2)

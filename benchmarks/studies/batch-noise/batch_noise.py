@@ -15,7 +15,7 @@ import torch
 
 from specdecode import SpeculativeDecoder
 from specdecode.backends.hugepages import cpu_model
-from specdecode.bench.prompts import load_prompts
+from specdecode.prompts import load_prompts
 
 
 def last_logits(model, rows: list[list[int]]) -> torch.Tensor:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.config import LOOKUP_ALONE
 from specdecode.core.drafting.corpus import ORDERS, SHARE_BANDS
 from specdecode.core.drafting.lookup import lookup_continuation
 from specdecode.core.engine import RowRequest
+from specdecode.prompts import load_prompts
 
 HERE = Path(__file__).parent
 decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", backend="llama.cpp", threads=2)

@@ -11,8 +11,8 @@ import collections
 import time
 
 from specdecode import SpeculativeDecoder
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.engine import RowRequest
+from specdecode.prompts import load_prompts
 
 decoder = SpeculativeDecoder.from_pretrained(
     "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", threads=2

@@ -39,8 +39,8 @@ from specdecode.backends.kernels import (
     timed_samples,
 )
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.prices import pass_seconds
+from specdecode.prompts import load_prompts
 
 ROWS = list(range(1, 14))
 ROUNDS = 12

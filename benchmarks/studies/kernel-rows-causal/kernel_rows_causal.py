@@ -23,7 +23,7 @@ import torch
 
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import PrepackedLinear, kernel_summary
-from specdecode.bench.prompts import load_prompts
+from specdecode.prompts import load_prompts
 
 REPEATS = 2
 METHODS = {"plain": {"use_drafter": False}, "sd-int8 k=2": {"num_draft_tokens": 2}}

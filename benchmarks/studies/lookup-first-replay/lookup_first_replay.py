@@ -23,11 +23,11 @@ import torch
 
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.kernels import quantize_int8
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.config import PromptLookup
 from specdecode.core.drafting.lookup import lookup_continuation
 from specdecode.core.prices import Prices
 from specdecode.models.store import load_causal_lm
+from specdecode.prompts import load_prompts
 
 CACHE = Path.home() / ".cache" / "specdecode" / "lookup-replay.json"
 PROMPTS, NEW_TOKENS = 8, 128

@@ -11,8 +11,8 @@ import time
 
 from specdecode import SpeculativeDecoder
 from specdecode.backends.llamacpp import LlamaCppModel
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.engine import RowRequest
+from specdecode.prompts import load_prompts
 
 decoder = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", backend="llama.cpp", threads=2)
 prompts = [decoder.encode(p.text)[0] for p in load_prompts("humaneval", limit=16)]

@@ -11,8 +11,8 @@ import pstats
 import time
 
 from specdecode import SpeculativeDecoder
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.engine import RowRequest
+from specdecode.prompts import load_prompts
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, default=128)

@@ -22,8 +22,8 @@ from collections import defaultdict
 
 from specdecode import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel
-from specdecode.bench.prompts import load_prompts
 from specdecode.core import engine, verification
+from specdecode.prompts import load_prompts
 
 KS = (4, 5, 6, 8)
 ROTATIONS = 2

@@ -12,8 +12,8 @@ import sys
 import time
 
 from specdecode import SpeculativeDecoder
-from specdecode.bench.prompts import load_prompts
 from specdecode.core.engine import RowRequest
+from specdecode.prompts import load_prompts
 
 drafting = sys.argv[1] if len(sys.argv) > 1 else "auto"
 dec = SpeculativeDecoder.from_pretrained("qwen2.5-coder-1.5b", backend="llama.cpp", threads=2)

@@ -45,8 +45,8 @@ import torch
 
 from specdecode.acceptance.metrics import auc
 from specdecode.backends.kernels import quantize_int8
-from specdecode.bench.prompts import load_prompts, render_chat
 from specdecode.models.store import load_causal_lm
+from specdecode.prompts import load_prompts, render_chat
 
 TEMPERATURE = 0.7
 NEW_TOKENS = 64

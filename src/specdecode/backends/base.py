@@ -33,6 +33,9 @@ class ModelBackend(Protocol):
 
     device: torch.device
     lengths: torch.Tensor  # [batch] tokens held in each row's cache
+    # whether the weights are not yet where the prices were timed on them (llama.cpp moving them
+    # to 2 MiB pages): its rounds are slower for now, not mispriced; False on every other backend
+    moving_pages: bool
 
     def reset(self, batch_size: int) -> None: ...
 

@@ -346,22 +346,6 @@ def unpacked_copy(model: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-DRAFT_PRECISIONS = ("auto", "int8", "fp32")
-
-
 def cpu_fp32(device: str | torch.device, dtype: torch.dtype) -> bool:
     """Where the CPU kernels of this module apply: packing and int8 drafting."""
     return torch.device(device).type == "cpu" and dtype == torch.float32
-
-
-def int8_draft_wanted(choice: str, device: str, dtype: torch.dtype) -> bool:
-    """The command lines' `--draft-precision`: "auto" drafts in int8 where it runs (fp32 models
-    on the CPU), the fastest setting measured on CPU for both pairs; "int8" insists on it."""
-    if choice not in DRAFT_PRECISIONS:
-        raise ValueError(f"draft precision must be one of {DRAFT_PRECISIONS}, got {choice!r}")
-    fits = cpu_fp32(device, dtype)
-    if choice == "int8" and not fits:
-        raise ValueError(
-            f"an int8 drafter needs float32 models on the CPU; got {dtype} on {device}"
-        )
-    return choice == "int8" or (choice == "auto" and fits)

@@ -132,6 +132,7 @@ class TorchDecoderInfo:
     """What the engine asks of a transformers decoder's backend besides passes (`self.model`)."""
 
     model: torch.nn.Module
+    moving_pages = False  # its weights stay where they loaded: prices always see them there
 
     @property
     def vocab_size(self) -> int:

@@ -59,7 +59,7 @@ from specdecode.bench.methods import Registry, Result, Settings, SharedModels, t
 from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
 from specdecode.bench.runner import bench_record, measure, speed_rows
 from specdecode.core.drafting.base import Draft, Drafter
-from specdecode.core.prices import pass_seconds
+from specdecode.pricebook import pass_seconds
 
 CAPTURED = Registry("captured")
 CONTROL = (
@@ -332,11 +332,12 @@ class EngineRun(CapturedMethod):
         if self.drafts:
             scripts = self.pair.script_rows(prompts)
             seed = self.pair.cfg.seed
-
-            def wrap(drafter: Drafter) -> Drafter:
-                return ScriptedDrafter(drafter, scripts, self.acceptance, self.pair.vocab, seed)
-
-            options.update(drafting="model", num_draft_tokens=self.k, wrap_drafter=wrap)
+            options.update(drafting="model", num_draft_tokens=self.k)
+            model = decoder.drafter_for(len(prompts), **options)
+            if model is not None:  # it pays the model's passes, but proposes the script
+                options["drafter"] = ScriptedDrafter(
+                    model, scripts, self.acceptance, self.pair.vocab, seed
+                )
         out = decoder.generate(prompts, use_drafter=self.drafts, **options)
         return Result(out.new_tokens, out.stats.wall_seconds, out.stats)
 

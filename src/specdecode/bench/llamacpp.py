@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.api import SpeculativeDecoder, gguf_path
+from specdecode.api import SpeculativeDecoder
 from specdecode.backends.hugepages import anonymous_regions, collapse_new_regions
 from specdecode.backends.llamacpp import DEFAULT_CONTEXT, LlamaCppModel
 from specdecode.backends.llamacpp_lib import physical_cores
@@ -39,6 +39,7 @@ from specdecode.bench.methods import Registry, Result, Settings, SharedModels, T
 from specdecode.bench.runner import bench_record, measure_shared, speed_rows
 from specdecode.core.config import DEFAULT_DRAFTING, PromptLookup
 from specdecode.core.prices import PRICE_CONTEXT_TOKENS, PRICED_TOKENS, Prices
+from specdecode.loading import gguf_path
 
 LLAMA = Registry("llama.cpp")
 
@@ -144,7 +145,7 @@ class Shared(SharedModels):
 
     def engine_context(self) -> int:
         """Tokens of a row of this engine's contexts: the run's rows, as a peer's, and room for
-        the passes its prices time (`prices.measure_prices`): a context sized for them, not the
+        the passes its prices time (`pricebook.measure_prices`): a context sized for them, not the
         4096 a row may reach, holds a smaller cache and times the prices a decoder loaded by
         `specdecode generate` would time."""
         return max(self.context, peer_context(PRICE_CONTEXT_TOKENS + PRICED_TOKENS + 1))

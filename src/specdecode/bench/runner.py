@@ -59,8 +59,9 @@ from specdecode.core.config import (
     POLICIES,
     POLICY_DEFAULT_THRESHOLDS,
 )
-from specdecode.core.prices import Prices, pass_seconds
+from specdecode.core.prices import Prices
 from specdecode.core.stats import CostFigures, DecodeStats, RowStats
+from specdecode.pricebook import pass_seconds
 
 
 @dataclass
@@ -418,7 +419,7 @@ def calibrate(
     """
     ks = {m.spec.k for m in methods if m.spec.k is not None} | set(range(1, longest_round + 1))
     drafters = sorted(drafter_kinds(methods).items())
-    # every pass through a cache of its own (`prices.pass_seconds`), target and drafters
+    # every pass through a cache of its own (`pricebook.pass_seconds`), target and drafters
     # interleaved; the methods' decoders keep theirs
     jobs = [(CachedModel(models.target, "target"), [1] + [k + 1 for k in sorted(ks)])]
     jobs += [(CachedModel(drafter, "drafter"), [1]) for _, drafter in drafters]

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from specdecode.bench.prompts import Prompt, require_prompts
+from specdecode.prompts import Prompt, require_prompts
 
 # The user lines that extend a conversation, one per turn after the first, in this order: they
 # suit code and open questions alike and ask for a full answer each time.

@@ -193,20 +193,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "--max-draft-batch is a --pair (seq2seq) bench option; for a causal pair, "
             "`specdecode generate --max-draft-batch N` gates drafting by batch"
         )
-    from specdecode.bench.prompts import require_prompts
+    from specdecode.prompts import require_prompts
 
     # prompts before models: a bad slice fails in a second, not after loading gigabytes
     limit = args.limit if args.limit is not None else DEFAULT_PROMPT_LIMIT
     prompts = require_prompts(args.prompts or DEFAULT_PROMPTS, limit=limit, skip=args.skip or 0)
-    from specdecode.api import default_backend
+    from specdecode.loading import default_backend
 
     if (args.backend or _default_bench_backend(args, default_backend)) == "llama.cpp":
         return cmd_bench_llama(args, prompts)
     from specdecode.backends.kernels import kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
-    from specdecode.bench.prompts import require_prompts
     from specdecode.bench.runner import TorchBenchConfig, run_bench
     from specdecode.models.store import load_causal_lm
+    from specdecode.prompts import require_prompts
 
     cfg = TorchBenchConfig(
         **_prompt_settings(args),
@@ -251,10 +251,11 @@ def cmd_bench_llama(args: argparse.Namespace, prompts: list) -> int:
             "torch-bench options (--backend torch)"
         )
     cfg = LlamaBenchConfig(**_prompt_settings(args), rss=args.rss)
-    from specdecode.api import encode_prompts, gguf_path
     from specdecode.backends.llamacpp import gguf_context
     from specdecode.core.checks import check_prompts
+    from specdecode.loading import gguf_path
     from specdecode.models.tokenizer import gguf_tokenizer
+    from specdecode.prompts import encode_prompts
 
     path = gguf_path(cfg.target)
     ids = encode_prompts(gguf_tokenizer(path), [p.text for p in prompts], chat=cfg.chat)

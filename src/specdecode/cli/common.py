@@ -27,12 +27,12 @@ from specdecode.core.config import (
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DTYPES = ("bfloat16", "float16", "float32")  # torch dtypes by name (`torch_dtype`)
-# the choices of `backends.kernels.int8_draft_wanted`, here so that listing them imports no torch
+# the choices of `loading.int8_draft_wanted`, here so that listing them imports no torch
 # (a test keeps the two equal)
 DRAFT_PRECISIONS = ("auto", "int8", "fp32")
 LLAMA_CPP = "llama.cpp"
 TORCH_STATIC = "torch-static"
-BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)  # `api.BACKENDS`, here for the same reason
+BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)  # `loading.BACKENDS`, here for the same reason
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def add_drafting_arguments(parser: argparse.ArgumentParser) -> None:
 
 def checked_corpus(args: argparse.Namespace) -> str | None:
     """The corpus drafting auto reads (None: none), its files found before any model loads."""
-    from specdecode.core.drafting.corpus import corpus_files
+    from specdecode.corpora import corpus_files
 
     no_draft = getattr(args, "no_draft", False)
     drafts_auto = args.drafting == "auto" and not no_draft
@@ -192,7 +192,7 @@ def set_threads(threads: int | None) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return list(args.prompt)
-    from specdecode.bench.prompts import require_prompts
+    from specdecode.prompts import require_prompts
 
     return [p.text for p in require_prompts(args.prompts, limit=args.limit)]
 
@@ -201,9 +201,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def decoding_backend(target: str, device: str, backend: str | None) -> str:
-    """The backend a run will use: `--backend`, else `api.default_backend`'s rule (llama.cpp
+    """The backend a run will use: `--backend`, else `loading.default_backend`'s rule (llama.cpp
     for a known model or a .gguf file on the CPU, torch otherwise), decided without importing
-    the API (a test keeps the two equal)."""
+    the loading module, nor torch with it (a test keeps the two equal)."""
     if backend is not None:
         return backend
     from specdecode.models.catalogue import MODELS

@@ -2,7 +2,9 @@
 
 The arguments are checked in two stages before anything heavy happens: what needs no model at
 once, before torch is imported (`checked_arguments`); what needs the target's tokenizer and
-context right after the tokenizer loads and before its weights are read (`fitted_tokenizer`).
+context right after the tokenizer loads and before its weights are read
+(`loading.fitted_tokenizer`). The target is resolved once (`loading.resolve`) and its files
+passed along to the load.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from specdecode.cli.common import (
@@ -99,66 +100,29 @@ def checked_arguments(args: argparse.Namespace) -> tuple[str, list[str], dict[st
     return backend, prompts, settings
 
 
-def fitted_tokenizer(
-    args: argparse.Namespace, backend: str, prompts: list[str], max_new_tokens: int
-) -> Any:
-    """The target's tokenizer, loaded before its weights, with every prompt and its new tokens
-    checked against the target's context: a prompt that cannot fit fails before gigabytes are
-    read. None where the tokenizer comes only with the weights (a known model on torch, which
-    is checked once loaded)."""
-    from specdecode.api import encode_prompts
-    from specdecode.core.checks import check_prompts
-
-    if backend == LLAMA_CPP:
-        from specdecode.api import gguf_path
-        from specdecode.backends.llamacpp import gguf_context
-        from specdecode.models.tokenizer import gguf_tokenizer
-
-        path = gguf_path(args.target)
-        tokenizer, context = gguf_tokenizer(path), gguf_context(path)
-    else:
-        from specdecode.backends.torch_eager import context_length
-        from specdecode.models.catalogue import MODELS
-
-        if args.target in MODELS:
-            return None
-        from transformers import AutoConfig, AutoTokenizer
-
-        from specdecode.models.store import resolve_model
-
-        folder = str(resolve_model(args.target))
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError):
-            return None  # the load says what is wrong with the folder, in its own words
-        context = context_length(SimpleNamespace(config=config))  # reads the config alone
-    check_prompts(encode_prompts(tokenizer, prompts, args.chat), max_new_tokens, context)
-    return tokenizer
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     backend, prompts, settings = checked_arguments(args)
     check_device(args.device)
     set_threads(args.threads)
     corpus = checked_corpus(args)
-    tokenizer = fitted_tokenizer(args, backend, prompts, args.max_new_tokens)
-    from specdecode.api import TORCH_BACKENDS, SpeculativeDecoder
-    from specdecode.backends.kernels import int8_draft_wanted
+    from specdecode import loading
+    from specdecode.api import SpeculativeDecoder
 
+    source = loading.resolve(args.target, backend)  # the one time the target is looked up
+    tokenizer = loading.fitted_tokenizer(source, prompts, args.chat, args.max_new_tokens)
     # lookup drafts with no model: none is loaded for it
     draft = None if args.no_draft or args.drafting == "lookup" else args.draft
     dtype = torch_dtype(args.dtype)
-    torch_only = backend in TORCH_BACKENDS
+    torch_only = backend in loading.TORCH_BACKENDS
     decoder = SpeculativeDecoder.from_pretrained(
-        args.target,
+        source,
         draft,
         dtype,
         args.device,
         prepack=False if args.no_prepack else None,
         drafter_int8=torch_only
         and draft not in (None, PROMPT_LOOKUP)
-        and int8_draft_wanted(args.draft_precision, args.device, dtype),
+        and loading.int8_draft_wanted(args.draft_precision, args.device, dtype),
         backend=backend,
         threads=args.threads,
         compile=args.compile,

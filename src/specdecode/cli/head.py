@@ -268,10 +268,10 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_collect(args: argparse.Namespace) -> int:
     from specdecode.acceptance.collect import CollectConfig, collect
-    from specdecode.api import default_backend
-    from specdecode.bench.prompts import require_prompts
     from specdecode.cli.common import set_threads
     from specdecode.core.config import PROMPT_LOOKUP
+    from specdecode.loading import default_backend
+    from specdecode.prompts import require_prompts
     from specdecode.training.distributed import process_state, threads_per_process
 
     backend = args.backend or default_backend(args.target, "cpu")

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.backends.kernels import DRAFT_PRECISIONS, int8_draft_wanted, prepack_available
+from specdecode.backends.kernels import prepack_available
 from specdecode.core.config import max_draft_batch_option
+from specdecode.loading import DRAFT_PRECISIONS, int8_draft_wanted
 from specdecode.models.packages import cache_root
 from specdecode.seq2seq.api import AUTO_DRAFT_BATCH
 from specdecode.seq2seq.training import LoopConfig

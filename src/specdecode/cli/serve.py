@@ -57,7 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
     def load():
-        from specdecode.api import SpeculativeDecoder, default_backend
+        from specdecode.api import SpeculativeDecoder
+        from specdecode.loading import default_backend
 
         backend = args.backend or default_backend(args.target, "cpu")
         print(

@@ -75,7 +75,7 @@ LOOKUP_ALONE = PromptLookup(max_ngram=4, min_ngram=1)  # priced lookup with no d
 # every match length, each priced by its own acceptance (`drafting.planners.PricedPlanner`)
 
 # Where drafting auto drafts from a corpus (`drafting.corpus`): "stdlib" (this Python's standard
-# library sources: code every machine holds; `drafting.corpus.STDLIB`), a text file or folder,
+# library sources: code every machine holds; `corpora.STDLIB`), a text file or folder,
 # or "none". The standard library by default under drafting auto: a row asks the corpus only
 # as far as it knew the row's prompt and its drafts are kept, so a chat row soon stops
 NO_CORPUS = "none"

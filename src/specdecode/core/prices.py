@@ -1,4 +1,4 @@
-"""What passes cost on this machine: one price model, timed through the model interface.
+"""What passes cost on this machine: one price model, whatever timed or stated it.
 
 Every policy that weighs drafting against its cost reads the same `Prices`: the priced plan
 (`pass_cost`, `draft_cost`), the head policies (`Prices.rounds`, a round of m drafted tokens at
@@ -7,48 +7,23 @@ rather than assumed because they differ by an order of magnitude between machine
 backends: on a 2-core CPU a 4-bit target on llama.cpp pays about half a step per extra token in
 a pass, an fp32 target on prepacked PyTorch kernels almost nothing up to a few tokens, a GPU
 nothing up to a tile; and a pass of several rows is not the one-row pass of as many tokens.
-Timing goes through `ModelBackend` only, so every backend is priced the same way.
-
-Timing takes seconds to minutes (more rows, longer), so measured prices are kept in the cache
-root under a key naming what they depend on (`price_key`): the model files, the backend, its
-threads and the CPU. A process of another user can skew a timing, and no timing holds what
-a round costs besides its passes; `outcomes.Outcomes` checks what the plan predicts against
-the rounds decoding takes, and its measured worth of a predicted gain is kept beside the
-prices (`store_prices`), written outside any round. An entry that cannot be read is timed
-afresh, and one that cannot be written is kept in memory (`models.atomic`): said once, never
-a stop.
+This module is the price model alone, read by the core and the benches; timing the passes
+through `ModelBackend` and keeping what was timed in the cache is the price book's
+(`specdecode.pricebook`), outside the core, which reads and writes no files.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import logging
 import math
-import os
-import platform
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
-
-import torch
-
-from specdecode.backends.base import ModelBackend
-from specdecode.backends.kernels import median_times
-from specdecode.models.atomic import say_unreadable, write_or_keep
-from specdecode.models.packages import cache_root
-
-logger = logging.getLogger(__name__)
 
 PRICE_CONTEXT_TOKENS = 256  # a prompt's length in the recorded benchmarks
 PRICED_TOKENS = 12  # tokens per row timed: 1..12; longer passes extrapolate (`Prices.pass_cost`)
 PRICED_ROWS = (1, 2, 4, 8)  # row counts timed, up to the batch asked for; more extrapolate
 STATED_TOKENS = 25  # a stated price table's length: rounds of up to 24 drafted tokens exactly
-PRICES_DIR = "prices"  # under the cache root
-PRICES_ENV = "SPECDECODE_PRICES"  # a folder for them elsewhere (the tests keep theirs apart)
 LAYOUTS = ("padded", "levels")  # how a backend runs a pass whose rows hold different counts
 
 
@@ -303,229 +278,3 @@ def monotone(values: Sequence[float]) -> list[float]:
             blocks[-1][0] += total
             blocks[-1][1] += count
     return [s / c for s, c in blocks for _ in range(int(c))]
-
-
-# ---- the timer ----
-
-
-def pass_seconds(
-    jobs: Sequence[tuple[ModelBackend, Sequence[int]]],
-    context: list[int],
-    reps: int,
-    rows: int = 1,
-    clock: Callable[[], float] = time.perf_counter,
-) -> list[dict[int, float]]:
-    """Median seconds of one pass over `rows` rows, each after `context` and holding n tokens
-    (an even pass, `Prices.passes`), for each backend and each n of its counts. Every round
-    times every pass of every backend, interleaved, so a stall of the machine (a neighbour's
-    burst; on two cores llama.cpp's spinning threads lose whole time slices to any other
-    process) lands on one sample of each rather than on every sample of the one timed while it
-    lasted. Each pass is rolled back after it, so every one sees the same cache. `clock`: the
-    seconds' source (a simulated machine's own)."""
-    device = jobs[0][0].device
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-
-    def synced() -> float:  # a GPU runs ahead of the host: time the kernels, not their launches
-        sync()
-        return clock()
-
-    prefix = torch.tensor([context] * rows)  # [rows, context]
-
-    def timed(backend: ModelBackend, start: torch.Tensor, held: torch.Tensor, n: int):
-        tokens = start[:, -n:] if len(context) >= n else start[:, -1:].repeat(1, n)  # [rows, n]
-        valid = torch.ones_like(tokens, dtype=torch.bool)  # [rows, n]
-
-        def run() -> None:
-            backend.forward(tokens, valid, logits_to_keep=n)
-            backend.truncate(held)
-
-        return run
-
-    candidates = {}
-    for j, (backend, counts) in enumerate(jobs):
-        start = prefix.to(backend.device)  # [rows, context], moved once, outside the timing
-        backend.reset(rows)
-        backend.forward(start, torch.ones_like(start, dtype=torch.bool))
-        held = backend.lengths.clone()
-        candidates.update({(j, n): timed(backend, start, held, n) for n in counts})
-    try:
-        seconds = median_times(candidates, reps, synced)
-    finally:
-        for backend, _ in jobs:
-            backend.reset(0)
-    return [{n: seconds[j, n] for n in counts} for j, (_, counts) in enumerate(jobs)]
-
-
-def timed_rows(rows: int) -> tuple[int, ...]:
-    """The row counts timed for a batch of `rows`: `PRICED_ROWS` up to it, and it itself while
-    it is within their range."""
-    most = min(max(rows, 1), PRICED_ROWS[-1])
-    return tuple(sorted({r for r in PRICED_ROWS if r <= most} | {most}))
-
-
-def measure_prices(
-    target: ModelBackend,
-    drafter: ModelBackend | None,
-    vocab_size: int,
-    context_length: int | None,
-    *,
-    rows: int = 1,
-    max_tokens: int = PRICED_TOKENS,
-    reps: int = 3,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Prices:
-    """Time even target passes of 1..max_tokens tokens per row and a drafter step, at each row
-    count of `timed_rows(rows)`; every curve is made non-decreasing in tokens (`monotone`).
-    The target's `pass_layout` (default `padded`) says how its ragged passes go."""
-    room = (context_length or 1 << 30) - max_tokens - 1
-    if room < 1:
-        raise ValueError(f"passes of {max_tokens} tokens do not fit the context")
-    context = [(1000 + i) % vocab_size for i in range(min(PRICE_CONTEXT_TOKENS, room))]
-    counts = list(range(1, max_tokens + 1))
-    measured, drafts = [], []
-    for r in timed_rows(rows):
-        jobs = [(target, counts)] + ([(drafter, [1])] if drafter is not None else [])
-        seconds = pass_seconds(jobs, context, reps, rows=r, clock=clock)
-        measured.append(monotone([seconds[0][n] for n in counts]))
-        if drafter is not None:
-            drafts.append(seconds[1][1])
-    step = measured[0][0]
-    return Prices(
-        timed_rows(rows),
-        tuple(tuple(v / step for v in curve) for curve in measured),
-        tuple(d / step for d in drafts) if drafter is not None else None,
-        step,
-        getattr(target, "pass_layout", "padded"),
-    )
-
-
-# ---- the cache ----
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux, `platform.processor()` elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def model_identity(backend: ModelBackend) -> dict[str, Any] | None:
-    """What a backend's prices depend on besides the machine: its kind, threads, device, its
-    files (path, size, modification time) and, on PyTorch, the dtype and the module classes
-    (prepacked or int8 layers are other kernels). None: a model with no files to name (built
-    in memory), whose prices are not cached."""
-    kind = getattr(backend, "backend_kind", None) or type(backend).__name__  # a deferred one's
-    info: dict[str, Any] = {"backend": kind, "device": str(backend.device)}
-    for name in ("threads", "compiled"):  # llama.cpp's threads; torch-static's compilation
-        if getattr(backend, name, None) is not None:
-            info[name] = getattr(backend, name)
-    path = getattr(backend, "path", None)
-    module = getattr(backend, "model", None)
-    if path is None and isinstance(module, torch.nn.Module):
-        path = getattr(getattr(module, "config", None), "_name_or_path", None) or None
-        first = next(module.parameters(), None)
-        info["dtype"] = str(first.dtype) if first is not None else None
-        info["modules"] = sorted({type(m).__name__ for m in module.modules()})
-        info["threads"] = torch.get_num_threads()
-    if not path:
-        return None
-    path = Path(path).expanduser()
-    weights = (".gguf", ".safetensors", ".bin")
-    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in weights)
-    if not files:
-        return None
-    info["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-    return info
-
-
-def price_key(target: ModelBackend, drafter: ModelBackend | None) -> dict[str, Any] | None:
-    """The cache key of a pair's prices (None: not cacheable), with the timing plan, so that
-    a changed plan times afresh."""
-    target_id = model_identity(target)
-    drafter_id = model_identity(drafter) if drafter is not None else None
-    if target_id is None or (drafter is not None and drafter_id is None):
-        return None
-    if target.device.type == "cuda":
-        machine = torch.cuda.get_device_name(target.device)
-    else:
-        machine = cpu_name()
-    plan = {"context": PRICE_CONTEXT_TOKENS, "tokens": PRICED_TOKENS, "passes": "even"}
-    return {"target": target_id, "drafter": drafter_id, "machine": machine, "plan": plan}
-
-
-def prices_folder(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where prices are kept: `<cache_dir>/prices` when given, else `$SPECDECODE_PRICES`, else
-    `prices` under the cache root (`models.packages.cache_root`)."""
-    if cache_dir is None and os.environ.get(PRICES_ENV):
-        return Path(os.environ[PRICES_ENV]).expanduser()
-    return cache_root(cache_dir) / PRICES_DIR
-
-
-def cache_file(key: dict[str, Any], folder: Path) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return folder / f"{digest}.json"
-
-
-def _entry(key: dict[str, Any], folder: Path) -> dict[str, Any] | None:
-    """The cache entry under `key`; None where there is none, it holds another key or it is
-    unreadable (said once: a damaged entry is timed afresh and written anew)."""
-    path = cache_file(key, folder)
-    try:
-        entry = json.loads(path.read_text(encoding="utf-8"))
-        return entry if entry["key"] == json.loads(json.dumps(key)) else None
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        _unreadable(path, error)
-        return None
-
-
-def _unreadable(path: Path, error: Exception, instead: str = "timing the passes afresh") -> None:
-    say_unreadable(logger, "prices entry", path, error, instead)
-
-
-def load_prices(key: dict[str, Any], folder: Path, rows: int = 1) -> Prices | None:
-    """The cached prices under `key` if they cover `timed_rows(rows)`; None where there are
-    none, the file is unreadable or holds another key (then they are timed afresh)."""
-    entry = _entry(key, folder)
-    try:
-        prices = Prices.from_json(entry["prices"]) if entry is not None else None
-    except (ValueError, KeyError, TypeError) as error:
-        _unreadable(cache_file(key, folder), error)
-        return None
-    if prices is None or prices.step_seconds is None or prices.rows[-1] < timed_rows(rows)[-1]:
-        return None
-    if (prices.drafts is None) != (key["drafter"] is None):
-        return None
-    return prices
-
-
-def load_worth(key: dict[str, Any], folder: Path) -> dict[int, float]:
-    """The worth of the plan's predicted gains by row count stored beside the prices under
-    `key` (`outcomes.Outcomes`); empty where there is none or it cannot be read."""
-    try:
-        stored = (_entry(key, folder) or {}).get("worth", {})
-        worth = {int(r): float(v) for r, v in stored.items()}
-    except (ValueError, TypeError, AttributeError) as error:
-        _unreadable(cache_file(key, folder), error, "what drafting is worth starts afresh")
-        return {}
-    return {r: v for r, v in worth.items() if r >= 1 and _positive(v)}
-
-
-def store_prices(
-    key: dict[str, Any], prices: Prices, folder: Path, worth: dict[int, float] | None = None
-) -> Path | None:
-    """Write the prices (and the plan's measured worth by row count) under `key` atomically:
-    a temporary file of a unique name renamed over the entry, so a reader never sees half a
-    file and two writers never mix theirs. The entry's path; None where the cache cannot be
-    written (said once per process): the caller's prices hold in memory."""
-    path = cache_file(key, folder)
-    entry: dict[str, Any] = {"key": key, "prices": prices.to_json()}
-    if worth:
-        entry["worth"] = {str(r): v for r, v in sorted(worth.items())}
-    text = json.dumps(entry, indent=1) + "\n"
-    return path if write_or_keep(path, lambda out: out.write(text), "prices", logger) else None

@@ -13,27 +13,15 @@ longest known context's most frequent next token while each is the choice of at 
 
 The index is numpy arrays (a sorted 64-bit hash of each context, its next token and share), a
 few megabytes for the Python standard library; a lookup is a binary search per order. The
-shipped corpus is the standard library of the Python that runs this (`stdlib_sources`): code
-that every machine with the package already holds, tokenized once per tokenizer and cached.
-A cached index that cannot be read is built again, and one that cannot be written is used from
-memory (`models.atomic`): the cache saves seconds at a start, and never stops one.
+core receives an index built from token ids; which files a corpus holds, and the index's cache
+file, are `specdecode.corpora`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import sysconfig
-import zipfile
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 
 import numpy as np
-
-from specdecode.models.atomic import say_unreadable, write_or_keep
-
-logger = logging.getLogger(__name__)
 
 ORDERS = 6  # the longest context looked up, in tokens
 MIN_COUNT = 2  # contexts seen fewer times are left out: a single occurrence is no law
@@ -45,8 +33,6 @@ BAND_PRIORS = (0.8, 0.6, 0.3)
 EVIDENCE_TOKENS = 1024  # a row's text scored by `CorpusIndex.evidence`: its last this many
 MULTIPLIER = 0x9E3779B97F4A7C15  # of the polynomial hash over a context's tokens
 MASK = (1 << 64) - 1
-# what `CorpusIndex.load` raises on a file that is no whole index
-LOAD_ERRORS = (zipfile.BadZipFile, ValueError, KeyError, EOFError, OSError)
 
 
 def share_band(share: float) -> int:
@@ -183,107 +169,3 @@ class CorpusIndex:
             (int((known & (band == b)).sum()), int((right & (band == b)).sum()))
             for b in range(len(SHARE_BANDS) + 1)
         ]
-
-    def save(self, path: Path) -> bool:
-        """Keep the index at `path`, whole or not at all (`models.atomic`), so that a process
-        reading it while another writes it, or after a writer was killed, never reads half of
-        one. False where it cannot be written (said once): the index in memory serves."""
-        arrays = {
-            f"{name}{n}": a
-            for n, t in self.tables.items()
-            for name, a in zip("kns", t, strict=True)
-        }
-        return write_or_keep(
-            path, lambda out: np.savez(out, **arrays), "corpus index", logger, "wb"
-        )
-
-    @classmethod
-    def load(cls, path: Path) -> CorpusIndex:
-        """The index saved at `path`. A file that is no index (cut short, damaged, another
-        format) raises `LOAD_ERRORS`, not a half-built index: every array is read (and its
-        checksum checked) and the three of each order must agree in length."""
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):  # a single array: no index either
-            raise ValueError("not an .npz archive of arrays")
-        with data:
-            orders = sorted({int(name[1:]) for name in data.files})
-            tables = {n: (data[f"k{n}"], data[f"n{n}"], data[f"s{n}"]) for n in orders}
-        for n, arrays in tables.items():
-            if any(a.ndim != 1 or a.shape != arrays[0].shape for a in arrays):
-                raise ValueError(f"the arrays of order {n} differ in shape")
-        return cls(tables)
-
-
-STDLIB = "stdlib"  # the corpus of this Python's standard library sources
-
-
-def stdlib_sources() -> list[Path]:
-    """The Python files of this interpreter's standard library, less its tests and tools. The
-    walk does not enter the skipped folders: site-packages, under the standard library's root,
-    holds far more files than the library itself."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skipped = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
-    found = []
-    for folder, folders, files in os.walk(root):
-        folders[:] = [f for f in folders if f not in skipped]
-        found += [Path(folder, f) for f in files if f.endswith(".py")]
-    return sorted(found)
-
-
-def corpus_files(spec: str) -> list[Path]:
-    """The files a corpus setting names: `STDLIB`, a file, or a folder (its files, hidden ones
-    left out). Refused at once where there are none, before any model loads."""
-    if spec == STDLIB:
-        if sources := stdlib_sources():
-            return sources
-        raise ValueError(
-            "this Python's standard library has no .py sources to index (a zipped or stripped "
-            "install): give a corpus file or folder with --corpus PATH"
-        )
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        if files:
-            return files
-        raise ValueError(f"the corpus folder {spec} holds no files")
-    raise ValueError(
-        f"no corpus {spec!r}: give {STDLIB!r} (this Python's standard library), a text file or "
-        "a folder of them"
-    )
-
-
-def corpus_index(
-    spec: str, encode: Callable[[list[str]], list[list[int]]], tokenizer_id: str, folder: Path
-) -> CorpusIndex:
-    """The index of the corpus `spec` names (`corpus_files`) as `encode` tokenizes it, built
-    once and kept in `folder` under the files' and the tokenizer's identity. Files that are
-    not UTF-8 text are left out. A kept index that cannot be read is built again (and said,
-    once); one that cannot be kept is used from memory."""
-    files = corpus_files(spec)
-    stats = [(p, p.stat()) for p in files]
-    identity = hashlib.sha256(
-        "\n".join(
-            [tokenizer_id, *(f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats)]
-        ).encode()
-    ).hexdigest()[:20]
-    path = folder / f"corpus-{identity}.npz"
-    if path.is_file():
-        try:
-            return CorpusIndex.load(path)
-        except LOAD_ERRORS as error:
-            say_unreadable(logger, "corpus index", path, error, "building it again")
-    texts = []
-    for p in files:
-        try:
-            texts.append(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    index = CorpusIndex.build(encode(texts))
-    index.save(path)
-    return index

