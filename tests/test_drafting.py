@@ -435,7 +435,7 @@ def test_a_search_that_finds_nothing_rests_and_wakes_on_a_draft_or_a_new_row() -
             searched.append(len(searched))
             return super().find(texts, lens, budget)
 
-    plain_text, repeating = list(range(10, 60)), [1, 2, 3, 4] * 12
+    plain_text, repeating = list(range(10, 60)), [1, 2, 3, 4] * 12  # [50], [48]
     planner = PricedPlanner(4, False, priced(draft=None), 4)
     drafter = Counted(LOOKUP_ALONE, None, planner, 64)
     drafter.start(1)
@@ -459,7 +459,7 @@ def test_a_search_that_finds_nothing_rests_and_wakes_on_a_draft_or_a_new_row() -
     assert all(rounds(repeating, 20))  # drafting: a search every round
     assert len(searched) == 20
     rounds(plain_text, 2 * QUIET)  # resting again
-    assert drafter.rest.left > 0
+    assert drafter.rest.rest > 0
     drafter.add_rows([[7, 7]])  # a joining row wakes the search
     searched.clear()
     texts = torch.tensor([plain_text, plain_text])

@@ -17,6 +17,8 @@ nothing for `QUIET` rounds in a row, the next searches come a round, then two, t
 nothing pays (a CPU whose every extra token costs most of a step) the search and plan would
 otherwise cost every round a few percent of a step and make `auto` slower than plain decoding;
 a resting search costs a fifth of that, and misses a match for at most `MOST_REST` rounds.
+`QUIET` is long enough that the gaps between a code text's repeats (a dozen rounds or so) do
+not start a rest: there, a rest would miss the next repeat's first rounds.
 
 Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
 lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
@@ -34,7 +36,7 @@ from specdecode.core.drafting.lookup import lookup_continuation, lookup_law
 from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import Planner
 
-QUIET = 8  # searched rounds in a row that drafted nothing before the search rests
+QUIET = 32  # searched rounds in a row that drafted nothing before the search rests
 MOST_REST = 4  # rounds a resting search skips at most between two searches
 
 
