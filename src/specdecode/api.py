@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from specdecode.backend_names import LLAMA_CPP, TORCH, TORCH_BACKENDS, TORCH_STATIC
 from specdecode.backends.base import ModelBackend
 from specdecode.core.checks import (
     check_prompts,
@@ -39,6 +40,7 @@ from specdecode.core.config import (
     DEFAULT_DRAFTING,
     DEFAULT_MAX_NEW_TOKENS,
     HEAD_POLICIES,
+    UNNAMED_CONTEXT,
     DecodeConfig,
     PromptLookup,
     SamplingConfig,
@@ -53,9 +55,6 @@ from specdecode.core.sampling import RowSampling
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
 from specdecode.loading import (
-    LLAMA_CPP,
-    TORCH_BACKENDS,
-    TORCH_STATIC,
     DeferredModel,
     ModelSource,
     as_backend,
@@ -177,7 +176,7 @@ class SpeculativeDecoder:
         if eager is None or not isinstance(self._target_lm, eager.TorchDecoderInfo):
             return LLAMA_CPP
         if isinstance(self._target_lm, eager.CachedModel):
-            return "torch"
+            return TORCH
         from specdecode.backends.torch_static import StaticCachedModel
 
         return TORCH_STATIC if isinstance(self._target_lm, StaticCachedModel) else LLAMA_CPP
@@ -451,7 +450,7 @@ class SpeculativeDecoder:
                 "mix greedy and sampled laws: use another length policy"
             )
         drafter = self._drafter(cfg, use_drafter, None, None, max_rows)
-        capacity = (self.context or 1 << 16) + cfg.max_draft_tokens + 2
+        capacity = (self.context or UNNAMED_CONTEXT) + cfg.row_slack
         return DecodeLoop(
             self._target_lm, drafter, cfg, sampling=sampling, max_rows=max_rows,
             capacity=capacity, joins=True, prefill_chunk=prefill_chunk,

@@ -19,15 +19,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from specdecode.backend_names import BACKENDS, LLAMA_CPP, TORCH, TORCH_STATIC
 from specdecode.backends.base import ModelBackend
 from specdecode.core.checks import check_prompts
 from specdecode.core.config import PROMPT_LOOKUP, PromptLookup
 from specdecode.prompts import encode_prompts
 
-LLAMA_CPP = "llama.cpp"
-TORCH_STATIC = "torch-static"
-BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)
-TORCH_BACKENDS = ("torch", TORCH_STATIC)  # transformers modules, the heads and peers read them
 DRAFT_PRECISIONS = ("auto", "int8", "fp32")  # `int8_draft_wanted`'s choices
 
 
@@ -50,7 +47,7 @@ def default_backend(name_or_path: str, device: str) -> str:
     from specdecode.models.catalogue import MODELS
 
     is_gguf = name_or_path in MODELS or str(name_or_path).endswith(".gguf")
-    return LLAMA_CPP if is_gguf and str(device) == "cpu" else "torch"
+    return LLAMA_CPP if is_gguf and str(device) == "cpu" else TORCH
 
 
 def gguf_path(name_or_path: str) -> Path:

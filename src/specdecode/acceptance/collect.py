@@ -60,6 +60,7 @@ from safetensors.torch import load_file, save_file
 from specdecode.acceptance.examples import EXAMPLES_FILE, META_FILE
 from specdecode.acceptance.head import IDENTITY_ROWS, ModelIdentity, law_features
 from specdecode.acceptance.labels import acceptance_labels
+from specdecode.backend_names import LLAMA_CPP, TORCH
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.backends.torch_eager import CachedModel
@@ -201,7 +202,7 @@ def as_backend(model: torch.nn.Module | ModelBackend, role: str) -> ModelBackend
 
 def backend_name(lm: ModelBackend) -> str:
     """The backend whose drafter states a collection records: torch or llama.cpp."""
-    return "llama.cpp" if isinstance(lm, LlamaCppModel) else "torch"
+    return LLAMA_CPP if isinstance(lm, LlamaCppModel) else TORCH
 
 
 def collect(

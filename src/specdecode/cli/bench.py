@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdecode.backend_names import LLAMA_CPP, TORCH
 from specdecode.bench.config import (
     DEFAULT_ACCEPTANCE,
     DEFAULT_BLOCK_SIZES,
@@ -200,7 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = require_prompts(args.prompts or DEFAULT_PROMPTS, limit=limit, skip=args.skip or 0)
     from specdecode.loading import default_backend
 
-    if (args.backend or _default_bench_backend(args, default_backend)) == "llama.cpp":
+    if (args.backend or _default_bench_backend(args, default_backend)) == LLAMA_CPP:
         return cmd_bench_llama(args, prompts)
     from specdecode.backends.kernels import kernel_summary, prepack_linears
     from specdecode.bench.methods import Models
@@ -290,7 +291,7 @@ def _default_bench_backend(args: argparse.Namespace, default_backend) -> str:
     from specdecode.bench.llamacpp import LLAMA
 
     torch_only = _torch_only_settings(args) or any(m not in LLAMA for m in args.methods or [])
-    return "torch" if torch_only else default_backend(args.target, args.device)
+    return TORCH if torch_only else default_backend(args.target, args.device)
 
 
 def _torch_only_settings(args: argparse.Namespace) -> bool:

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from specdecode.backend_names import BACKENDS, LLAMA_CPP, TORCH
 from specdecode.core.config import (
     DEFAULT_CORPUS,
     DEFAULT_DRAFTING,
@@ -30,9 +31,6 @@ DTYPES = ("bfloat16", "float16", "float32")  # torch dtypes by name (`torch_dtyp
 # the choices of `loading.int8_draft_wanted`, here so that listing them imports no torch
 # (a test keeps the two equal)
 DRAFT_PRECISIONS = ("auto", "int8", "fp32")
-LLAMA_CPP = "llama.cpp"
-TORCH_STATIC = "torch-static"
-BACKENDS = ("torch", TORCH_STATIC, LLAMA_CPP)  # `loading.BACKENDS`, here for the same reason
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,7 +207,7 @@ def decoding_backend(target: str, device: str, backend: str | None) -> str:
     from specdecode.models.catalogue import MODELS
 
     is_gguf = target in MODELS or str(target).endswith(".gguf")
-    return LLAMA_CPP if is_gguf and str(device) == "cpu" else "torch"
+    return LLAMA_CPP if is_gguf and str(device) == "cpu" else TORCH
 
 
 def check_decoding_arguments(args: argparse.Namespace, backend: str | None) -> None:

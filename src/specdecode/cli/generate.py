@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdecode.backend_names import LLAMA_CPP, TORCH_BACKENDS, TORCH_STATIC
 from specdecode.cli.common import (
     DRAFT_PRECISIONS,
-    LLAMA_CPP,
-    TORCH_STATIC,
     add_decoding_arguments,
     add_drafting_arguments,
     add_model_arguments,
@@ -113,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # lookup drafts with no model: none is loaded for it
     draft = None if args.no_draft or args.drafting == "lookup" else args.draft
     dtype = torch_dtype(args.dtype)
-    torch_only = backend in loading.TORCH_BACKENDS
+    torch_only = backend in TORCH_BACKENDS
     decoder = SpeculativeDecoder.from_pretrained(
         source,
         draft,

@@ -26,6 +26,7 @@ from pathlib import Path
 from specdecode.acceptance.head import RULES
 from specdecode.acceptance.replay import PREVIEW_COSTS
 from specdecode.acceptance.train import RELIABILITY_FILE, TRAINING_FILE, TrainConfig, train_head
+from specdecode.backend_names import LLAMA_CPP, TORCH
 from specdecode.core.prices import Prices
 
 _DEFAULTS = TrainConfig()
@@ -247,7 +248,7 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
         "--backend",
-        choices=("torch", "llama.cpp"),
+        choices=(TORCH, LLAMA_CPP),
         default=None,
         help="llama.cpp records the GGUF drafter's states as llama.cpp computes them (the "
         "default for known models, as for generate and bench); torch those of transformers "
@@ -277,7 +278,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     backend = args.backend or default_backend(args.target, "cpu")
     if args.draft == PROMPT_LOOKUP:
         raise ValueError("a head reads a drafter model's states: prompt lookup has none (--draft)")
-    if backend != "torch" and (args.fp32_drafter or args.no_prepack):
+    if backend != TORCH and (args.fp32_drafter or args.no_prepack):
         raise ValueError(
             "--fp32-drafter and --no-prepack are options of the torch backend; llama.cpp runs "
             "the GGUF's own weights (--backend torch for them)"
@@ -328,7 +329,7 @@ def _collect_decoder(args: argparse.Namespace, backend: str):
     from specdecode.api import SpeculativeDecoder
     from specdecode.training.distributed import process_state, threads_per_process
 
-    if backend != "torch":
+    if backend != TORCH:
         shared = process_state().num_processes > 1  # launched processes share the cores
         threads = args.threads or (threads_per_process() if shared else None)
         return SpeculativeDecoder.from_pretrained(

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from specdecode.backend_names import BACKENDS, LLAMA_CPP
 from specdecode.cli.common import (
     add_drafting_arguments,
     add_model_arguments,
@@ -70,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         # llama.cpp sizes its cache rows x context up front: to what is served, not 4096
-        on_llamacpp = backend == "llama.cpp"
+        on_llamacpp = backend == LLAMA_CPP
         decoder = SpeculativeDecoder.from_pretrained(
             args.target,
             draft,
@@ -98,7 +99,7 @@ def add_subcommands(subparsers) -> None:
     add_model_arguments(p)
     p.add_argument(
         "--backend",
-        choices=("torch", "torch-static", "llama.cpp"),
+        choices=BACKENDS,
         default=None,
         help="llama.cpp for known models and GGUF files (the default on the CPU), else torch",
     )

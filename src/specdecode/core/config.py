@@ -99,6 +99,8 @@ PLANNED_DRAFTINGS = ("auto",)  # settings that plan each round's length themselv
 # the one default budget of new tokens: the API, the command line and every bench take it
 # (the README's and the records' figures are at this length)
 DEFAULT_MAX_NEW_TOKENS = 128
+# the row length of a loop over a model that states no context (the server's bound for it too)
+UNNAMED_CONTEXT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,13 @@ class DecodeConfig:
         if self.length_policy == "constant" and not self.plans_lengths:
             return self.num_draft_tokens
         return self.draft_bound[1]
+
+    @property
+    def row_slack(self) -> int:
+        """The room a row keeps past its prompt and budget: a last round may start a token
+        short of the budget and still write its longest draft and the bonus token; one more
+        is spare."""
+        return self.max_draft_tokens + 2
 
 
 # `transformers`' assistant_confidence_threshold default; for the head, the threshold that led

@@ -392,7 +392,7 @@ class DecodeLoop:
         if self.capacity is not None:
             return self.capacity
         longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=0)
-        return longest + self.cfg.max_draft_tokens + 2
+        return longest + self.cfg.row_slack
 
     def __len__(self) -> int:
         return len(self.batch.rows) + len(self.waiting)
@@ -405,12 +405,11 @@ class DecodeLoop:
         """Queue a row; it joins at the next round. Returns its key."""
         if (
             self.capacity is not None
-            and len(request.prompt) + request.max_new_tokens + (self.cfg.max_draft_tokens + 2)
-            > self.capacity
+            and len(request.prompt) + request.max_new_tokens + self.cfg.row_slack > self.capacity
         ):
             raise ValueError(
                 f"a prompt of {len(request.prompt)} tokens and {request.max_new_tokens} new ones "
-                f"do not fit a row of {self.capacity - self.cfg.max_draft_tokens - 2} tokens"
+                f"do not fit a row of {self.capacity - self.cfg.row_slack} tokens"
             )
         key = self.next_key
         self.next_key += 1

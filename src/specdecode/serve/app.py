@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specdecode.core.config import UNNAMED_CONTEXT  # the row length of such a model's loop
 from specdecode.models.tokenizer import render_chat
 from specdecode.serve.metrics import ServerMetrics
 from specdecode.serve.output import RowResult, spec_metrics, usage
@@ -51,7 +52,6 @@ from specdecode.serve.protocol import (
 )
 from specdecode.serve.scheduler import RowStream, Scheduler, cache_partition
 
-UNNAMED_CONTEXT = 1 << 16  # the row length `SpeculativeDecoder.loop` makes for such a model
 # a prompt's characters per token of the context beyond which it cannot fit, refused before it
 # is tokenized: generous (English runs about 4, code about 3, long runs of spaces more)
 PROMPT_CHARS_PER_TOKEN = 32
