@@ -102,17 +102,17 @@ class MixedDrafter:
         lens = seq_lens.tolist()
         texts = sequences[:, : max(lens, default=0)].cpu()  # [batch, longest] the round's copy
         found = self.find(texts, lens, budget)
-        ngrams = [n for _, n in found]  # 0: no match
+        keys = [n for _, n in found]  # each row's source key (`find`): 0, nothing found
         behind = self.model.behind(seq_lens) if self.model is not None else [0] * len(lens)
         room = self.model.room(seq_lens).tolist() if self.model is not None else [0] * len(lens)
-        plan, pads, by_model = self.planner.plan(
-            ngrams, [len(c) for c, _ in found], budget, behind, room
+        plan, fillers, by_model = self.planner.plan(
+            keys, [len(c) for c, _ in found], budget, behind, room
         )
         by_model = [m and self.model is not None for m in by_model]
-        self.rest.searched(any(plan) or any(pads))
+        self.rest.searched(any(plan) or any(fillers))
         model_k = [k if m else 0 for m, k in zip(by_model, plan, strict=True)]
-        # what the planner learns from: the match length of a row that drafted by lookup
-        self.round = ([0 if m else n for n, m in zip(ngrams, by_model, strict=True)], plan, model_k)
+        # what the planner learns from: the key of a row that drafted by lookup or corpus
+        self.round = ([0 if m else n for n, m in zip(keys, by_model, strict=True)], plan, model_k)
         device = sequences.device
         use = torch.tensor([k == 0 for k in model_k], device=device)  # [batch] not the model's
         if max(model_k, default=0) > 0:
@@ -121,10 +121,12 @@ class MixedDrafter:
         else:
             draft = Draft.empty(len(lens), device)
         looked = []  # a filler (the row's last token) evens the pass where the plan asks one
-        for b, ((tokens, _), k, pad, m) in enumerate(zip(found, plan, pads, by_model, strict=True)):
+        for b, ((tokens, _), k, filler, m) in enumerate(
+            zip(found, plan, fillers, by_model, strict=True)
+        ):
             source = tokens[:0] if m else tokens[:k]
-            if pad:
-                source = torch.cat([source, texts[b, lens[b] - 1 : lens[b]].repeat(pad)])
+            if filler:
+                source = torch.cat([source, texts[b, lens[b] - 1 : lens[b]].repeat(filler)])
             looked.append(source)
         return merge_lookup(draft, looked, use)
 
@@ -173,8 +175,8 @@ class MixedDrafter:
             if self.model is not None:
                 self.model.rollback(lengths, num_drafted, num_accepted)
             return
-        ngrams, plan, model_k = self.round
-        self.planner.observe(ngrams, plan, num_accepted.tolist())
+        keys, plan, model_k = self.round
+        self.planner.observe(keys, plan, num_accepted.tolist())
         if self.model is not None:
             # the model's policy hears only its own rows: a looked-up or padded row drafted
             # nothing with the model (a heuristic k stays as it was)

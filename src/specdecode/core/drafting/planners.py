@@ -103,23 +103,24 @@ class Planner(Protocol):
 
     def plan(
         self,
-        ngrams: list[int],
+        keys: list[int],
         found: list[int],
         budget: list[int],
         behind: list[int],
         room: list[int] | None = None,
     ) -> Plan:
         """Each row's source (its lookup match, or the model) and tokens from it, and filler
-        tokens after them: `ngrams[b]` the match length lookup found (0: none), `found[b]` how
+        tokens after them: `keys[b]` the key of what was found for the row (a lookup match's
+        length, or a corpus guess's `mixed.corpus_key`, above them; 0: none), `found[b]` how
         many tokens it found (<= budget[b]), `behind[b]` the committed tokens the drafter
         model's cache lacks for the row, `room[b]` the most the model may draft for it
         within its context (0: the model skips the row; None: no limit)."""
         ...
 
-    def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
-        """`ngrams[b]`: the match length of a row that drafted by lookup, 0 for the model's
-        rows; `drafted[b]`: the row's tokens from its source this round (fillers not
-        counted)."""
+    def observe(self, keys: list[int], drafted: list[int], accepted: list[int]) -> None:
+        """`keys[b]`: the key of a row that drafted by lookup or corpus (as `plan` takes
+        them), 0 for the model's rows; `drafted[b]`: the row's tokens from its source this
+        round (fillers not counted)."""
         ...
 
     def prime(self, row: int, evidence: Sequence[tuple[int, int]]) -> None:
@@ -146,20 +147,20 @@ class FixedPlanner:
 
     def plan(
         self,
-        ngrams: list[int],
+        keys: list[int],
         found: list[int],
         budget: list[int],
         behind: list[int],
         room: list[int] | None = None,
     ) -> Plan:
         room = room if room is not None else budget  # no limit: a row drafts its budget at most
-        by_model = [n == 0 and r > 0 for n, r in zip(ngrams, room, strict=True)]
+        by_model = [n == 0 and r > 0 for n, r in zip(keys, room, strict=True)]
         lengths = [  # a row the model cannot take drafts its match, if any
             min(b, r) if m else f for f, b, r, m in zip(found, budget, room, by_model, strict=True)
         ]
         return Plan(lengths, [0] * len(lengths), by_model)
 
-    def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
+    def observe(self, keys: list[int], drafted: list[int], accepted: list[int]) -> None:
         pass
 
     def prime(self, row: int, evidence: Sequence[tuple[int, int]]) -> None:
@@ -384,7 +385,7 @@ class PricedPlanner:
 
     def plan(
         self,
-        ngrams: list[int],
+        keys: list[int],
         found: list[int],
         budget: list[int],
         behind: list[int],
@@ -392,26 +393,26 @@ class PricedPlanner:
     ) -> Plan:
         room = room if room is not None else budget
         if not self.has_model:
-            choices = [[False] * len(ngrams)]
+            choices = [[False] * len(keys)]
         else:  # the model takes the rows with short matches, or only those with none, where
             # its context has room for them
-            pairs = list(zip(ngrams, room, strict=True))
+            pairs = list(zip(keys, room, strict=True))
             short = [n not in self.long_matches and r > 0 for n, r in pairs]
             unmatched = [n == 0 and r > 0 for n, r in pairs]
             choices = [short] if short == unmatched else [short, unmatched]
         # what a row's first model token costs besides, were the model to draft it
         lags = [self.catch_up(lag) for lag in behind] if self.has_model else [0.0] * len(behind)
-        rows = len(ngrams)
+        rows = len(keys)
         worth = self.outcomes.worth(rows) if self.outcomes is not None and rows else 1.0
         best: tuple[Outlook, Plan] | None = None
         for by_model in choices:
             rates = [
                 self.by_row.rate(b) if m else self._rate(b, n)
-                for b, (n, m) in enumerate(zip(ngrams, by_model, strict=True))
+                for b, (n, m) in enumerate(zip(keys, by_model, strict=True))
             ]
             caps = [
                 min(c, r) if m else (f if n else 0)
-                for n, f, c, r, m in zip(ngrams, found, budget, room, by_model, strict=True)
+                for n, f, c, r, m in zip(keys, found, budget, room, by_model, strict=True)
             ]
             catch_up = [c if m else 0.0 for m, c in zip(by_model, lags, strict=True)]
             real, fillers, seen = plan_lengths(
@@ -432,8 +433,8 @@ class PricedPlanner:
         grown = prices.even_cost(1, lag + 1) - prices.even_cost(1, 1)
         return (prices.draft_cost(1) or 0.0) * grown
 
-    def observe(self, ngrams: list[int], drafted: list[int], accepted: list[int]) -> None:
-        for b, (n, k) in enumerate(zip(ngrams, drafted, strict=True)):
+    def observe(self, keys: list[int], drafted: list[int], accepted: list[int]) -> None:
+        for b, (n, k) in enumerate(zip(keys, drafted, strict=True)):
             if k and n:  # a filler after the source's tokens does not count
                 self.by_ngram.observe(n, k, min(accepted[b], k))
                 if n >= self.first_band:
@@ -443,10 +444,10 @@ class PricedPlanner:
             elif not n:
                 self.by_row.relax(b)
         for n in range(1, len(self.by_ngram.kept)):
-            if n not in ngrams:
+            if n not in keys:
                 self.by_ngram.relax(n)
         for band, rows in enumerate(self.by_band_row):
-            for b, n in enumerate(ngrams):
+            for b, n in enumerate(keys):
                 if n != self.first_band + band:
                     rows.relax(b)
 
