@@ -8,8 +8,10 @@ the passes.
 
     python benchmarks/studies/auto-any-machine/in_process.py [--passes 2] [--cells ...]
 
-`--busy SECONDS`: a second process spinning on one core starts that many seconds into the first
-auto run of each cell and stops at its end (another process on the machine).
+`--busy SECONDS`: a second process starts that many seconds into the first auto run of each
+cell and stops at its end (another process on the machine): spinning on one core, or with
+`--busy-kind memory` copying 512 MiB arrays over and over (a competitor for memory bandwidth,
+which slows a step that streams the weights more than it slows the extra tokens of a pass).
 """
 
 import argparse
@@ -30,12 +32,19 @@ parser.add_argument(
     "--cells", nargs="+", default=["code 1", "code 4", "code 8", "chat 1", "chat 4", "chat 8"]
 )
 parser.add_argument("--busy", type=float, default=None)
+parser.add_argument("--busy-kind", choices=("core", "memory"), default="core")
 args = parser.parse_args()
 logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s", stream=sys.stdout)
 
+BUSY = {
+    "core": "while True: pass",
+    "memory": "import numpy as np\na = np.ones(1 << 26)\nb = np.empty_like(a)\n"
+    "while True: np.copyto(b, a)",
+}
 decoder = SpeculativeDecoder.from_pretrained(
     "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", threads=2
 )
+decoder.settle()  # the move to 2 MiB pages made now, as a server makes it: no cell meets it
 sets = {"code": load_prompts("humaneval", limit=8), "chat": load_prompts("mtbench", limit=8)}
 summary = []
 for cell in args.cells:
@@ -54,7 +63,7 @@ for cell in args.cells:
             while len(loop):
                 due = args.busy is not None and mode == "auto" and rep == 0
                 if due and busy is None and time.perf_counter() - start > args.busy:
-                    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    busy = subprocess.Popen([sys.executable, "-c", BUSY[args.busy_kind]])
                     print(f"  a busy process starts after {rounds} rounds", flush=True)
                 loop.step()
                 rounds += 1

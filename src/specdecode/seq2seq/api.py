@@ -27,7 +27,7 @@ from specdecode.seq2seq.nar_drafter import NARDrafter
 
 # Past a few rows a verify pass over k + 1 positions is compute-bound on a CPU, and drafting for
 # many rows costs more than it saves; drafting only for the last few rows still running keeps
-# the gain of the long rows at a batch's tail (docs/findings.md, 2).
+# the gain of the long rows at a batch's tail (docs/findings.md: "Prices decide").
 AUTO_DRAFT_BATCH = 4
 
 
@@ -61,8 +61,8 @@ class TranslationPair:
         SpecDec round costs beyond a plain step. One-row products (every step of plain
         decoding) are packed too where that is faster on this machine (`kernels.row_plan`, per
         weight shape, which also pads short products; None), so plain decoding, the baseline
-        of every speedup, gets the faster kernel as well (docs/findings.md, 3). Results agree
-        with the default kernels to fp32 rounding.
+        of every speedup, gets the faster kernel as well (docs/findings.md: "Pad each short
+        product"). Results agree with the default kernels to fp32 rounding.
         """
         from specdecode.backends.kernels import cpu_fp32, prepack_linears
 

@@ -1,8 +1,8 @@
 """Prompt lookup decoding: drafts with no model at all, from the row's own text.
 
 The draft is the tokens that followed the latest earlier occurrence of the text's last few
-tokens (`PromptLookup`). `lookup_continuation` and `lookup_drafts` are shared with the mixed
-drafter, which looks up before a drafter model.
+tokens (`PromptLookup`). `lookup_continuation` and `lookup_law` serve the mixed drafter too,
+which looks up before a drafter model.
 """
 
 from __future__ import annotations
