@@ -366,11 +366,19 @@ def test_cli_generate_on_local_model_dirs(tiny_pair, capsys):
             "--batch-size",
             "2",
             "--json",
+            "--timings",
         ]
     )
     assert code == 0
-    records = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    records = json.loads(said.out)
     assert [r["prompt"] for r in records] == ["t5 t6 t7", "t9"]
+    timings = next(x for x in said.err.splitlines() if x.startswith("[timings] "))
+    stages = ["arguments", "imports", "model files", "tokenizer", "weights", "corpus", "prices"]
+    assert [p.rsplit(" ", 2)[0] for p in timings[10:].split(";")[0].split(", ")] == [
+        *stages,
+        "decoding",
+    ]
     # each row's tokens: the target's own greedy continuation (transformers, one prompt at a
     # time), up to and including its end token, and the completion is their text
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +100,39 @@ def checked_arguments(args: argparse.Namespace) -> tuple[str, list[str], dict[st
     return backend, prompts, settings
 
 
+class Stages:
+    """Seconds of each stage of a command, said on stderr at its end (`--timings`): where the
+    time to a first answer goes on this machine."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
+        self.last = now
+
+    def describe(self) -> str:
+        parts = [f"{stage} {seconds:.2f} s" for stage, seconds in self.seconds.items()]
+        return f"{', '.join(parts)}; in all {sum(self.seconds.values()):.2f} s"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    stages = Stages()
     backend, prompts, settings = checked_arguments(args)
     check_device(args.device)
     set_threads(args.threads)
     corpus = checked_corpus(args)
+    stages.done("arguments")
     from specdecode import loading
     from specdecode.api import SpeculativeDecoder
 
+    stages.done("imports")
     source = loading.resolve(args.target, backend)  # the one time the target is looked up
+    stages.done("model files")
     tokenizer = loading.fitted_tokenizer(source, prompts, args.chat, args.max_new_tokens)
+    stages.done("tokenizer")
     # lookup drafts with no model: none is loaded for it
     draft = None if args.no_draft or args.drafting == "lookup" else args.draft
     dtype = torch_dtype(args.dtype)
@@ -129,13 +153,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # each batch of prompts runs at most one target pass per new token
         passes=args.max_new_tokens * -(-len(prompts) // args.batch_size),
     )
+    stages.done("weights")
     decoder.use_corpus(corpus)  # the first use of a corpus indexes it (seconds), then cached
+    stages.done("corpus")
     if corpus is not None and not args.json:
         print(f"[corpus] drafting auto also drafts from {corpus}", file=sys.stderr)
     if args.retime_prices or (args.drafting == "auto" and not args.no_draft):
         known = decoder.prices(retime=args.retime_prices)  # cached, or timed and kept
         if not args.json:
             print(f"[{decoder.backend} prices] {known.describe()}", file=sys.stderr)
+    stages.done("prices")
     if args.head is not None:
         decoder.load_head(args.head)
     if args.priced:
@@ -155,6 +182,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"\n[stats] {out.stats.summary()}", file=sys.stderr)
         else:
             records[-1]["batch_stats"] = out.stats.as_dict()
+    stages.done("decoding")
+    if args.timings:
+        print(f"[timings] {stages.describe()}", file=sys.stderr)
     if args.json:
         print(json.dumps(records, indent=1))
     return 0
@@ -213,6 +243,12 @@ def add_subcommands(subparsers) -> None:
         action="store_true",
         help="time this machine's pass prices afresh rather than read them from the cache "
         "(after a change the cache key does not see, or a timing a busy machine skewed)",
+    )
+    p.add_argument(
+        "--timings",
+        action="store_true",
+        help="say on stderr the seconds of each stage: arguments, imports, model files, "
+        "tokenizer, weights, corpus, prices, decoding",
     )
     add_decoding_arguments(p)
     p.set_defaults(func=cmd_generate)
