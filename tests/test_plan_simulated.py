@@ -161,3 +161,24 @@ def test_a_stored_worth_starts_halfway_back_to_the_first() -> None:
     assert high == pytest.approx((1.6 * FIRST_WORTH) ** 0.5)
     assert 0.49 < low < FIRST_WORTH < high < 1.6
     assert not Outcomes({1: 0.49}).changed
+
+
+def test_plain_rounds_that_change_speed_bring_exploration_soon() -> None:
+    """A plan that never drafts explores drafting less and less often (its waits double); when
+    its plain rounds start running faster (another process ended), drafting is explored
+    within a few dozen rounds again, not after the grown wait."""
+
+    def explorations(judge: Outcomes, rounds: int, seconds: float) -> list[int]:
+        found = []
+        for i in range(rounds):
+            if judge.worth(1) >= 1.0:  # a bolder plan: drafting explored
+                found.append(i)
+            judge.observe([1], 1, seconds)
+        return found
+
+    judge, steady = Outcomes(explore_every=50), Outcomes(explore_every=50)
+    assert len(explorations(judge, 2000, 1.0)) <= 2000 // 50
+    explorations(steady, 2000, 1.0)
+    late = explorations(judge, 100, 0.6)
+    assert late and late[0] < 30
+    assert not explorations(steady, 100, 1.0)  # the same machine: the grown wait holds

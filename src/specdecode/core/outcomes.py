@@ -34,7 +34,8 @@ where the plan always drafts, a bolder plan where it never does (prices that und
 show it only in rounds they would not draft). At most two rounds in `explore_every` explore (4%
 at the default 50); each exploration that finds nothing new doubles the wait for the next of
 its kind, up to `BACKOFF` times (0.5% a kind), until a correction says the machine changed or
-an explored drafting round beats a plain one.
+an explored drafting round beats a plain one, or plain rounds run `CHANGED` times slower or
+faster than before, two windows of plain rounds in a row (another process started or ended).
 
 A worth stored by an earlier process starts the next one halfway (in ratio) back toward
 `FIRST_WORTH`: it was measured on the machine as it was then, perhaps beside another process or
@@ -65,6 +66,7 @@ WORTH_RANGE = (0.2, 2.0)  # a worth outside is a measurement gone wrong, not a m
 SETTLE = 30  # rounds at a row count before its drafting rounds are weighed (acceptance
 # estimates start at their priors)
 FIRST_WORTH = 0.97  # a drafting round must promise 3% over a plain step until measured
+CHANGED = 1.3  # plain rounds this much slower or faster than before: the machine changed
 CLIP = 3.0  # a round's time is read within 1/3 to 3 times its prediction: a stall is not a price
 CARRIED = 0.5  # the power of a stored worth's ratio to `FIRST_WORTH` that a new process keeps
 
@@ -102,6 +104,9 @@ class _RowCount:
     """What has been seen at one row count."""
 
     worth: float = FIRST_WORTH
+    plain_reference: float | None = None  # the plain rounds' median when last explored afresh
+    plain_count: int = 0  # plain rounds seen
+    plain_strikes: int = 0  # windows of plain rounds in a row away from the reference
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_MEMORY))
     # per drafting round: (plain rounds of time taken, predicted; plain rounds of tokens, predicted)
     drafts: deque[tuple[float, float, float, float]] = field(
@@ -184,6 +189,7 @@ class Outcomes:
         if max(fed) <= 1:
             seen.plain.append(seconds)
             seen.plain_seen.last = seen.asked
+            self._watch_plain(seen)
             return None
         seen.draft_seen.last = seen.asked
         if seen.rounds <= SETTLE:
@@ -202,6 +208,26 @@ class Outcomes:
             return None
         seen.since_judged = 0
         return self._judge(rows, seen)
+
+    def _watch_plain(self, seen: _RowCount) -> None:
+        """Plain rounds `CHANGED` times slower or faster than when last looked at, in two
+        windows of `PLAIN_MEMORY` in a row (one window's median moves that far in noise and
+        stalls): the machine changed (another process started or ended), so what drafting is
+        worth may have too; both kinds of round are explored soon, not after the waits grown
+        on the machine as it was."""
+        seen.plain_count += 1
+        if seen.plain_count % PLAIN_MEMORY:
+            return
+        now = statistics.median(seen.plain)
+        if seen.plain_reference is None:
+            seen.plain_reference = now
+            return
+        away = abs(math.log(now / seen.plain_reference)) > math.log(CHANGED)
+        seen.plain_strikes = seen.plain_strikes + 1 if away else 0
+        if seen.plain_strikes >= 2:
+            seen.plain_reference, seen.plain_strikes = now, 0
+            soon = max(self.explore_every // 5, 2)
+            seen.plain_seen.wait = seen.draft_seen.wait = soon
 
     def _judge(self, rows: int, seen: _RowCount) -> Correction | None:
         taken, steps, got, expected = (sum(c) for c in zip(*seen.drafts, strict=True))
