@@ -10,7 +10,7 @@ must reproduce `ar` token for token; a text that differs is judged once the run 
 mismatch, or a near tie where a bench's backend scores a token differently by the shape of the
 pass), the verdict is said once, in the table (`report.verdict`), and a mismatch fails the
 run. With `repeats` > 1 the rotation over a batch runs that many times and each method keeps
-its fastest run: on a shared machine a stall of a second can hit any one call of a 50 ms
+its fastest run: on a shared machine a stall of a second can hit any one call of a short
 translation, and a minimum over interleaved repeats drops it where a mean or a total would
 carry it.
 
