@@ -245,12 +245,12 @@ def test_in_run_costs_per_call_leave_out_the_first_rounds():
     from specdecode.core.stats import CostFigures, DecodeStats
 
     # 10 s in 6 calls, of which the first round's 1 call took 4 s (the prefill): 1.2 s a call
-    stats = DecodeStats([], verify_seconds=4.0, target_forwards=1, draft_seconds=0.5)
+    stats = DecodeStats([], verify_seconds=4.0, target_passes=1, draft_seconds=0.5)
     stats.end_first_round(CostFigures(), 4.5, 2)
     assert stats.costs_after_first_round() == CostFigures()  # nothing after the first round
-    stats.verify_seconds, stats.target_forwards = 10.0, 6
+    stats.verify_seconds, stats.target_passes = 10.0, 6
     after = stats.costs_after_first_round()
-    assert after.verify_seconds / after.target_forwards == pytest.approx(1.2)
+    assert after.verify_seconds / after.target_passes == pytest.approx(1.2)
     assert stats.first_round_costs == CostFigures(4.0, 0.5, 1, 0)
 
 
@@ -535,7 +535,7 @@ def test_bench_prompt_lookup_methods(tiny_pair, tmp_path):
     assert {("sd-lookup[k=3]", 1), ("sd-lookup[k=3]", 2), ("hf-lookup[k=3]", 1)} <= set(rows)
     assert ("hf-lookup[k=3]", 2) not in rows and ("sd-int8-lookup-first[k=3]", 2) in rows
     lookup = rows[("sd-lookup[k=3]", 1)]
-    assert lookup["drafter_forwards_per_token"] == 0 and lookup["drafted_per_round"] > 0
+    assert lookup["drafter_passes_per_token"] == 0 and lookup["drafted_per_round"] > 0
     assert all(not r["mismatches"] for r in record["methods"])
 
 

@@ -36,7 +36,7 @@ def test_every_policy_commits_the_same_text(decoder: SpeculativeDecoder, coupled
     drafted = {name: out.stats.total.drafted for name, out in outputs.items()}
     assert len(set(drafted.values())) == len(policies), drafted
     assert 0.2 < outputs["k=3"].stats.total.acceptance_rate < 0.95
-    assert all(out.stats.coupling_forwards > 0 for out in outputs.values())
+    assert all(out.stats.coupling_passes > 0 for out in outputs.values())
     # the control: stream randomness, the default, pairs nothing
     streams = [generate(decoder, False, **policies[name]).new_tokens for name in ("k=1", "k=7")]
     assert streams[0] != streams[1]
@@ -47,17 +47,17 @@ def test_first_round_costs_are_filed_apart(decoder: SpeculativeDecoder, coupled_
     coupling pass, so that `bench`'s in-run costs per call leave out both."""
     s = coupled_runs.generate(decoder, True, drafting="model", num_draft_tokens=3).stats
     first = s.first_round_costs
-    assert first.target_forwards == 1  # one batch: one first round
-    assert 1 <= first.drafter_forwards < s.drafter_forwards
+    assert first.target_passes == 1  # one batch: one first round
+    assert 1 <= first.drafter_passes < s.drafter_passes
     assert 0 < first.verify_seconds < s.verify_seconds - s.coupling_seconds
     assert 0 < first.draft_seconds < s.draft_seconds
     now = s.cost_figures()
     assert now.verify_seconds == pytest.approx(s.verify_seconds - s.coupling_seconds)
     assert s.coupling_seconds > 0
-    assert (now.draft_seconds, now.target_forwards, now.drafter_forwards) == (
+    assert (now.draft_seconds, now.target_passes, now.drafter_passes) == (
         s.draft_seconds,
-        s.target_forwards,
-        s.drafter_forwards,
+        s.target_passes,
+        s.drafter_passes,
     )
 
 

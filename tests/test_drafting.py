@@ -98,7 +98,7 @@ def test_a_dear_drafter_step_is_never_planned(pair, decoder) -> None:
     plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
     tokens, stats = run_with_prices(pair, priced(draft=5.0))
     assert tokens == plain
-    assert stats.total.drafter_calls == 0 and stats.drafter_forwards == 0  # the model: never
+    assert stats.total.drafter_calls == 0 and stats.drafter_passes == 0  # the model: never
     assert stats.total.drafted > 0  # lookup (no drafter pass) still pays on repeating texts
 
 
@@ -106,7 +106,7 @@ def test_cheap_passes_make_the_model_draft(pair, decoder) -> None:
     plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
     tokens, stats = run_with_prices(pair, priced(per_token_1=0.01, per_token_8=0.01))
     assert tokens == plain
-    assert stats.total.drafter_calls > 0 and stats.drafter_forwards > 0
+    assert stats.total.drafter_calls > 0 and stats.drafter_passes > 0
 
 
 def test_dear_passes_make_nothing_pay(pair) -> None:
@@ -346,7 +346,7 @@ def test_greedy_of_every_drafting_equals_plain(decoder, drafting) -> None:
     if drafting in ("model", "lookup", "lookup-first"):  # not planned: they draft every round
         assert out.stats.total.drafted > 0
     if drafting == "lookup":
-        assert out.stats.drafter_forwards == 0
+        assert out.stats.drafter_passes == 0
 
 
 def test_auto_with_lookup_alone_equals_plain(pair) -> None:
@@ -355,7 +355,7 @@ def test_auto_with_lookup_alone_equals_plain(pair) -> None:
     plain = decoder.generate(PROMPTS, use_drafter=False, **GREEDY).new_tokens
     assert decoder.generate(PROMPTS, drafting="auto", **GREEDY).new_tokens == plain
     tokens, stats = run_with_prices(pair, priced(), model=False)
-    assert tokens == plain and stats.total.drafted > 0 and stats.drafter_forwards == 0
+    assert tokens == plain and stats.total.drafted > 0 and stats.drafter_passes == 0
 
 
 # --- one default, and the old spellings named ---------------------------------------------------

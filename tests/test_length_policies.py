@@ -469,7 +469,7 @@ def peaked_drafter(tiny_llama) -> nn.Module:
 def test_constant_head_ends_the_round_when_every_row_stops(peaked_drafter: nn.Module) -> None:
     """a = 0.9 everywhere, h = 0.25: risks 0.1, 0.19, 0.271 -> three tokens, three forwards."""
     draft = draft_once(peaked_drafter, HeadLength(ConstantHead(0.9), 0.25, 1, MAX), PROMPTS, MAX)
-    assert draft.lengths.tolist() == [3] * len(PROMPTS) and draft.forwards == 3
+    assert draft.lengths.tolist() == [3] * len(PROMPTS) and draft.passes == 3
     drafter = ModelDrafter(
         CachedModel(peaked_drafter),
         SamplingConfig(),
@@ -479,7 +479,7 @@ def test_constant_head_ends_the_round_when_every_row_stops(peaked_drafter: nn.Mo
     drafter.start(2)
     sequences, lens = padded(PROMPTS[:2])
     draft = drafter.propose(sequences, lens, torch.tensor([MAX, 2]), None)
-    assert draft.lengths.tolist() == [3, 2] and draft.forwards == 3
+    assert draft.lengths.tolist() == [3, 2] and draft.passes == 3
 
 
 def spaced_threshold(
@@ -532,12 +532,12 @@ def test_drafter_rows_stop_where_the_rule_says(
     assert probe.lengths.tolist() == [MAX] * len(PROMPTS)
     draft = draft_once(peaked_drafter, policy(), PROMPTS, MAX)
     assert draft.lengths.tolist() == expected
-    assert draft.forwards == max(expected)
+    assert draft.passes == max(expected)
     assert max(expected) < MAX or kind == "confidence"  # the head round ends early
     for row, n in enumerate(expected):
         assert draft.tokens[row, :n].tolist() == probe.tokens[row, :n].tolist()
         alone = draft_once(peaked_drafter, policy(), [PROMPTS[row]], MAX)
-        assert alone.lengths.tolist() == [n] and alone.forwards == n
+        assert alone.lengths.tolist() == [n] and alone.passes == n
         assert alone.tokens[0, :n].tolist() == draft.tokens[row, :n].tolist()
 
 
@@ -749,7 +749,7 @@ def test_greedy_output_identical_under_every_policy(
         total = out.stats.total
         drafted = [n for _, lengths in recorded for n in lengths]
         assert total.drafted == sum(drafted)
-        assert out.stats.drafter_forwards == sum(max(lengths) for _, lengths in recorded)
+        assert out.stats.drafter_passes == sum(max(lengths) for _, lengths in recorded)
         if drafter == "same":
             assert total.acceptance_rate == 1.0
         else:

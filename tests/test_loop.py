@@ -133,7 +133,7 @@ def test_timed_rounds_reach_drafting_s_judge(tiny_llama, monkeypatch):
     seen = []
     monkeypatch.setattr(decoder, "observe_round", lambda *a: seen.append(a))
     out = decoder.generate(PROMPTS[:2], max_new_tokens=12, stop_token_ids=[])
-    assert seen and len(seen) <= out.stats.target_forwards - 1  # not the first (prompt) round
+    assert seen and len(seen) <= out.stats.target_passes - 1  # not the first (prompt) round
     for counts, committed, seconds in seen:
         assert len(counts) in (1, 2) and min(counts) >= 1 and seconds > 0
         assert len(counts) <= committed <= sum(counts) + len(counts)

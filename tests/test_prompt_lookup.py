@@ -92,7 +92,7 @@ def test_greedy_output_equals_plain_decoding(decoder: SpeculativeDecoder, policy
         want = plain.new_tokens if batch is PROMPTS else plain.new_tokens[2:3]
         assert out.new_tokens == want
     total = decoder.generate(PROMPTS, **kwargs, **policy).stats
-    assert total.drafter_forwards == 0
+    assert total.drafter_passes == 0
     if policy["drafting"] == "lookup":  # the timed prices decide whether auto drafts here
         assert total.total.drafted > 0 and 0 < total.total.accepted < total.total.drafted
 

@@ -74,7 +74,7 @@ def decode_parts(decoder: SpeculativeDecoder, prompt: str, k: int | None, tokens
     s = out.stats
     after = s.costs_after_first_round()
     return {
-        "rounds": after.target_forwards,
+        "rounds": after.target_passes,
         "verify": after.verify_seconds,
         "draft": after.draft_seconds,
         "target": TIMES["target"] - first.get("target", 0.0),

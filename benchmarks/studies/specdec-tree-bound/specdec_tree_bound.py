@@ -117,7 +117,7 @@ def main() -> None:
         for _ in range(2):  # interleaved, fastest of two
             for name, kwargs in (("ar", dict(use_drafter=False)), ("sd", dict(block_size=k))):
                 out = int8.translate(sources, batch_size=1, max_new_tokens=100, **kwargs)
-                per_call = out.stats.wall_seconds / out.stats.target_forwards
+                per_call = out.stats.wall_seconds / out.stats.target_passes
                 timed[name] = min(timed.get(name, math.inf), 1e3 * per_call)
     step, round_chain = timed["ar"], timed["sd"]
     print(f"shipped pair, first {len(sources)} test verses, batch 1, greedy; plain step "

@@ -486,7 +486,7 @@ def plot_policies(rows: list[dict], out_dir: Path, plt) -> list[Path]:
                 ax.axhline(speed[0], ls=":", color="grey", label=name if ax is ax_t else None)
         else:
             ax_t.plot([r["threshold"] for r in points], speed, "o-", label=name)
-        xs = [r["drafter_forwards_per_token"] for r in points]
+        xs = [r["drafter_passes_per_token"] for r in points]
         ys = [r["tokens_per_target_call"] for r in points]
         ax_p.plot(xs, ys, "o-" if len(points) > 1 else "s", label=name)
         for r, x, y in zip(points, xs, ys, strict=True):

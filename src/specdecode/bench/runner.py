@@ -495,12 +495,12 @@ def engine_figures(
     # ar's own time per target call there
     ar = base.stats.costs_after_first_round() if base.stats is not None else CostFigures()
     own = rec.stats.costs_after_first_round() if rec.stats is not None else CostFigures()
-    if ar.target_forwards:
-        ar_step = ar.verify_seconds / ar.target_forwards
-        if own.drafter_forwards:
-            row["c_in_run"] = own.draft_seconds / own.drafter_forwards / ar_step
-        if own.target_forwards:
-            verify = own.verify_seconds / own.target_forwards
+    if ar.target_passes:
+        ar_step = ar.verify_seconds / ar.target_passes
+        if own.drafter_passes:
+            row["c_in_run"] = own.draft_seconds / own.drafter_passes / ar_step
+        if own.target_passes:
+            verify = own.verify_seconds / own.target_passes
             row["verify_cost_in_steps_in_run"] = verify / ar_step
     total = rec.stats.total if rec.stats is not None else RowStats()
     if total.target_calls and method.spec.k is not None and total.drafted:
@@ -518,8 +518,8 @@ def draft_figures(method: Method, rec: MethodRecord, costs: dict, batch_size: in
         tokens_per_target_call=total.tokens_per_target_call,
         acceptance_rate=total.acceptance_rate,
         drafted_per_round=total.drafted / total.target_calls,
-        drafter_forwards_per_token=stats.drafter_forwards / tokens,
-        target_forwards_per_token=stats.target_forwards / tokens,
+        drafter_passes_per_token=stats.drafter_passes / tokens,
+        target_passes_per_token=stats.target_passes / tokens,
         accepted_hist=total.accepted_hist,
         c=costs["c"].get(method.kind),
         policy_seconds=stats.policy_seconds,
@@ -546,13 +546,13 @@ def add_modelled(row: dict, costs: dict | None, batch_size: int) -> None:
     if batch_size != 1 or costs is None:
         return
     verify_costs = {int(k): v for k, v in costs["verify_cost_in_steps"].items()}
-    if row.get("c") is None or len(verify_costs) < 2 or "target_forwards_per_token" not in row:
+    if row.get("c") is None or len(verify_costs) < 2 or "target_passes_per_token" not in row:
         return
     # a policy runs once per drafted position, that is once per drafter pass
     policy_steps = (row.get("policy_ms_per_drafted_token") or 0.0) / 1000 / costs["target_step_s"]
     row["modelled_speedup"] = modelled_speedup(
-        row["target_forwards_per_token"],
-        row["drafter_forwards_per_token"],
+        row["target_passes_per_token"],
+        row["drafter_passes_per_token"],
         row["drafted_per_round"],
         verify_costs,
         row["c"],

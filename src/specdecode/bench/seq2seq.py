@@ -389,10 +389,10 @@ def translation_figures(
             accepted_at_least=st.accepted_at_least() if st.drafted else None,
             verifier_calls=st.target_calls,
         )
-    if rec.stats.target_forwards:
-        row["ms_per_verifier_call"] = 1000 * rec.stats.verify_seconds / rec.stats.target_forwards
-    if rec.stats.drafter_forwards:
-        row["ms_per_drafter_call"] = 1000 * rec.stats.draft_seconds / rec.stats.drafter_forwards
+    if rec.stats.target_passes:
+        row["ms_per_verifier_call"] = 1000 * rec.stats.verify_seconds / rec.stats.target_passes
+    if rec.stats.drafter_passes:
+        row["ms_per_drafter_call"] = 1000 * rec.stats.draft_seconds / rec.stats.drafter_passes
     return row
 
 

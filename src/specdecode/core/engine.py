@@ -275,8 +275,8 @@ def speculative_step(
     stats.verify_seconds += time.perf_counter() - t1
     stats.draft_seconds += t1 - t0
     stats.policy_seconds += draft.policy_seconds
-    stats.target_forwards += 1
-    stats.drafter_forwards += draft.forwards
+    stats.target_passes += 1
+    stats.drafter_passes += draft.passes
     passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
     accepted = torch.minimum(verdict.num_accepted, draft.lengths)
     fed = pending_valid.sum(1) + draft.lengths  # [batch]
@@ -321,7 +321,7 @@ def coupled_next_tokens(
     again = rule.verify(token[:, None], law[:, None], logits.gather(1, at), full.long(), rng)
     drawn = torch.where(again.num_accepted > 0, token, again.next_tokens)  # [batch]
     stats.coupling_seconds += time.perf_counter() - t0
-    stats.coupling_forwards += 1
+    stats.coupling_passes += 1
     return torch.where(full, drawn, verdict.next_tokens), bad
 
 

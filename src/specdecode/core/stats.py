@@ -104,8 +104,8 @@ class CostFigures:
 
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
-    target_forwards: int = 0
-    drafter_forwards: int = 0
+    target_passes: int = 0
+    drafter_passes: int = 0
 
     def __add__(self, other: CostFigures) -> CostFigures:
         return CostFigures(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -119,14 +119,14 @@ class DecodeStats:
     """Per-row figures plus the batch's own cost: batched forwards and wall time."""
 
     rows: list[RowStats]
-    target_forwards: int = 0
-    drafter_forwards: int = 0
+    target_passes: int = 0
+    drafter_passes: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     policy_seconds: float = 0.0  # inside drafting: the length policy's decisions (e.g. the head)
     # coupled randomness only: the extra drafter pass for bonus tokens (not part of the method)
     coupling_seconds: float = 0.0
-    coupling_forwards: int = 0
+    coupling_passes: int = 0
     wall_seconds: float = 0.0
     # the first round of a batch holds both prefills (prompt through target and drafter), the
     # same work for every method; the time and tokens after it are the decoding proper
@@ -145,7 +145,7 @@ class DecodeStats:
     def cost_figures(self) -> CostFigures:
         """The passes' costs so far, the coupling pass left out of the verify time."""
         verify = self.verify_seconds - self.coupling_seconds
-        return CostFigures(verify, self.draft_seconds, self.target_forwards, self.drafter_forwards)
+        return CostFigures(verify, self.draft_seconds, self.target_passes, self.drafter_passes)
 
     def costs_after_first_round(self) -> CostFigures:
         return self.cost_figures() - self.first_round_costs
@@ -160,13 +160,13 @@ class DecodeStats:
         """Add the figures of a sub-batch whose row i is row `rows[i]` of this one."""
         for i, row in enumerate(rows):
             self.rows[row] = self.rows[row].merge(part.rows[i])
-        self.target_forwards += part.target_forwards
-        self.drafter_forwards += part.drafter_forwards
+        self.target_passes += part.target_passes
+        self.drafter_passes += part.drafter_passes
         self.draft_seconds += part.draft_seconds
         self.verify_seconds += part.verify_seconds
         self.policy_seconds += part.policy_seconds
         self.coupling_seconds += part.coupling_seconds
-        self.coupling_forwards += part.coupling_forwards
+        self.coupling_passes += part.coupling_passes
         self.wall_seconds += part.wall_seconds
         self.first_round_seconds += part.first_round_seconds
         self.first_round_tokens += part.first_round_tokens
@@ -176,13 +176,13 @@ class DecodeStats:
         return {
             "total": self.total.as_dict(),
             "rows": [row.as_dict() for row in self.rows],
-            "target_forwards": self.target_forwards,
-            "drafter_forwards": self.drafter_forwards,
+            "target_passes": self.target_passes,
+            "drafter_passes": self.drafter_passes,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "policy_seconds": self.policy_seconds,
             "coupling_seconds": self.coupling_seconds,
-            "coupling_forwards": self.coupling_forwards,
+            "coupling_passes": self.coupling_passes,
             "wall_seconds": self.wall_seconds,
             "first_round_seconds": self.first_round_seconds,
             "first_round_tokens": self.first_round_tokens,
@@ -195,8 +195,8 @@ class DecodeStats:
         return (
             f"{t.new_tokens} tokens in {self.wall_seconds:.2f}s "
             f"({t.new_tokens / max(self.wall_seconds, 1e-9):.1f} tok/s); "
-            f"target calls {t.target_calls} ({self.target_forwards} batched), "
-            f"drafter calls {t.drafter_calls} ({self.drafter_forwards} batched); "
+            f"target calls {t.target_calls} ({self.target_passes} batched), "
+            f"drafter calls {t.drafter_calls} ({self.drafter_passes} batched); "
             f"drafted {t.drafted}, accepted {t.accepted}, recovered {t.recovered}, "
             f"bonus {t.bonus}; tokens/target call {t.tokens_per_target_call:.2f}, "
             f"acceptance {t.acceptance_rate:.3f}; drafting {self.draft_seconds:.2f}s, "

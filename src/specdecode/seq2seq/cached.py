@@ -82,7 +82,7 @@ class CachedSeq2Seq(CachedModel):
         self.row_positions = install_row_positions(model)
         self.encoder_states = torch.empty(0, 0, 0, device=self.device)  # [batch, src, d_model]
         self.encoder_mask = torch.empty(0, 0, dtype=torch.long, device=self.device)
-        self.encoder_forwards = 0
+        self.encoder_passes = 0
         self.reset(0)
 
     @property
@@ -98,7 +98,7 @@ class CachedSeq2Seq(CachedModel):
         out = encoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask)
         self.encoder_states = out.last_hidden_state
         self.encoder_mask = attention_mask.to(self.device)
-        self.encoder_forwards += 1
+        self.encoder_passes += 1
 
     def reset(self, batch_size: int) -> None:
         if batch_size and batch_size != self.encoder_states.shape[0]:

@@ -21,7 +21,7 @@ class Draft:
     tokens: torch.Tensor  # [batch, k] (entries past lengths[b] are padding)
     probs: torch.Tensor | None  # [batch, k, vocab], the law each token was drawn from
     lengths: torch.Tensor  # [batch] tokens proposed per row, <= k
-    forwards: int = 0  # batched forward passes spent on this draft
+    passes: int = 0  # batched forward passes spent on this draft
     invalid_logits: torch.Tensor | None = None  # [batch] (or [] for all) bool: unusable law
     policy_seconds: float = 0.0  # time the length policy spent deciding (e.g. the head)
     row_passes: torch.Tensor | None = None  # [batch] drafter passes per row; None: one a token

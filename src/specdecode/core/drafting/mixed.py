@@ -232,7 +232,7 @@ def merge_lookup(draft: Draft, looked: list[torch.Tensor], use: torch.Tensor) ->
         tokens,
         probs,
         lengths,
-        draft.forwards,
+        draft.passes,
         draft.invalid_logits,
         draft.policy_seconds,
         row_passes=passes.masked_fill(use, 0),
