@@ -480,7 +480,7 @@ def test_from_pretrained_packs_the_target_and_can_draft_in_int8(tiny_pair):
     with pytest.raises(ValueError, match="drafter_int8 needs a drafter"):
         SpeculativeDecoder.from_pretrained(str(target), None, drafter_int8=True)
     with pytest.raises(ValueError, match="prepack needs float32 on the CPU"):
-        SpeculativeDecoder.from_pretrained(str(target), None, torch.bfloat16, prepack=True)
+        SpeculativeDecoder.from_pretrained(str(target), None, dtype=torch.bfloat16, prepack=True)
 
 
 def test_max_draft_batch_is_a_pair_bench_option(tiny_pair, tmp_path, capsys):

@@ -183,60 +183,19 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(
-        cls,
-        target: str | ModelSource,
-        drafter: str | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        prepack: bool | None = None,
-        drafter_int8: bool = False,
-        backend: str | None = None,
-        threads: int | None = None,
-        compile: bool | None = None,
-        tokenizer: Any = None,
-        context: int | None = None,
-        prefix_cache_mib: int = 0,
-        passes: int | None = None,
+        cls, target: str | ModelSource, drafter: str | None = None, **options: Any
     ) -> SpeculativeDecoder:
         """Load known model names, local model directories or GGUF files, offline; the drafter
         "prompt-lookup" drafts by n-gram lookup with no model (`PromptLookup`). `target` may be
         a `loading.ModelSource` the caller resolved already (`loading.resolve`): its files are
-        not looked up again. The loading itself is `loading.load_pair`'s.
-
-        `backend`: "llama.cpp" runs GGUF files as shipped (4-bit, an eighth of fp32's memory
-        and bytes per step); "torch" runs `transformers` models (a known model is converted to
-        fp32 safetensors once); "torch-static" runs them over a static per-row cache in fixed
-        shapes (`backends.torch_static`), `compile`d (CUDA graphs on a GPU; default: on CUDA
-        only). None: llama.cpp for known models and `.gguf` files on the CPU, torch otherwise.
-        `threads`: llama.cpp's threads (default: the physical cores). `tokenizer`: the
-        target GGUF's tokenizer where the caller loaded it already (the command line does, to
-        check the prompts against the context before the weights load). `context`: llama.cpp's
-        tokens per row (prompt plus new tokens; default 4096, at most the trained context): its
-        cache is sized rows x context up front, so a server of 8 rows of 2048 holds half the
-        cache of the default. `prefix_cache_mib`: llama.cpp only, host memory per model for the
-        cells of prompts whose sequence a later row takes over, restored when a prompt sharing
-        their prefix comes back (a server's seen prompts; `LlamaCppModel`).
-        `passes`: llama.cpp only, the most target passes the caller will run (a generation's
-        new tokens), where it knows: the target's weights are then moved to 2 MiB pages only if
-        so many passes repay the move (`LlamaCppModel`).
-
-        torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
-        products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
-        runs a few rows at two to three times the cost of one, a verify pass otherwise costs
-        that much more than a decoding step. None (the default): on for fp32 on the CPU where
-        this torch build has the kernels; it doubles the target's linear weights in memory, and
-        an fp32 drafter gets the same packing. `drafter_int8` drafts with an int8 dynamically
-        quantized copy of the drafter (CPU) instead: cheaper drafts, the same output law.
+        not looked up again. `options` are `loading.load_pair`'s (backend, threads, context,
+        dtype, device, ...: said there), each checked before any weights are read.
 
         Drafting `auto` then also drafts from the standard library's code where a row's text
         has no match, as `specdecode generate` and `serve` do (indexed at its first use,
         seconds, then cached; `use_corpus(None)` turns it off).
         """
-        pair = load_pair(
-            target, drafter, dtype, device, prepack, drafter_int8, backend, threads, compile,
-            tokenizer, context, prefix_cache_mib, passes,
-        )  # fmt: skip
-        decoder = cls(*pair)
+        decoder = cls(*load_pair(target, drafter, **options))
         decoder._default_corpus = DEFAULT_CORPUS  # what `generate` and `serve` read
         return decoder
 

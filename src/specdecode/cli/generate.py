@@ -140,8 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.from_pretrained(
         source,
         draft,
-        dtype,
-        args.device,
+        dtype=dtype,
+        device=args.device,
         prepack=False if args.no_prepack else None,
         drafter_int8=torch_only
         and draft not in (None, PROMPT_LOOKUP)
