@@ -179,6 +179,9 @@ def test_plain_rounds_that_change_speed_bring_exploration_soon() -> None:
     judge, steady = Outcomes(explore_every=50), Outcomes(explore_every=50)
     assert len(explorations(judge, 2000, 1.0)) <= 2000 // 50
     explorations(steady, 2000, 1.0)
+    assert not judge.shifts
     late = explorations(judge, 100, 0.6)
     assert late and late[0] < 30
+    assert [(s.rows, round(s.ratio, 2)) for s in judge.shifts] == [(1, 0.6)]  # said once
     assert not explorations(steady, 100, 1.0)  # the same machine: the grown wait holds
+    assert not steady.shifts

@@ -30,7 +30,7 @@ import torch
 
 from specdecode.backends.base import ModelBackend
 from specdecode.backends.kernels import median_times
-from specdecode.core.outcomes import Outcomes
+from specdecode.core.outcomes import Outcomes, Shift
 from specdecode.core.prices import (
     PRICE_CONTEXT_TOKENS,
     PRICED_ROWS,
@@ -339,6 +339,13 @@ class PriceBook:
             return False
         change = self.outcomes.observe(fed, committed, seconds)
         if change is None:
+            return False
+        if isinstance(change, Shift):
+            log.warning(
+                "plain rounds at %d row(s) take %.2fx as long as before (another process "
+                "started or ended?): drafting and plain rounds are both tried again soon",
+                change.rows, change.ratio,
+            )  # fmt: skip
             return False
         log.warning(
             "drafting at %d row(s) delivers %.2fx the gain its prices predict (was %.2fx, "

@@ -82,6 +82,16 @@ class Correction:
     standard_error: float
 
 
+@dataclass(frozen=True)
+class Shift:
+    """Plain rounds at `rows` rows running `ratio` times as long as before, seen at the
+    `round`-th round observed there: the machine changed, both kinds of round are tried soon."""
+
+    rows: int
+    round: int
+    ratio: float
+
+
 @dataclass
 class _Kind:
     """When a kind of round (plain, or drafting) was last seen at a row count, in plans, and
@@ -141,6 +151,7 @@ class Outcomes:
             carried = FIRST_WORTH * (_clamped(float(value)) / FIRST_WORTH) ** CARRIED
             self._at(int(rows)).worth = _clamped(carried)
         self.corrections: list[Correction] = []
+        self.shifts: list[Shift] = []
         self.explored = 0  # rounds run as exploration
         self.changed = False  # a correction not yet stored (`stored`)
         self._prediction: tuple[int, float, float] | None = None  # (rows, tokens, steps)
@@ -173,10 +184,12 @@ class Outcomes:
         steps, where a plain round of these rows costs `plain_steps`."""
         self._prediction = rows, tokens / rows, steps / plain_steps
 
-    def observe(self, fed: Sequence[int], committed: int, seconds: float) -> Correction | None:
+    def observe(
+        self, fed: Sequence[int], committed: int, seconds: float
+    ) -> Correction | Shift | None:
         """One decoding round: `fed[b]` the tokens its target pass took for row b (all 1: a
         plain round), `committed` the tokens it committed, `seconds` what it took. Returns the
-        correction it led to, if any."""
+        correction it led to, or the change of the machine its plain rounds showed, if any."""
         prediction, self._prediction = self._prediction, None
         exploring, self._exploring = self._exploring, None
         if exploring is not None:
@@ -189,8 +202,7 @@ class Outcomes:
         if max(fed) <= 1:
             seen.plain.append(seconds)
             seen.plain_seen.last = seen.asked
-            self._watch_plain(seen)
-            return None
+            return self._watch_plain(rows, seen)
         seen.draft_seen.last = seen.asked
         if seen.rounds <= SETTLE:
             return None
@@ -209,7 +221,7 @@ class Outcomes:
         seen.since_judged = 0
         return self._judge(rows, seen)
 
-    def _watch_plain(self, seen: _RowCount) -> None:
+    def _watch_plain(self, rows: int, seen: _RowCount) -> Shift | None:
         """Plain rounds `CHANGED` times slower or faster than when last looked at, in two
         windows of `PLAIN_MEMORY` in a row (one window's median moves that far in noise and
         stalls): the machine changed (another process started or ended), so what drafting is
@@ -217,17 +229,21 @@ class Outcomes:
         on the machine as it was."""
         seen.plain_count += 1
         if seen.plain_count % PLAIN_MEMORY:
-            return
-        now = statistics.median(seen.plain)
-        if seen.plain_reference is None:
+            return None
+        now, before = statistics.median(seen.plain), seen.plain_reference
+        if before is None:
             seen.plain_reference = now
-            return
-        away = abs(math.log(now / seen.plain_reference)) > math.log(CHANGED)
+            return None
+        away = abs(math.log(now / before)) > math.log(CHANGED)
         seen.plain_strikes = seen.plain_strikes + 1 if away else 0
-        if seen.plain_strikes >= 2:
-            seen.plain_reference, seen.plain_strikes = now, 0
-            soon = max(self.explore_every // 5, 2)
-            seen.plain_seen.wait = seen.draft_seen.wait = soon
+        if seen.plain_strikes < 2:
+            return None
+        seen.plain_reference, seen.plain_strikes = now, 0
+        soon = max(self.explore_every // 5, 2)
+        seen.plain_seen.wait = seen.draft_seen.wait = soon
+        shift = Shift(rows, seen.rounds, now / before)
+        self.shifts.append(shift)
+        return shift
 
     def _judge(self, rows: int, seen: _RowCount) -> Correction | None:
         taken, steps, got, expected = (sum(c) for c in zip(*seen.drafts, strict=True))
