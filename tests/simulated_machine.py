@@ -454,6 +454,7 @@ def run(
     most_drafted: int = 8,
     after_shift: Curve | None = None,
     shift_round: int | None = None,
+    after_text: Text | None = None,
     prices: Prices | None = None,
 ) -> Result:
     """Run `rows` rows for `rounds` rounds and measure those after `warmup` (a row asks for
@@ -461,8 +462,9 @@ def run(
     (the priced plan, judged by `Outcomes` where `judge`, else by its prices alone), "plain",
     or an int k (every row drafts k tokens from its lookup match or corpus guess, else from
     the drafter model). From round `shift_round` on the machine has shifted (`Weather.shift`,
-    and `after_shift`'s curve where given). `prices`: the plan's prices (default: timed on the
-    machine)."""
+    and `after_shift`'s curve where given), and rows that join are of `after_text` where
+    given (a server whose users turn from code to chat). `prices`: the plan's prices
+    (default: timed on the machine)."""
     machine = Machine(curve, weather, seed, after_shift)
     world = World(text, seed)
     target = SimModel(machine, world, "target")
@@ -508,6 +510,8 @@ def run(
             loop.add(RowRequest(world.prompt(next_key), budget))
             next_key += 1
         machine.shifted = shift_round is not None and done >= shift_round
+        if machine.shifted and after_text is not None:
+            world.text = after_text  # rows drawn from now on
         machine.at_round(done)
         start = machine.now
         updates = loop.step()

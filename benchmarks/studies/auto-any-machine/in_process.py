@@ -8,10 +8,12 @@ the passes.
 
     python benchmarks/studies/auto-any-machine/in_process.py [--passes 2] [--cells ...]
 
-`--busy SECONDS`: a second process starts that many seconds into the first auto run of each
-cell and stops at its end (another process on the machine): spinning on one core, or with
-`--busy-kind memory` copying 512 MiB arrays over and over (a competitor for memory bandwidth,
-which slows a step that streams the weights more than it slows the extra tokens of a pass).
+`--busy SECONDS`: a second process starts that many seconds into every run (auto and off
+alike, so both meet the same machine) and stops at its end (another process on the machine):
+spinning on one core, or with `--busy-kind memory` copying 512 MiB arrays over and over (a
+competitor for memory bandwidth, which slows a step that streams the weights more than it
+slows the extra tokens of a pass). The judge's corrections and the changes its plain rounds
+show are printed as they come.
 """
 
 import argparse
@@ -61,7 +63,7 @@ for cell in args.cells:
             busy = None
             start, rounds = time.perf_counter(), 0
             while len(loop):
-                due = args.busy is not None and mode == "auto" and rep == 0
+                due = args.busy is not None
                 if due and busy is None and time.perf_counter() - start > args.busy:
                     busy = subprocess.Popen([sys.executable, "-c", BUSY[args.busy_kind]])
                     print(f"  a busy process starts after {rounds} rounds", flush=True)
@@ -95,5 +97,6 @@ judge = decoder.outcomes
 print(
     "corrections:", [(c.rows, c.round, round(c.old, 3), round(c.new, 3)) for c in judge.corrections]
 )
+print("machine changes:", [(s.rows, s.round, round(s.ratio, 2)) for s in judge.shifts])
 print("explored rounds:", judge.explored)
 print("\n".join(summary))
