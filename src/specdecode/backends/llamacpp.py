@@ -171,9 +171,9 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
         params.n_seq_max = rows
         params.n_threads = params.n_threads_batch = self.threads
         params.embeddings = False  # switched on per pass, when hidden states are read
-        # one row: a unified cache, as llama-cpp-python sets it (a step of the 1.5B target ran
-        # 7% faster with it on a 2-core Xeon); several: a cache stream per row, so a row's
-        # attention spans its own cells only
+        # one row: a unified cache, as llama-cpp-python sets it (a faster step: findings, "A
+        # unified llama.cpp cache makes ragged passes cheap and attention dear"); several: a
+        # cache stream per row, so a row's attention spans its own cells only
         params.kv_unified = rows == 1
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, params)

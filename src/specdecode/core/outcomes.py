@@ -145,6 +145,7 @@ class Outcomes:
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2 rounds, got {explore_every}")
         self.explore_every, self.confidence = explore_every, confidence
+        self.soon = max(explore_every // 5, 2)  # the wait, in plans, where evidence asks for one
         self.tolerance, self.hold = tolerance, hold
         self.counts: dict[int, _RowCount] = {}
         for rows, value in (worth or {}).items():
@@ -214,7 +215,7 @@ class Outcomes:
         seen.drafts.append((taken, steps, committed / rows, tokens))
         if exploring == "draft" and committed / rows > taken:
             # an explored drafting round beat a plain one: look again soon, not after a wait
-            seen.draft_seen.wait = max(self.explore_every // 5, 2)
+            seen.draft_seen.wait = self.soon
         seen.since_judged += 1
         if len(seen.drafts) < LEAST or seen.since_judged < JUDGE_EVERY:
             return None
@@ -239,8 +240,7 @@ class Outcomes:
         if seen.plain_strikes < 2:
             return None
         seen.plain_reference, seen.plain_strikes = now, 0
-        soon = max(self.explore_every // 5, 2)
-        seen.plain_seen.wait = seen.draft_seen.wait = soon
+        seen.plain_seen.wait = seen.draft_seen.wait = self.soon
         shift = Shift(rows, seen.rounds, now / before)
         self.shifts.append(shift)
         return shift
