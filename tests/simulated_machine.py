@@ -156,8 +156,10 @@ CURVES = {"xeon": XEON, "epyc": EPYC, "full-step": FULL_STEP, "gpu": GPU}
 class Weather:
     """What a machine's times suffer besides its curve: uniform noise of +-`noise`, a slow
     drift of +-`drift` over `drift_rounds` rounds, a factor `shift` on every cost once the
-    machine has shifted (another process started: `Machine.shifted`), a stall of `stall` x its
-    time on one pass in `stall_every`."""
+    machine has shifted (another process started: `Machine.shifted`), a stall of `stall` one-row
+    steps added, on average once in `stall_every` steps of work (the process preempted, a page
+    fault: a wait that comes as often in a long pass as in as many short ones, and does not grow
+    with the pass it falls in)."""
 
     noise: float = 0.0
     drift: float = 0.0
@@ -182,9 +184,9 @@ class Machine:
         # each curve with its prices, built once (every pass reads them)
         self.curves = [(c, c.prices) for c in (curve, after_shift or curve)]
         self.now = 0.0
-        self.round = -1  # the run's round (-1: timing prices); its weather is the same in
-        self.passes = 0  # every method's run, whatever passes the others ran before
-        self.random = random.Random(seed)
+        self.round = -1  # the run's round (-1: timing prices)
+        self.passes = 0
+        self.random: dict[str, random.Random] = {}  # per kind of work (`spend`), this round's
         self.shifted = False
 
     @property
@@ -198,19 +200,33 @@ class Machine:
     def at_round(self, index: int) -> None:
         """The run's round `index` starts: its passes draw their weather from it."""
         self.round, self.passes = index, 0
-        self.random = random.Random(self.seed * 1_000_003 + index)
+        self.random = {}
 
-    def spend(self, steps: float) -> None:
+    def spend(self, steps: float, kind: str = "target", prompt: int | None = None) -> None:
+        """Advance the clock by `steps` of `kind` of work ("target", "drafter", "host").
+
+        Each kind draws its weather from its own stream, seeded by the round, and a pass that
+        reads a row's prompt (`prompt`: its key) from that row's: the target passes of round i,
+        and every row's prompt pass wherever it falls, meet the same noise and stalls in every
+        method's run, whatever the others ran before them (common random numbers: two methods
+        compared over 500 rounds differ by what they do, not by their dice)."""
+        if prompt is not None:
+            rng = random.Random((self.seed * KEYS + prompt) * 4 + 3)
+        else:
+            if kind not in self.random:
+                stream = ("target", "drafter", "host").index(kind)
+                seeded = (self.seed * 1_000_003 + self.round) * 4 + stream
+                self.random[kind] = random.Random(seeded)
+            rng = self.random[kind]
         w = self.weather
-        factor = 1.0 + self.random.uniform(-w.noise, w.noise)
+        factor = 1.0 + rng.uniform(-w.noise, w.noise)
         if w.drift:
             factor *= 1.0 + w.drift * math.sin(2 * math.pi * max(self.round, 0) / w.drift_rounds)
         if self.shifted:
             factor *= w.shift
-        if w.stall_every and self.random.randrange(w.stall_every) == 0:
-            factor *= w.stall
+        stalled = w.stall if w.stall_every and rng.random() * w.stall_every < steps else 0.0
         self.passes += 1
-        self.now += steps * factor * self.curve.step_ms / 1e3
+        self.now += (steps * factor + stalled) * self.curve.step_ms / 1e3
 
     def pass_steps(self, counts: list[int]) -> float:
         return self.curves[self.shifted][1].shape_cost(counts)
@@ -360,11 +376,15 @@ class SimModel(PendingFromLengths):
         self._learn_keys(tokens, valid)
         counts = valid.sum(1)  # [batch]
         held = counts.tolist()
+        starts = zip(self.keys, self.lengths.tolist(), held, strict=True)
+        prompts = [k for k, n, c in starts if not n and c]  # rows whose prompt this pass reads
         if self.role == "target":
-            self.machine.spend(self.machine.pass_steps([c for c in held if c] or [1]))
+            steps = self.machine.pass_steps([c for c in held if c] or [1])
+            self.machine.spend(steps, prompt=min(prompts, default=None))
         else:
             rows = sum(c > 0 for c in held)
-            self.machine.spend(self.machine.draft_steps(max(rows, 1), max(held, default=1)))
+            steps = self.machine.draft_steps(max(rows, 1), max(held, default=1))
+            self.machine.spend(steps, "drafter")
         position = self.lengths[:, None] + valid.long().cumsum(1) - 1  # [batch, n]
         position = position[:, -logits_to_keep:].clamp(min=0)  # [batch, keep]
         nxt = self.scripts.gather(1, (position + 1).clamp(max=TEXT - 1))  # [batch, keep]
@@ -397,11 +417,11 @@ class SimDrafter(MixedDrafter):
     """The mixed drafter with its free drafts (lookup, corpus) taken from the world."""
 
     def __init__(self, world: World, machine: Machine, use_corpus: bool, *args) -> None:
-        super().__init__(*args)
+        super().__init__(*args, clock=machine.clock)
         self.world, self.machine, self.use_corpus = world, machine, use_corpus
 
     def find(self, texts, lens, budget):
-        self.machine.spend(self.machine.curve.plan_steps)  # the search and plan of this round
+        self.machine.spend(self.machine.curve.plan_steps, "host")  # this round's search and plan
         found = []
         for b, length in enumerate(lens):
             key = World.key(texts[b, :2].tolist())

@@ -421,47 +421,77 @@ def test_a_plan_drafts_only_where_its_gain_times_its_worth_beats_a_plain_step() 
     assert plan_lengths(*args, worth=0.0)[0] == [0, 0]
 
 
-def test_a_search_that_finds_nothing_rests_and_wakes_on_a_draft_or_a_new_row() -> None:
-    """Rounds whose plan drafts nothing: after `QUIET` of them the search runs a round, then
-    two, then at most `MOST_REST` rounds apart (a fifth of the rounds or fewer); the first
-    search that drafts puts it back to every round, and so does a row joining."""
+def test_a_search_that_keeps_nothing_rests_and_wakes_on_kept_drafts_or_a_new_row() -> None:
+    """Rounds whose search keeps no token: after `QUIET` of them the search runs a round, then
+    two, then at most `MOST_REST` rounds apart (a fifth of the rounds or fewer); searches
+    whose drafts are kept run every round, and a row joining wakes a resting search."""
     from specdecode.core.config import LOOKUP_ALONE
     from specdecode.core.drafting.mixed import MOST_REST, QUIET, MixedDrafter
 
-    searched = []
+    searched, clock = [], [0.0]
 
     class Counted(MixedDrafter):
         def find(self, texts, lens, budget):
             searched.append(len(searched))
+            clock[0] += 0.01  # a search's own time
             return super().find(texts, lens, budget)
 
     plain_text, repeating = list(range(10, 60)), [1, 2, 3, 4] * 12  # [50], [48]
     planner = PricedPlanner(4, False, priced(draft=None), 4)
-    drafter = Counted(LOOKUP_ALONE, None, planner, 64)
+    drafter = Counted(LOOKUP_ALONE, None, planner, 64, clock=lambda: clock[0])
     drafter.start(1)
 
-    def rounds(text: list[int], count: int) -> list[int]:
-        """Per round: the tokens drafted."""
+    def rounds(text: list[int], count: int, kept: bool = True) -> list[int]:
+        """Per round (its pass takes 1 s): the tokens drafted, all kept (`kept`) or all
+        rejected."""
         lengths = []
+        length = torch.tensor([len(text)])
         for _ in range(count):
-            draft = drafter.propose(
-                torch.tensor([text]), torch.tensor([len(text)]), torch.tensor([4]), None
-            )
-            lengths.append(int(draft.lengths[0]))
-            drafter.round = None
+            draft = drafter.propose(torch.tensor([text]), length, torch.tensor([4]), None)
+            clock[0] += 1.0
+            lengths.append(n := int(draft.lengths[0]))
+            if n:
+                drafter.rollback(length, torch.tensor([n]), torch.tensor([n if kept else 0]))
+            else:
+                drafter.round = None
         return lengths
 
     assert sum(rounds(plain_text, 400)) == 0
     assert QUIET + (400 - QUIET) // (MOST_REST + 1) <= len(searched) <= QUIET + 400 // MOST_REST
-    drafted = rounds(repeating, MOST_REST + 1)  # the text starts repeating mid-rest
-    assert any(drafted)
+    assert any(rounds(repeating, 2 * MOST_REST))  # the text starts repeating mid-rest
     searched.clear()
-    assert all(rounds(repeating, 20))  # drafting: a search every round
+    assert all(rounds(repeating, 20))  # drafts kept: a search every round
     assert len(searched) == 20
-    rounds(plain_text, 2 * QUIET)  # resting again
-    assert drafter.rest.rest > 0
+    searched.clear()
+    rounds(repeating, 3 * QUIET, kept=False)  # drafts all rejected found nothing either
+    assert drafter.rest.rest > 0 and len(searched) < 3 * QUIET
     drafter.add_rows([[7, 7]])  # a joining row wakes the search
     searched.clear()
     texts = torch.tensor([plain_text, plain_text])
     drafter.propose(texts, torch.tensor([50, 50]), torch.tensor([4, 4]), None)
     assert searched == [0]
+
+
+@pytest.mark.parametrize(("search", "rests"), [(0.01, False), (0.06, True)])
+def test_a_search_rests_where_what_it_keeps_does_not_pay_for_its_time(search, rests) -> None:
+    """Searches that keep a token in ten, timed on the machine's clock against plain rounds
+    of 1 s: at 0.01 s each they pay and run every round; at 0.06 s (0.1 kept a search is
+    under `PAYS` times 0.06 plain rounds) they rest."""
+    from specdecode.core.drafting.mixed import PAYS, QUIET, Rest
+
+    assert (PAYS * search < 0.1) != rests
+    clock = [0.0]
+    rest = Rest(lambda: clock[0])
+    searches = 0
+    for i in range(20 * QUIET):
+        if rest.begin():
+            clock[0] += 1.0  # a plain round
+            continue
+        searches += 1
+        clock[0] += search
+        drafts = i % 2 == 0  # half the searches draft, one draft in five keeps a token
+        rest.searched(drafts)
+        clock[0] += 1.0
+        if drafts:
+            rest.found(1.0 if i % 10 == 0 else 0.0)
+    assert (searches < 0.8 * 20 * QUIET) == rests

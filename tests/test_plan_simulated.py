@@ -1,11 +1,15 @@
 """Drafting `auto` on simulated machines (`simulated_machine`): the properties it promises on any
 machine, shown over a grid of cost curves x texts x noise, with the real loop, plan and judge.
 
-Each run is seeded and in virtual time: the grid takes about a minute on two cores."""
+Each property holds over several seeds (`SEEDS`: each its own machine weather, rows and texts),
+on their mean and with a floor for each: one seed's run of 500 measured rounds in +-30% noise
+tells a 2% effect from its dice no better than a real machine's pass does. Each run is in
+virtual time: the grid takes about a minute a seed on two cores."""
 
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import pytest
 import simulated_machine as sm
@@ -15,6 +19,7 @@ from specdecode.core.outcomes import HOLD, Outcomes
 ROUNDS, WARMUP = 700, 200
 NOISY = sm.Weather(noise=0.3, drift=0.05, stall_every=500)
 FIXED = (1, 2, 4)  # the fixed draft lengths a user would try
+SEEDS = (1, 2, 3)
 
 
 def best_fixed(curve: sm.Curve, text: sm.Text, **kwargs) -> tuple[float, float]:
@@ -33,47 +38,50 @@ GRID = [
 
 
 @pytest.fixture(scope="module")
-def grid() -> dict[tuple[str, str, int], tuple[float, float, float]]:
-    """Per cell: auto's, plain's and the best fixed length's throughput, after a warm-up of
-    200 rounds, in noise of +-30% with drift and stalls."""
-    out = {}
-    for curve, text, rows in GRID:
-        common = dict(rows=rows, rounds=ROUNDS, warmup=WARMUP, weather=NOISY, seed=7)
+def grid() -> dict[tuple[str, str, int], list[tuple[float, float]]]:
+    """Per cell and seed: auto's throughput over plain's, and over the bar (the best fixed
+    length's where it gains at least 5% over plain, else plain's: a gain that thin lies inside
+    what the acceptance estimates can tell apart in the warm-up, docs/findings.md, 22); after a
+    warm-up of 200 rounds, in noise of +-30% with drift and stalls."""
+    out: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    for (curve, text, rows), seed in itertools.product(GRID, SEEDS):
+        common = dict(rows=rows, rounds=ROUNDS, warmup=WARMUP, weather=NOISY, seed=seed)
         auto = sm.run(sm.CURVES[curve], sm.TEXTS[text], "auto", **common).throughput
-        out[curve, text, rows] = (auto, *best_fixed(sm.CURVES[curve], sm.TEXTS[text], **common))
+        plain, best = best_fixed(sm.CURVES[curve], sm.TEXTS[text], **common)
+        bar = best if best >= 1.05 * plain else plain
+        out.setdefault((curve, text, rows), []).append((auto / plain, auto / bar))
     return out
 
 
 def test_auto_never_loses_to_plain(grid) -> None:
-    """Every machine, every text: at least 0.98x plain decoding."""
-    losing = {cell: auto / plain for cell, (auto, plain, _) in grid.items() if auto < 0.98 * plain}
-    assert not losing
+    """Every machine, every text: at least 0.98x plain decoding over the seeds, and 0.96x on
+    each."""
+    means = {cell: statistics.fmean(p for p, _ in runs) for cell, runs in grid.items()}
+    assert min(means.values()) >= 0.98, means
+    assert min(p for runs in grid.values() for p, _ in runs) >= 0.96, grid
 
 
 def test_auto_is_near_the_best_fixed_length(grid) -> None:
-    """At least 0.98x the better of plain and the best fixed draft length in nine cells of ten,
-    and 0.93x in every one. Where the best fixed length gains less than 5% over plain, the bar
-    is plain's: a gain that thin lies inside what the acceptance estimates can tell apart in
-    the warm-up (docs/findings.md, 22)."""
-    shares = {}
-    for cell, (auto, plain, best) in grid.items():
-        bar = best if best >= 1.05 * plain else plain
-        shares[cell] = auto / bar
-    assert min(shares.values()) >= 0.93, shares
-    assert sum(v >= 0.98 for v in shares.values()) >= 0.9 * len(shares), shares
+    """Over the seeds, at least 0.98x the bar in 85% of the cells and 0.93x in every one."""
+    means = {cell: statistics.fmean(b for _, b in runs) for cell, runs in grid.items()}
+    assert min(means.values()) >= 0.93, means
+    assert sum(v >= 0.98 for v in means.values()) >= 0.85 * len(means), means
 
 
 def test_auto_drafts_where_a_verify_pass_costs_a_step() -> None:
     """On the GPU curve (8 tokens within 1.1 steps) the plan drafts in most rounds and reaches
-    0.9 of the best plan known: the better of the fixed lengths and the priced plan
-    with the machine's true prices (an oracle of its costs)."""
+    0.9 of the best plan known over the seeds (0.85 on each): the better of the fixed lengths
+    and the priced plan with the machine's true prices (an oracle of its costs)."""
     gpu, code = sm.GPU, sm.TEXTS["code"]
-    common = dict(rounds=ROUNDS, warmup=WARMUP, weather=NOISY, seed=3)
-    auto = sm.run(gpu, code, "auto", **common)
-    oracle = sm.run(gpu, code, "auto", prices=gpu.prices, judge=False, **common).throughput
-    _, best = best_fixed(gpu, code, **common)
-    assert auto.throughput >= 0.9 * max(best, oracle), (auto.throughput / best, oracle / best)
-    assert auto.drafted_rounds >= 0.75 * auto.rounds  # besides explored plain rounds, prompts
+    shares = []
+    for seed in SEEDS:
+        common = dict(rounds=ROUNDS, warmup=WARMUP, weather=NOISY, seed=seed)
+        auto = sm.run(gpu, code, "auto", **common)
+        oracle = sm.run(gpu, code, "auto", prices=gpu.prices, judge=False, **common).throughput
+        _, best = best_fixed(gpu, code, **common)
+        shares.append(auto.throughput / max(best, oracle))
+        assert auto.drafted_rounds >= 0.75 * auto.rounds  # besides explored plain rounds
+    assert statistics.fmean(shares) >= 0.9 and min(shares) >= 0.85, shares
 
 
 @pytest.mark.parametrize("curve", ["xeon", "epyc", "gpu"])
@@ -96,43 +104,53 @@ def test_on_a_steady_machine_the_decision_holds_still(curve) -> None:
 )
 def test_after_a_step_change_the_plan_reaches_the_new_best(before, after) -> None:
     """Another process makes every extra token cost a full step (drafting stops paying), or
-    goes away (drafting pays again): within 400 rounds of the change the plan runs at 0.95 of
-    the better of plain and the best fixed length on the machine as it now is."""
+    goes away (drafting pays again): from 400 rounds after the change the plan runs at 0.93
+    of the better of plain and the best fixed length on the machine as it now is, over the
+    seeds (0.9 on each)."""
     text, shift, settle, rounds = sm.TEXTS["copying"], 600, 400, 1600
-    changed = sm.run(
-        sm.CURVES[before], text, "auto", rounds=rounds, warmup=0, seed=5,
-        after_shift=sm.CURVES[after], shift_round=shift,
-    )  # fmt: skip
-    late = changed.per_round[shift + settle :]
-    auto = sum(t for t, _, _ in late) / sum(s for _, s, _ in late)
-    common = dict(rounds=rounds - shift - settle + WARMUP, warmup=WARMUP, seed=5)
-    plain, best = best_fixed(sm.CURVES[after], text, **common)
-    assert auto >= 0.95 * best, (auto / plain, best / plain)
+    shares = []
+    for seed in SEEDS:
+        changed = sm.run(
+            sm.CURVES[before], text, "auto", rounds=rounds, warmup=0, seed=seed,
+            after_shift=sm.CURVES[after], shift_round=shift,
+        )  # fmt: skip
+        late = changed.per_round[shift + settle :]
+        auto = sum(t for t, _, _ in late) / sum(s for _, s, _ in late)
+        common = dict(rounds=rounds - shift - settle + WARMUP, warmup=WARMUP, seed=seed)
+        shares.append(auto / best_fixed(sm.CURVES[after], text, **common)[1])
+    assert statistics.fmean(shares) >= 0.93 and min(shares) >= 0.9, shares
 
 
 def test_a_correction_needs_evidence_beyond_the_noise() -> None:
     """Drafting rounds that deliver their predicted gain within +-30% noise move nothing;
-    rounds that deliver half of it do, in one correction, stated with its error."""
+    rounds that deliver half of it do, in one correction, stated with its error. Plain rounds
+    run where the judge asks for them (it weighs drafting rounds only against plain rounds of
+    their own stretch of time)."""
     import random
 
     rng = random.Random(0)
+
+    def rounds(judge: Outcomes, count: int, tokens: int, steps: float, noise: float) -> None:
+        """Rounds that draft (2 tokens predicted for 1.6 plain rounds' time; `tokens`
+        committed in `steps` plain rounds' time) but where the judge asks for a plain one."""
+        for _ in range(count):
+            plain = judge.worth(1) == 0.0
+            if not plain:
+                judge.predicted(1, 2.0, 1.6, 1.0)
+            seconds = (1.0 if plain else steps) * rng.uniform(1 - noise, 1 + noise)
+            judge.observe([1] if plain else [2], 1 if plain else tokens, seconds)
+
     judge = Outcomes()
     for _ in range(60):
         judge.worth(1)
         judge.observe([1], 1, 1.0 * rng.uniform(0.7, 1.3))
-    for _ in range(200):
-        judge.worth(1)
-        judge.predicted(1, 2.0, 1.6, 1.0)  # 2 tokens for 1.6 plain rounds' time
-        judge.observe([2], 2, 1.6 * rng.uniform(0.7, 1.3))
+    rounds(judge, 200, 2, 1.6, 0.3)
     assert not judge.corrections or abs(judge.snapshot()[1] - 1.0) < 0.12
     halved = Outcomes()
     for _ in range(60):
         halved.worth(1)
         halved.observe([1], 1, 1.0)
-    for _ in range(80):
-        halved.worth(1)
-        halved.predicted(1, 2.0, 1.0, 1.0)
-        halved.observe([2], 1, 1.0 * rng.uniform(0.9, 1.1))
+    rounds(halved, 80, 2, 3.2, 0.1)
     assert len(halved.corrections) == 1
     change = halved.corrections[0]
     assert change.new == pytest.approx(0.5, abs=0.08) and 0 < change.standard_error < 0.1
@@ -141,12 +159,19 @@ def test_a_correction_needs_evidence_beyond_the_noise() -> None:
 def test_exploration_is_bounded() -> None:
     """A plan that always drafts is made to run a plain round now and then, and one whose
     drafting was found worthless the prices' own plan: at most one round of each kind in
-    `explore_every`, fewer as each finds nothing new."""
-    judge = Outcomes({1: 0.3}, explore_every=50)
-    asked = [judge.worth(1) for _ in range(2000)]  # no round observed: every kind unseen
-    plain, priced = asked.count(0.0), asked.count(1.0)
-    assert 1 <= plain <= 2000 // 50 and 1 <= priced <= 2000 // 50
-    assert plain + priced <= 2 * (1 + 2 + 4 + 8 * 5) / 1  # the waits double to 8x
+    `explore_every` rounds, fewer as each finds nothing new (the waits double, to 8x)."""
+
+    def explored(drafts: bool) -> int:
+        judge, count = Outcomes({1: 0.3}, explore_every=50), 0
+        for _ in range(2000):
+            worth = judge.worth(1)
+            exploring = worth == 0.0 if drafts else worth >= 1.0
+            count += exploring
+            judge.observe([3 if drafts != exploring else 1], 2, 1.0)  # nothing predicted
+        return count
+
+    for drafts in (True, False):
+        assert 1 <= explored(drafts) <= 7  # after 50, 100, 200, 400, 400, 400, 400 rounds
 
 
 def test_a_stored_worth_starts_halfway_back_to_the_first() -> None:

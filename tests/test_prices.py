@@ -214,7 +214,10 @@ def test_the_worth_is_stored_beside_the_prices_outside_the_rounds(
     for _ in range(40):  # plain rounds, then drafting rounds at half the gain predicted
         saved_pair.observe_round([1], 1, plain)
     with caplog.at_level("WARNING", logger="specdecode"):
-        for _ in range(40):
+        for _ in range(60):
+            if judge.worth(1) == 0.0:  # a plain round where the judge asks for one
+                saved_pair.observe_round([1], 1, plain)
+                continue
             judge.predicted(1, 3.0, 2.0, 1.0)
             saved_pair.observe_round([3], 1, 2 * plain)
     assert judge.snapshot()[1] < 0.6 and judge.changed

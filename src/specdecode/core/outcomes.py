@@ -9,9 +9,11 @@ a loss against plain decoding; on one where it is wide (a GPU) it costs a little
 
 `Outcomes` measures, per row count, the two kinds of rounds the plan runs:
 
-* plain rounds: their seconds (a running median), the reference of every comparison;
-* drafting rounds: how many plain rounds' worth of time each took, and how many plain rounds'
-  worth of tokens it committed, beside what the plan predicted for both.
+* plain rounds: their seconds, the reference of every comparison;
+* drafting rounds: how many plain rounds' worth of time each took (against the median of the
+  plain rounds run among them, at least `FRESH`, so a plain round is asked for where there
+  are fewer), and how many plain rounds' worth of tokens it committed, beside what the plan
+  predicted for both.
 
 Their ratio over the recent drafting rounds, measured gain over predicted gain, is the *worth*
 of a predicted gain at that row count: 1 where the plan's predictions hold, 0.8 where drafting
@@ -20,7 +22,8 @@ prices too low, work the prices do not hold). The plan drafts a round only where
 gain times this worth beats a plain step (`planners.plan_lengths`); until measured the worth
 is `FIRST_WORTH`, so a draft must promise a little more than a plain step. Both kinds of rounds
 are measured side by side in time, so a machine that slows down as a whole (another process
-starts) moves both and leaves the worth alone; what moves it is drafting paying more or less
+starts) moves both and leaves the worth alone (drafting rounds run beside the other process are
+never weighed against plain rounds run before it); what moves it is drafting paying more or less
 than predicted.
 
 A correction is made only where the evidence lies outside its noise: the measured worth is
@@ -69,6 +72,7 @@ FIRST_WORTH = 0.97  # a drafting round must promise 3% over a plain step until m
 CHANGED = 1.3  # plain rounds this much slower or faster than before: the machine changed
 CLIP = 3.0  # a round's time is read within 1/3 to 3 times its prediction: a stall is not a price
 CARRIED = 0.5  # the power of a stored worth's ratio to `FIRST_WORTH` that a new process keeps
+FRESH = 5  # plain rounds among a worth's drafting rounds before they are weighed
 
 
 @dataclass(frozen=True)
@@ -94,17 +98,19 @@ class Shift:
 
 @dataclass
 class _Kind:
-    """When a kind of round (plain, or drafting) was last seen at a row count, in plans, and
-    how many plans without one before one is run (0: `explore_every`)."""
+    """When a kind of round (plain, or drafting) was last seen at a row count, in rounds
+    observed there, and how many rounds without one before one is run (0: `explore_every`).
+    Rounds, not plans: a search that rests (`mixed.Rest`) asks for no plan, and its rests
+    must not stretch the waits."""
 
     last: int = 0
     wait: int = 0
 
-    def due(self, asked: int, every: int) -> bool:
-        """Whether the plan `asked` explores this kind; if so the next wait doubles."""
-        if asked - self.last <= (self.wait or every):
+    def due(self, now: int, every: int) -> bool:
+        """Whether a plan at round `now` explores this kind; if so the next wait doubles."""
+        if now - self.last <= (self.wait or every):
             return False
-        self.last = asked
+        self.last = now
         self.wait = min(2 * (self.wait or every), every * BACKOFF)
         return True
 
@@ -118,12 +124,16 @@ class _RowCount:
     plain_count: int = 0  # plain rounds seen
     plain_strikes: int = 0  # windows of plain rounds in a row away from the reference
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_MEMORY))
-    # per drafting round: (plain rounds of time taken, predicted; plain rounds of tokens, predicted)
-    drafts: deque[tuple[float, float, float, float]] = field(
+    # per plain round: (the round it was here, its seconds), as far back as the drafts reach
+    timed_plain: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=DRAFT_MEMORY)
+    )
+    # per drafting round: (the round it was here, its seconds; plain rounds of time predicted;
+    # tokens a row committed, predicted)
+    drafts: deque[tuple[int, float, float, float, float]] = field(
         default_factory=lambda: deque(maxlen=DRAFT_MEMORY)
     )
     rounds: int = 0  # rounds observed at this row count
-    asked: int = 0  # plans asked for at this row count
     plain_seen: _Kind = field(default_factory=_Kind)
     draft_seen: _Kind = field(default_factory=_Kind)
     since_judged: int = 0
@@ -145,7 +155,7 @@ class Outcomes:
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2 rounds, got {explore_every}")
         self.explore_every, self.confidence = explore_every, confidence
-        self.soon = max(explore_every // 5, 2)  # the wait, in plans, where evidence asks for one
+        self.soon = max(explore_every // 5, 2)  # the wait, in rounds, where evidence asks for one
         self.tolerance, self.hold = tolerance, hold
         self.counts: dict[int, _RowCount] = {}
         for rows, value in (worth or {}).items():
@@ -168,12 +178,11 @@ class Outcomes:
         round: the measured worth, or 0 (a plain round) / 1 (the prices' own plan) where that
         kind of round has not been seen for `explore_every` plans at this row count."""
         seen = self._at(rows)
-        seen.asked += 1
         self._exploring = self._prediction = None  # a round not observed leaves none behind
-        if seen.plain_seen.due(seen.asked, self.explore_every):
+        if seen.plain_seen.due(seen.rounds, self.explore_every):
             self._exploring = "plain"
             return 0.0
-        if seen.draft_seen.due(seen.asked, self.explore_every):
+        if seen.draft_seen.due(seen.rounds, self.explore_every):
             self._exploring = "draft"
             # the plan as the prices have it, or bolder: a machine whose prices undersell
             # drafting shows it only in rounds they would not draft
@@ -202,18 +211,17 @@ class Outcomes:
         seen.rounds += 1
         if max(fed) <= 1:
             seen.plain.append(seconds)
-            seen.plain_seen.last = seen.asked
+            seen.timed_plain.append((seen.rounds, seconds))
+            seen.plain_seen.last = seen.rounds
             return self._watch_plain(rows, seen)
-        seen.draft_seen.last = seen.asked
+        seen.draft_seen.last = seen.rounds
         if seen.rounds <= SETTLE:
             return None
         if prediction is None or prediction[0] != rows or not seen.plain:
             return None  # a round no plan predicted, or no plain round to weigh it against
         _, tokens, steps = prediction
-        taken = seconds / statistics.median(seen.plain)
-        taken = min(max(taken, steps / CLIP), steps * CLIP)
-        seen.drafts.append((taken, steps, committed / rows, tokens))
-        if exploring == "draft" and committed / rows > taken:
+        seen.drafts.append((seen.rounds, seconds, steps, committed / rows, tokens))
+        if exploring == "draft" and committed / rows > seconds / statistics.median(seen.plain):
             # an explored drafting round beat a plain one: look again soon, not after a wait
             seen.draft_seen.wait = self.soon
         seen.since_judged += 1
@@ -246,14 +254,28 @@ class Outcomes:
         return shift
 
     def _judge(self, rows: int, seen: _RowCount) -> Correction | None:
-        taken, steps, got, expected = (sum(c) for c in zip(*seen.drafts, strict=True))
-        n = len(seen.drafts)
+        # drafting rounds are weighed against the plain rounds of their own stretch of time:
+        # against older ones, a machine that slowed since (another process started) would
+        # pass for drafting that pays less
+        fresh = [s for at, s in seen.timed_plain if at >= seen.drafts[0][0]]
+        if len(fresh) < FRESH:
+            seen.plain_seen.wait = 1  # a plain round soon, then weighed
+            return None
+        plain = statistics.median(fresh)
+        rounds = [
+            (min(max(seconds / plain, steps / CLIP), steps * CLIP), steps, got, expected)
+            for _, seconds, steps, got, expected in seen.drafts
+        ]
+        taken, steps, got, expected = (sum(c) for c in zip(*rounds, strict=True))
+        n = len(rounds)
         gain, predicted = got / taken, expected / steps
         measured = _clamped(gain / predicted)
         # the ratio estimator's standard error (delta method), relative
-        residuals = [g - gain * t for t, _, g, _ in seen.drafts]
+        residuals = [g - gain * t for t, _, g, _ in rounds]
         spread = math.sqrt(sum(r * r for r in residuals) / (n - 1)) / (taken / n)
-        error = spread / math.sqrt(n) / gain
+        # and the plain reference's own: a median's standard error is about 1.25 a mean's
+        reference = 1.25 * statistics.stdev(fresh) / statistics.fmean(fresh) / math.sqrt(len(fresh))
+        error = math.hypot(spread / math.sqrt(n) / gain, reference)
         step = math.log(measured / seen.worth)
         if abs(step) <= max(self.confidence * error, self.tolerance):
             return None

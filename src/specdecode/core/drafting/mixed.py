@@ -11,14 +11,18 @@ catches up on the committed tokens the next time it drafts with the model
 (`ModelBackend.pending`). The model drafts a row only within its own context (`room`): past
 it the row drafts by lookup or not at all, while the target's longer context serves it.
 
-A search that keeps finding nothing worth drafting rests (`Rest`): where the plan has drafted
-nothing for `QUIET` rounds in a row, the next searches come a round, then two, then up to
-`MOST_REST` rounds apart, until one drafts again or a row joins. On a machine where almost
-nothing pays (a CPU whose every extra token costs most of a step) the search and plan would
-otherwise cost every round a few percent of a step and make `auto` slower than plain decoding;
-a resting search costs a fifth of that, and misses a match for at most `MOST_REST` rounds.
-`QUIET` is long enough that the gaps between a code text's repeats (a dozen rounds or so) do
-not start a rest: there, a rest would miss the next repeat's first rounds.
+A search whose finds do not pay for it rests (`Rest`): the lookup, the corpus and the plan
+cost every round that searches some host time, drafting or not, and on a machine where almost
+nothing pays (a CPU whose every extra token costs most of a step; a GPU, where a step is short
+and a text that repeats nothing) that time alone makes `auto` slower than plain decoding. So the
+drafter times its searches and its plain rounds on the machine it runs on, and counts the tokens
+its last `QUIET` searches kept, per row; where those fall short of `PAYS` times a search's own
+time in plain rounds, the next searches come a round, then two, then up to `MOST_REST` rounds
+apart, until the finds pay again or a row joins. A resting search costs a fifth of a search
+every round and misses a match for at most `MOST_REST` rounds. Tokens kept, not drafts made,
+are the finds: a draft that is all rejected found nothing either. `QUIET` is long enough that
+the gaps between a code text's repeats (a dozen rounds or so) do not start a rest: there, a rest
+would miss the next repeat's first rounds.
 
 Why mix: a text that repeats itself (code edited in place, a list, a quotation) is drafted by
 lookup about as well as by a model, without the model's passes (`docs/findings.md` has the
@@ -26,6 +30,11 @@ measurements on the default pair).
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -36,37 +45,68 @@ from specdecode.core.drafting.lookup import lookup_continuation, lookup_law
 from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import Planner
 
-QUIET = 32  # searched rounds in a row that drafted nothing before the search rests
+QUIET = 32  # the searches whose kept tokens decide whether the search rests
 MOST_REST = 4  # rounds a resting search skips at most between two searches
+PAYS = 2.0  # tokens kept per row and search, per plain round of a search's own time, at least
+TIMED = 9  # searches, and rounds that drafted nothing, in the medians of their seconds
 
 
 class Rest:
-    """When the search for drafts runs: every round while it finds drafts, less often once it
-    has found nothing worth drafting for `QUIET` rounds (rests of 1, 2, 4 ... `MOST_REST`
-    rounds between searches), every round again once a search drafts or a row joins."""
+    """When the search for drafts runs: every round while the tokens the last `QUIET` searches
+    kept (per row and search) pay `PAYS` times for a search's own time in plain rounds, less
+    often once they do not (rests of 1, 2, 4 ... `MOST_REST` rounds between searches), every
+    round again once they do or a row joins. Times are of the machine it runs on (`clock`):
+    where none are known yet, a search pays if it kept anything at all."""
 
-    def __init__(self) -> None:
-        self.idle = 0  # searched rounds in a row whose plan drafted nothing
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.kept: deque[float] = deque(maxlen=QUIET)  # per search: tokens kept per row
+        self.searches: deque[float] = deque(maxlen=TIMED)  # seconds of the latest searches
+        self.plain: deque[float] = deque(maxlen=TIMED)  # seconds of the latest plain rounds
         self.rest = 0  # the latest rest, in rounds
         self.left = 0  # rounds of the current rest still to skip
+        self.began: float | None = None  # when the round now running began
+        self.drafting = False  # whether it drafts
 
-    def skip(self) -> bool:
-        """Whether this round rests (runs plain, no search)."""
+    def begin(self) -> bool:
+        """A round begins: whether it rests (runs plain, no search). A round that drafted
+        nothing before it is timed as a plain round."""
+        now = self.clock()
+        if self.began is not None and not self.drafting:
+            self.plain.append(now - self.began)
+        self.began, self.drafting = now, False
         if self.left:
             self.left -= 1
             return True
         return False
 
-    def searched(self, drafted: bool) -> None:
-        if drafted:
-            self.idle = self.rest = 0
+    def searched(self, drafts: bool) -> None:
+        """This round's search and plan are done: their time is a search's; a round that
+        drafts nothing kept nothing (one that drafts is counted when verified, `kept`)."""
+        if self.began is not None:
+            self.searches.append(self.clock() - self.began)
+        self.drafting = drafts
+        if not drafts:
+            self.found(0.0)
+
+    def found(self, kept: float) -> None:
+        """A search kept `kept` tokens per row."""
+        self.kept.append(kept)
+        if len(self.kept) < QUIET:
             return
-        self.idle += 1
-        if self.idle >= QUIET:
+        if statistics.fmean(self.kept) > PAYS * self.cost():
+            self.rest = 0
+        else:
             self.rest = self.left = min(2 * self.rest or 1, MOST_REST)
 
+    def cost(self) -> float:
+        """A search's own time, in plain rounds (0 until both are timed)."""
+        if len(self.searches) < 3 or len(self.plain) < 3:
+            return 0.0
+        return statistics.median(self.searches) / max(statistics.median(self.plain), 1e-9)
+
     def wake(self) -> None:
-        self.idle = self.rest = self.left = 0
+        self.rest = self.left = 0
 
 
 class MixedDrafter:
@@ -79,23 +119,25 @@ class MixedDrafter:
         planner: Planner,
         vocab_size: int,
         corpus: CorpusIndex | None = None,
+        clock: Callable[[], float] = time.perf_counter,  # times the searches (`Rest`)
     ) -> None:
         self.lookup, self.model, self.planner = lookup, model, planner
+        self.clock = clock
         self.vocab_size, self.corpus = vocab_size, corpus
         # (match length or 0, tokens from the source, tokens from the model) per row
         self.round: tuple[list[int], list[int], list[int]] | None = None
         self.primed: list[bool] = []  # per row: the planner has heard the corpus on its prompt
-        self.rest = Rest()
+        self.rest = Rest(clock)
 
     def start(self, batch_size: int) -> None:
         self.planner.start(batch_size)
         self.primed = [False] * batch_size
-        self.rest = Rest()
+        self.rest = Rest(self.clock)
         if self.model is not None:
             self.model.start(batch_size)
 
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
-        if self.rest.skip():  # a plain round, as the engine runs one with no drafter asked
+        if self.rest.begin():  # a plain round, as the engine runs one with no drafter asked
             self.round = None
             return Draft.empty(len(seq_lens), sequences.device)
         budget = self.planner.budget(max_tokens)  # most tokens per row this round
@@ -109,7 +151,7 @@ class MixedDrafter:
             keys, [len(c) for c, _ in found], budget, behind, room
         )
         by_model = [m and self.model is not None for m in by_model]
-        self.rest.searched(any(plan) or any(fillers))
+        self.rest.searched(any(plan) or any(fillers))  # its kept tokens come with `rollback`
         model_k = [k if m else 0 for m, k in zip(by_model, plan, strict=True)]
         # what the planner learns from: the key of a row that drafted by lookup or corpus
         self.round = ([0 if m else n for n, m in zip(keys, by_model, strict=True)], plan, model_k)
@@ -176,7 +218,10 @@ class MixedDrafter:
                 self.model.rollback(lengths, num_drafted, num_accepted)
             return
         keys, plan, model_k = self.round
-        self.planner.observe(keys, plan, num_accepted.tolist())
+        accepted = num_accepted.tolist()
+        self.planner.observe(keys, plan, accepted)
+        if self.rest.drafting:
+            self.rest.found(sum(accepted) / max(len(accepted), 1))
         if self.model is not None:
             # the model's policy hears only its own rows: a looked-up or padded row drafted
             # nothing with the model (a heuristic k stays as it was)
