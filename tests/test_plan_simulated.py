@@ -210,3 +210,17 @@ def test_plain_rounds_that_change_speed_bring_exploration_soon() -> None:
     assert [(s.rows, round(s.ratio, 2)) for s in judge.shifts] == [(1, 0.6)]  # said once
     assert not explorations(steady, 100, 1.0)  # the same machine: the grown wait holds
     assert not steady.shifts
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_machine_that_slows_as_a_whole_moves_no_worth(seed) -> None:
+    """Another process starts and every pass, plain or drafting, takes twice as long: what
+    drafting is worth has not changed, so the judge corrects nothing by more than its noise
+    (drafting rounds run beside the other process are weighed against plain rounds run
+    beside it, not before), and the plan goes on drafting as much as before."""
+    common = dict(rows=4, rounds=1400, warmup=0, seed=seed, shift_round=700)
+    busy = sm.run(sm.XEON, sm.TEXTS["code"], "auto", weather=sm.Weather(0.1, shift=2.0), **common)
+    after = [c for c in busy.outcomes.corrections if c.round >= 700]
+    assert all(0.8 < c.new / c.old < 1.25 for c in after), after
+    drafted = [d for _, _, d in busy.per_round]  # the last 400 rounds against the 400 before
+    assert sum(drafted[1000:]) >= 0.8 * sum(drafted[300:700])
