@@ -20,49 +20,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 
-import simulated_machine as sm
-from test_plan_simulated import GRID, NOISY, ROUNDS, WARMUP, best_fixed
+from test_plan_simulated import GRID, gpu_cell, grid_cell, step_cell
 
 STEPS = [("xeon", "full-step"), ("full-step", "xeon")]  # dearer, cheaper
 
 
-def grid_cell(cell: tuple[str, str, int], seed: int) -> tuple[float, float]:
-    curve, text, rows = cell
-    common = dict(rows=rows, rounds=ROUNDS, warmup=WARMUP, weather=NOISY, seed=seed)
-    auto = sm.run(sm.CURVES[curve], sm.TEXTS[text], "auto", **common).throughput
-    plain, best = best_fixed(sm.CURVES[curve], sm.TEXTS[text], **common)
-    return auto / plain, auto / (best if best >= 1.05 * plain else plain)
-
-
-def step_cell(change: tuple[str, str], seed: int) -> tuple[float, float]:
-    before, after = change
-    text, shift, settle, rounds = sm.TEXTS["copying"], 600, 400, 1600
-    changed = sm.run(
-        sm.CURVES[before], text, "auto", rounds=rounds, warmup=0, seed=seed,
-        after_shift=sm.CURVES[after], shift_round=shift,
-    )  # fmt: skip
-    late = changed.per_round[shift + settle :]
-    auto = sum(t for t, _, _ in late) / sum(s for _, s, _ in late)
-    common = dict(rounds=rounds - shift - settle + WARMUP, warmup=WARMUP, seed=seed)
-    plain, best = best_fixed(sm.CURVES[after], text, **common)
-    return auto / plain, auto / best
-
-
-def gpu_cell(_: object, seed: int) -> tuple[float, float]:
-    gpu, code = sm.GPU, sm.TEXTS["code"]
-    common = dict(rounds=ROUNDS, warmup=WARMUP, weather=NOISY, seed=seed)
-    auto = sm.run(gpu, code, "auto", **common)
-    oracle = sm.run(gpu, code, "auto", prices=gpu.prices, judge=False, **common).throughput
-    _, best = best_fixed(gpu, code, **common)
-    return auto.throughput / max(best, oracle), auto.drafted_rounds / auto.rounds
-
-
-KINDS = {"grid": grid_cell, "step": step_cell, "gpu": gpu_cell}
-
-
 def work(job: tuple[str, object, int]) -> tuple[str, object, int, tuple[float, float]]:
+    """One cell at one seed: the grid's (over plain, over the bar), a step change's share of
+    the new best (twice), the GPU cell's (share of the best plan known, share drafted)."""
     kind, cell, seed = job
-    return kind, cell, seed, KINDS[kind](cell, seed)
+    if kind == "grid":
+        return kind, cell, seed, grid_cell(cell, seed)
+    if kind == "step":
+        share = step_cell(cell, seed)
+        return kind, cell, seed, (share, share)
+    return kind, cell, seed, gpu_cell(seed)
 
 
 def main() -> None:
