@@ -13,8 +13,8 @@ it the row drafts by lookup or not at all, while the target's longer context ser
 
 A search whose finds do not pay for it rests (`Rest`): the lookup, the corpus and the plan
 cost every round that searches some host time, drafting or not, and on a machine where almost
-nothing pays (a CPU whose every extra token costs most of a step; a GPU, where a step is short
-and a text that repeats nothing) that time alone makes `auto` slower than plain decoding. So the
+nothing pays (a CPU whose every extra token costs most of a step; a GPU, whose steps are
+short, on text that repeats nothing) that time alone makes `auto` slower than plain decoding. So the
 drafter times its searches and its plain rounds on the machine it runs on, and counts the tokens
 its last `QUIET` searches kept, per row; where those fall short of `PAYS` times a search's own
 time in plain rounds, the next searches come a round, then two, then up to `MOST_REST` rounds
@@ -82,7 +82,7 @@ class Rest:
 
     def searched(self, drafts: bool) -> None:
         """This round's search and plan are done: their time is a search's; a round that
-        drafts nothing kept nothing (one that drafts is counted when verified, `kept`)."""
+        drafts nothing kept nothing (one that drafts is counted when verified, `found`)."""
         if self.began is not None:
             self.searches.append(self.clock() - self.began)
         self.drafting = drafts
