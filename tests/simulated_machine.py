@@ -544,13 +544,3 @@ def run(
             result.drafted_rounds += drafted
             result.per_round.append((tokens, machine.now - start, drafted))
     return result
-
-
-def best_fixed(curve: Curve, text: Text, **kwargs) -> float:
-    """The better of plain decoding and the best fixed draft length (1..8, with and without
-    the drafter model): tokens per virtual second."""
-    best = run(curve, text, "plain", **kwargs).throughput
-    for with_model in (True, False):
-        for k in (1, 2, 3, 4, 6, 8):
-            best = max(best, run(curve, text, k, with_model=with_model, **kwargs).throughput)
-    return best

@@ -123,7 +123,6 @@ class _RowCount:
     plain_reference: float | None = None  # the plain rounds' median when last explored afresh
     plain_count: int = 0  # plain rounds seen
     plain_strikes: int = 0  # windows of plain rounds in a row away from the reference
-    plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_MEMORY))
     # per plain round: (the round it was here, its seconds), as far back as the drafts reach
     timed_plain: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=DRAFT_MEMORY)
@@ -138,6 +137,13 @@ class _RowCount:
     draft_seen: _Kind = field(default_factory=_Kind)
     since_judged: int = 0
     last_change: Correction | None = None
+
+    def plain_median(self) -> float:
+        """The median seconds of the last `PLAIN_MEMORY` plain rounds."""
+        count = len(self.timed_plain)
+        return statistics.median(
+            self.timed_plain[i][1] for i in range(max(count - PLAIN_MEMORY, 0), count)
+        )
 
 
 class Outcomes:
@@ -176,7 +182,7 @@ class Outcomes:
     def worth(self, rows: int) -> float:
         """What the plan multiplies a drafting round's predicted gain by at `rows` rows this
         round: the measured worth, or 0 (a plain round) / 1 (the prices' own plan) where that
-        kind of round has not been seen for `explore_every` plans at this row count."""
+        kind of round has not been seen for `explore_every` rounds at this row count."""
         seen = self._at(rows)
         self._exploring = self._prediction = None  # a round not observed leaves none behind
         if seen.plain_seen.due(seen.rounds, self.explore_every):
@@ -210,18 +216,17 @@ class Outcomes:
         seen = self._at(rows)
         seen.rounds += 1
         if max(fed) <= 1:
-            seen.plain.append(seconds)
             seen.timed_plain.append((seen.rounds, seconds))
             seen.plain_seen.last = seen.rounds
             return self._watch_plain(rows, seen)
         seen.draft_seen.last = seen.rounds
         if seen.rounds <= SETTLE:
             return None
-        if prediction is None or prediction[0] != rows or not seen.plain:
+        if prediction is None or prediction[0] != rows or not seen.timed_plain:
             return None  # a round no plan predicted, or no plain round to weigh it against
         _, tokens, steps = prediction
         seen.drafts.append((seen.rounds, seconds, steps, committed / rows, tokens))
-        if exploring == "draft" and committed / rows > seconds / statistics.median(seen.plain):
+        if exploring == "draft" and committed / rows > seconds / seen.plain_median():
             # an explored drafting round beat a plain one: look again soon, not after a wait
             seen.draft_seen.wait = self.soon
         seen.since_judged += 1
@@ -239,7 +244,7 @@ class Outcomes:
         seen.plain_count += 1
         if seen.plain_count % PLAIN_MEMORY:
             return None
-        now, before = statistics.median(seen.plain), seen.plain_reference
+        now, before = seen.plain_median(), seen.plain_reference
         if before is None:
             seen.plain_reference = now
             return None
