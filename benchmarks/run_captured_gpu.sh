@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
 # The captured path on one GPU, in one short call: the CUDA tests, then the controlled-acceptance
-# benches (random weights in published shapes, docs/benchmarks.md "The static, captured path").
-# Each step has its own time limit so that one slow compile leaves the others their records; the
-# progress bar's last states are kept in the log, so a step cut off still says where it stood.
-# Compiling dominates a short call: on an H100 (2026-11-26) the 7B pair had not finished in 170 s
-# with 4 prompts and three draft lengths, nor the Qwen3 pair in 240 s with 16 prompts.
+# benches on the Qwen3-4B / Qwen3-0.6B shapes with random weights (docs/benchmarks.md "The
+# static, captured path"), passes captured by hand as CUDA graphs at first use. Each step has its
+# own time limit, so one that overruns leaves the others their records.
 #
-#   benchmarks/run_captured_gpu.sh OUT [STEP...]    STEP: tests, 7b, qwen3 (default: all three;
-#   together they can outlast one 10-minute call, so a call may take one or two)
+#   benchmarks/run_captured_gpu.sh OUT [STEP...]
+#
+# STEP (default: all, about 7 minutes on an H100):
+#   tests   tests/test_cuda.py (torch.compile's tests only with SPECDECODE_TEST_COMPILE=1)
+#   b1      batch 1, 8 prompts: captured plain (ar) against one hand-captured step (graph-ar) and
+#           the uncaptured path (eager-ar); sd at k = 3, 4, 5 against the Leviathan bound
+#   curve   the batch curve: 4, 16 and 64 rows over 64 prompts, sd at k = 2, 3, 4 against ar,
+#           and what drafting auto plans at each row count
+#   hf      transformers' static-cache generate (it compiles first: its warm-up is that time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1
 shift
-steps=" ${*:-tests 7b qwen3} "
+steps=" ${*:-tests b1 curve hf} "
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+began=$(date +%s)
 
-bench() {  # NAME SECONDS ARGS...: one bench, its table and record kept under OUT/NAME
+bench() {  # NAME SECONDS ARGS...: one bench on the Qwen3 pair, its table and record under OUT/NAME
   local name=$1 limit=$2
   shift 2
-  echo "== $name ($(date -u +%T))"
-  timeout "$limit" python3 -m specdecode.cli.main bench --device cuda --dtype bfloat16 \
-    --max-new-tokens 64 --acceptance 0.8 --out "/tmp/$name" "$@" 2>&1 | tr '\r' '\n' | grep -v "^$" | tail -25
+  echo "== $name ($(date -u +%T), $(($(date +%s) - began)) s in)"
+  timeout "$limit" python3 -m specdecode.cli.main bench --shapes qwen3-4b qwen3-0.6b \
+    --device cuda --dtype bfloat16 --max-new-tokens 64 --acceptance 0.8 --out "/tmp/$name" \
+    --no-plots "$@" 2>&1 | tr '\r' '\n' | grep -v "^$" | tail -30
   mkdir -p "$out/$name" && cp "/tmp/$name/table.md" "/tmp/$name/record.json" "$out/$name/" 2>/dev/null
 }
 
@@ -30,8 +37,10 @@ if [[ $steps == *" tests "* ]]; then
   echo "== tests/test_cuda.py ($(date -u +%T))"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
 fi
-[[ $steps == *" 7b "* ]] && bench gpu-captured-7b 240 --shapes qwen2.5-7b qwen2.5-coder-0.5b --limit 2 --batch-sizes 1 \
-  --num-draft-tokens 3 4 5 --methods ar sd eager-ar hf-static graph-ar
-[[ $steps == *" qwen3 "* ]] && bench gpu-captured-qwen3 300 --shapes qwen3-4b qwen3-0.6b --limit 16 --batch-sizes 1 16 \
-  --num-draft-tokens 3 --methods ar sd eager-ar hf-static
-echo "== done ($(date -u +%T))"
+[[ $steps == *" b1 "* ]] && bench gpu-captured-b1 150 --limit 8 --batch-sizes 1 \
+  --num-draft-tokens 3 4 5 --methods ar sd graph-ar eager-ar
+[[ $steps == *" curve "* ]] && bench gpu-captured-curve 170 --limit 64 --batch-sizes 4 16 64 \
+  --num-draft-tokens 2 3 4 --methods ar sd
+[[ $steps == *" hf "* ]] && bench gpu-hf-static 120 --limit 4 --batch-sizes 1 \
+  --num-draft-tokens 4 --methods ar sd hf-static
+echo "== done ($(date -u +%T), $(($(date +%s) - began)) s)"

@@ -88,6 +88,19 @@ def test_acceptance_is_what_was_set_and_outputs_equal_plain(shapes):
     speedup = statistics.geometric_mean([a / b for a, b in pairs])
     assert row["of_bound"] == pytest.approx(speedup / (tokens / cost), rel=1e-4)
     assert record["ok"] and "controlled" in record["acceptance_control"]
+    # what auto plans at each batch size: nothing where no draft is ever kept; the plan's gain
+    # over plain is its ratio at the prices measured, which a plan of no draft leaves at 1
+    plans = {(p["batch_size"], p["acceptance"]): p for p in record["auto_plans"]}
+    assert set(plans) == {(b, a) for b in (1, 2) for a in (0.0, 1.0)}
+    for batch in (1, 2):
+        assert plans[(batch, 0.0)]["k"] == [0] and plans[(batch, 0.0)]["gain"] == 1.0
+        kept = plans[(batch, 1.0)]
+        assert (kept["gain"] > 1.0) == (kept["k"] != [0]) and kept["gain"] >= 1.0
+    # the start-up and each method's warm-up are timed; nothing is captured on the CPU
+    startup = record["startup"]
+    assert startup["build_seconds"] > 0 and startup["first_token_seconds"] > 0
+    assert startup["captures"] == {"target": [], "drafter": []} and not record["captured"]
+    assert all(r["warm_up_seconds"] > 0 for r in record["methods"] if r["method"] != "graph-ar")
     assert any("graph-ar" in s and "CUDA only" in s for s in record["skipped"])
     # the table: a line per row, in its cells the row's own figures
     table = [

@@ -187,8 +187,9 @@ def load_pair(
     `backend`: "llama.cpp" runs GGUF files as shipped (4-bit, an eighth of fp32's memory
     and bytes per step); "torch" runs `transformers` models (a known model is converted to
     fp32 safetensors once); "torch-static" runs them over a static per-row cache in fixed
-    shapes (`backends.torch_static`), `compile`d (CUDA graphs on a GPU; default: on CUDA
-    only). None: llama.cpp for known models and `.gguf` files on the CPU, torch otherwise.
+    shapes (`backends.torch_static`), its passes captured as CUDA graphs on a GPU (`compile`:
+    through `torch.compile` instead, minutes of compiling first). None: llama.cpp for known
+    models and `.gguf` files on the CPU, torch otherwise.
     `threads`: llama.cpp's threads (default: the physical cores). `tokenizer`: the
     target GGUF's tokenizer where the caller loaded it already (the command line does, to
     check the prompts against the context before the weights load). `context`: llama.cpp's
@@ -261,10 +262,8 @@ def load_pair(
     if backend == TORCH_STATIC:
         from specdecode.backends.torch_static import StaticCachedModel
 
-        captured = compile if compile is not None else torch.device(device).type == "cuda"
-
         def wrap(model: Any, role: str) -> ModelBackend:
-            return StaticCachedModel(model.eval(), role, compile=captured)
+            return StaticCachedModel(model.eval(), role, compile=bool(compile))
 
     target_lm = wrap(target_model, "target")
     if drafter is None:

@@ -15,13 +15,20 @@ token at its row's own position (gpt-fast's layout, batched):
   used as given; `position_ids`), and the cache goes in through the `Cache` interface, so any
   decoder with full attention in every layer runs unchanged.
 
-Fixed shapes: rows are padded to a bucket (1, 2, 4, 8, then multiples of 8), the capacity grows
-in powers of two, and when `compile` is on, blocks of up to `MAX_COMPILED_WIDTH` tokens (a
-decoding step, a verify pass of k + 1 positions) are padded to a width bucket and run through one
-`torch.compile`d function, with CUDA graphs on a GPU ("reduce-overhead"). Longer blocks (a
-prompt's prefill) run the same function uncompiled. A pass adds no host sync: lengths, positions,
-write slots and the mask are computed on the device; the capacity check reads the longest row
-only when a host-side upper bound says it might not fit (rarely).
+Fixed shapes: rows are padded to a bucket (1, 2, 4, 8, then multiples of 8) and blocks of up
+to `MAX_FIXED_WIDTH` tokens (a decoding step, a verify pass of k + 1 positions) to a width
+bucket. On a GPU those passes are captured by hand as CUDA graphs (`cuda_graphs`), one per row
+bucket x width bucket, at first use; `compile` runs them through `torch.compile` instead
+("reduce-overhead": CUDA graphs after inductor's compile, tens of seconds a shape). Longer
+blocks (a prompt's prefill) run uncaptured.
+
+Buffers that never move: each layer's keys and values are allocated once for the largest row
+bucket and the capacity asked for (`capacity`, else grown in powers of two), and a row bucket
+is a view of their first rows, so every graph captured over them stays valid when rows leave
+(the live rows are copied to the front) or a smaller batch starts. Only outgrowing them
+reallocates, which voids the graphs (captured again at next use). A pass adds no host sync:
+lengths, positions, write slots and the mask are computed on the device; the capacity check
+reads the longest row only when a host-side upper bound says it might not fit (rarely).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdecode.backends.base import PendingFromLengths
+from specdecode.backends.cuda_graphs import CapturedPasses
 from specdecode.backends.torch_eager import (
     TorchDecoderInfo,
     cache_argument,
@@ -37,7 +45,7 @@ from specdecode.backends.torch_eager import (
     model_device,
 )
 
-MAX_COMPILED_WIDTH = 16
+MAX_FIXED_WIDTH = 16
 WIDTH_BUCKETS = (1, 2, 4, 8, 16)
 MIN_CAPACITY = 256
 
@@ -52,10 +60,6 @@ def row_bucket(rows: int) -> int:
 
 def width_bucket(width: int) -> int:
     return next(w for w in WIDTH_BUCKETS if w >= width)
-
-
-def capacity_bucket(length: int) -> int:
-    return max(MIN_CAPACITY, 1 << max(length - 1, 0).bit_length())
 
 
 class RowOffsetLayer(CacheLayerMixin):
@@ -90,38 +94,73 @@ class RowOffsetLayer(CacheLayerMixin):
 
 
 class RowOffsetCache(Cache):
-    """The `Cache` a transformers decoder writes into; `write_index` [rows, n] is set per pass."""
+    """The `Cache` a transformers decoder writes into; `write_index` [rows, n] is set per pass.
+
+    Each layer's buffers are allocated once (`allocate`) for the most rows and the capacity
+    needed; the layers see a view of their first `rows` rows (`use`): a graph captured over
+    them stays valid until they are allocated again."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[RowOffsetLayer(self) for _ in range(num_layers)])
         self.write_index: torch.Tensor | None = None
+        self.full: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values
+
+    @property
+    def allocated_rows(self) -> int:
+        return self.full[0][0].shape[0] if self.full else 0
 
     def allocate(self, shapes: list[tuple[int, int, torch.dtype]], rows: int, capacity: int,
-                 device: torch.device) -> None:  # fmt: skip
-        """Fresh zeroed buffers: `shapes[i]` is layer i's (kv_heads, head_dim, dtype)."""
-        for layer, (heads, dim, dtype) in zip(self.layers, shapes, strict=True):
-            size = (rows, heads, capacity + 1, dim)
-            layer.keys = torch.zeros(size, dtype=dtype, device=device)
-            layer.values = torch.zeros(size, dtype=dtype, device=device)
-            torch._dynamo.mark_static_address(layer.keys)  # captured graphs write in place
+                 device: torch.device, keep: torch.Tensor | None = None) -> None:  # fmt: skip
+        """New buffers `[rows, kv_heads, capacity + 1, head_dim]` (`shapes[i]`: layer i's
+        kv_heads, head_dim, dtype), zeroed; `keep`: rows of the old ones copied to the front,
+        with the slots both capacities hold."""
+        with torch.inference_mode(False):  # buffers for life: written in and out of it
+            self._allocate(shapes, rows, capacity, device, keep)
+        self.use(rows)
+
+    def _allocate(self, shapes, rows, capacity, device, keep) -> None:
+        full = []
+        for i, (heads, dim, dtype) in enumerate(shapes):
+            pair = []
+            for j in range(2):  # keys, values
+                new = torch.zeros((rows, heads, capacity + 1, dim), dtype=dtype, device=device)
+                if keep is not None and len(keep):
+                    old = self.full[i][j].index_select(0, keep)
+                    slots = min(capacity, old.shape[2] - 1)
+                    new[: len(keep), :, :slots] = old[:, :, :slots]
+                pair.append(new)
+            full.append((pair[0], pair[1]))
+        self.full = full
+
+    def use(self, rows: int) -> None:
+        """The layers see the first `rows` rows of the buffers: a view, no copy."""
+        for layer, (keys, values) in zip(self.layers, self.full, strict=True):
+            layer.keys, layer.values = keys[:rows], values[:rows]
+            torch._dynamo.mark_static_address(layer.keys)  # compiled graphs write in place
             torch._dynamo.mark_static_address(layer.values)
 
-    def reshape(self, rows: torch.Tensor, capacity: int) -> None:
-        """Keep only these rows (in this order) and `capacity` slots, copying once."""
-        for layer in self.layers:
-            keep = min(capacity, layer.keys.shape[2] - 1)
-            for name in ("keys", "values"):
-                old = getattr(layer, name).index_select(0, rows)
-                new = old.new_zeros(old.shape[0], old.shape[1], capacity + 1, old.shape[3])
-                new[:, :, :keep] = old[:, :, :keep]
-                torch._dynamo.mark_static_address(new)
-                setattr(layer, name, new)
+    def compact(self, keep: torch.Tensor) -> None:
+        """Rows `keep` (in this order) move to the front of the buffers, in place."""
+        for keys, values in self.full:
+            keys[: len(keep)] = keys.index_select(0, keep)
+            values[: len(keep)] = values.index_select(0, keep)
 
 
 class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
-    """A transformers decoder over a `RowOffsetCache`: the `ModelBackend` of fixed shapes."""
+    """A transformers decoder over a `RowOffsetCache`: the `ModelBackend` of fixed shapes.
 
-    def __init__(self, model: torch.nn.Module, role: str = "model", compile: bool = False) -> None:
+    `capture`: CUDA graphs captured by hand (default: on a CUDA device unless `compile`);
+    `compile`: `torch.compile` the fixed-shape passes instead; `capacity`: tokens a row may
+    hold, so the cache is allocated once at it (rows outgrowing it still grow it)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        role: str = "model",
+        compile: bool = False,
+        capture: bool | None = None,
+        capacity: int | None = None,
+    ) -> None:
         probe = check_rollback_support(model, role)  # a one-token DynamicCache
         # (kv_heads, head_dim, dtype) of each layer, as the probe's cache holds them
         self.shapes = [(la.keys.shape[1], la.keys.shape[3], la.keys.dtype) for la in probe.layers]
@@ -130,29 +169,60 @@ class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
         self.device = model_device(model)
         self.cache_argument = cache_argument(model)
         self.cache = RowOffsetCache(len(self.shapes))
+        if capture is None:
+            capture = self.device.type == "cuda" and not compile
+        if capture and compile:
+            raise ValueError("capture and compile are two ways to the same graphs: choose one")
         self.compiled = compile
+        self.graphs: CapturedPasses | None = None
         self._run = self._pass
-        if compile:
+        if capture:
+            self.graphs = CapturedPasses(self._pass)
+            self._run = self.graphs
+        elif compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             self._run = torch.compile(self._pass, dynamic=False, mode=mode)
             limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else (
                 "cache_size_limit")  # fmt: skip
             setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+        # a power of two, as growth keeps it
+        self.min_capacity = 1 << (capacity - 1).bit_length() if capacity else MIN_CAPACITY
         self.phys_rows = 0
         self.capacity = 0
         self.reset(0)
 
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether short passes run in bucketed shapes (captured or compiled)."""
+        return self.compiled or self.graphs is not None
+
     def reset(self, batch_size: int) -> None:
-        """Empty rows; buffers of the same shape are kept (their addresses are what a captured
-        graph writes to), stale slots are never read."""
+        """Empty rows; the buffers are kept where they hold the new batch (their addresses are
+        what a captured graph writes to), stale slots are never read."""
         rows = row_bucket(batch_size) if batch_size else 0
-        if rows != self.phys_rows or self.capacity == 0:
-            self.capacity = MIN_CAPACITY
-            self.cache.allocate(self.shapes, rows, self.capacity, self.device)
-            self.phys_rows = rows
+        if rows > self.cache.allocated_rows or self.capacity == 0:
+            self.capacity = max(self.capacity, self.min_capacity)
+            self._allocate(max(rows, self.cache.allocated_rows), None)
+        self.cache.use(rows)
+        self.phys_rows = rows
         self.rows = torch.arange(batch_size, device=self.device)  # physical row of each row
         self.phys_lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.bound = 0  # host-side upper bound of the longest row
+
+    def _allocate(self, rows: int, keep: torch.Tensor | None) -> None:
+        self.cache.allocate(self.shapes, rows, self.capacity, self.device, keep)
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    @property
+    def capture_times(self) -> list:
+        """Each graph's capture (`cuda_graphs.CaptureTime`), in order; empty uncaptured."""
+        return list(self.graphs.times) if self.graphs is not None else []
+
+    @property
+    def capture_failure(self) -> str | None:
+        """Why the passes run uncaptured though capture was asked for (None: they do not)."""
+        return self.graphs.failed if self.graphs is not None else None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -192,17 +262,17 @@ class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
         its last `logits_to_keep` positions. tokens, valid: [batch, n]."""
         n = tokens.shape[1]
         self._fit(n)
-        width = width_bucket(n) if self.compiled and n <= MAX_COMPILED_WIDTH else n
-        run = self._run if width <= MAX_COMPILED_WIDTH else self._pass
+        fixed = self.fixed_shapes and n <= MAX_FIXED_WIDTH
+        width = width_bucket(n) if fixed else n
+        run = self._run if fixed else self._pass
         tokens_p = tokens.new_zeros(self.phys_rows, width)  # [rows, width]; padding: holes
         valid_p = valid.new_zeros(self.phys_rows, width)
         tokens_p[self.rows, :n] = tokens
         valid_p[self.rows, :n] = valid
         logits, hidden, lengths = run(tokens_p, valid_p, self.phys_lengths, want_hidden)
-        if self.compiled and self.device.type == "cuda":  # a replay reuses its outputs' memory
-            logits, lengths = logits.clone(), lengths.clone()
-            hidden = hidden.clone() if hidden is not None else None
-        self.phys_lengths = lengths
+        # a graph's outputs are its own memory, rewritten by its next replay: keep copies
+        # (indexing by rows copies the logits and hidden states kept)
+        self.phys_lengths = lengths.clone() if fixed else lengths
         keep = slice(n - logits_to_keep, n)
         logits = logits[self.rows, keep].float()  # [batch, keep, vocab]
         return logits, hidden[self.rows, keep] if hidden is not None else None
@@ -215,9 +285,10 @@ class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
         longest = int(self.phys_lengths.max()) if self.phys_rows else 0
         self.bound = longest + n
         if self.bound >= self.capacity:
-            self.capacity = capacity_bucket(self.bound + 1)
-            identity = torch.arange(self.phys_rows, device=self.device)
-            self.cache.reshape(identity, self.capacity)
+            self.capacity = 1 << self.bound.bit_length()  # the next power of two past it
+            live = torch.arange(self.phys_rows, device=self.device)
+            self._allocate(self.cache.allocated_rows, live)
+            self.cache.use(self.phys_rows)
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Keep the first `lengths[b]` tokens of each row: a moved offset, nothing else."""
@@ -232,12 +303,14 @@ class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
         )
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows; the buffers shrink (one copy) when the row bucket does."""
+        """Keep only these rows; the live ones move to the front of the buffers when the row
+        bucket shrinks (one copy in place), so the graphs of the smaller bucket stay valid."""
         self.rows = self.rows.index_select(0, rows.to(self.device))
         rows_now = row_bucket(len(self.rows)) if len(self.rows) else 0
         if rows_now < self.phys_rows:
             keep = torch.cat([self.rows, self._spare_rows(rows_now - len(self.rows))])
-            self.cache.reshape(keep, self.capacity)
+            self.cache.compact(keep)
+            self.cache.use(rows_now)
             self.phys_lengths = self.phys_lengths.index_select(0, keep)
             self.phys_rows = rows_now
             self.rows = torch.arange(len(self.rows), device=self.device)

@@ -19,7 +19,8 @@ next token of a fixed random permutation, which then leads by a margin no roundi
 Every matrix keeps its shape, so every pass costs what it costs with the published weights.
 
 Methods, all on the same weights, interleaved by the one runner (`runner.measure`):
-  ar             plain decoding on the static path (compiled with `compile`): the reference
+  ar             plain decoding on the static path (on a GPU its passes captured as CUDA graphs
+                 by hand; `compile`: through torch.compile instead): the reference
   sd             speculative decoding on the static path, scripted drafter, per acceptance and k
   eager-ar/-sd   the same two on the eager DynamicCache path (`torch_eager`)
   hf-static      transformers `generate` with its static cache (compiled by transformers on GPUs)
@@ -30,7 +31,12 @@ Methods, all on the same weights, interleaved by the one runner (`runner.measure
 The Leviathan bound at batch 1 comes from prices measured on the static path (a drafter step and a
 verify pass of k + 1 tokens, in target steps) at the acceptance measured (the per-token acceptance
 that explains the tokens per target call), so `of_bound` says how much of what the prices allow
-the loop turns into speed.
+the loop turns into speed. At each batch size the record also says what drafting `auto` plans
+there (`auto_plans`): the draft length its planner picks at that row count's measured prices and
+each acceptance set, so the speed of `sd` at that length is what a user of `auto` gets.
+
+What a GPU user waits for is recorded too (`startup`): building the pair, the first call
+(prefill, then every shape's capture), and each capture's time.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,7 +53,7 @@ import torch
 
 from specdecode.api import SpeculativeDecoder
 from specdecode.backends.torch_eager import CachedModel, cache_kwargs
-from specdecode.backends.torch_static import StaticCachedModel
+from specdecode.backends.torch_static import MAX_FIXED_WIDTH, StaticCachedModel
 from specdecode.bench.config import (
     DEFAULT_ACCEPTANCE,
     DEFAULT_DRAFT_TOKENS,
@@ -59,6 +65,8 @@ from specdecode.bench.methods import Registry, Result, Settings, SharedModels, t
 from specdecode.bench.metrics import alpha_from_tokens_per_call, expected_tokens_per_call
 from specdecode.bench.runner import bench_record, measure, speed_rows
 from specdecode.core.drafting.base import Draft, Drafter
+from specdecode.core.drafting.planners import plan_lengths
+from specdecode.core.prices import Prices
 from specdecode.pricebook import pass_seconds
 
 CAPTURED = Registry("captured")
@@ -197,7 +205,7 @@ class CapturedBenchConfig(BenchConfig):
     draft: str
     device: str = "cpu"
     dtype: str = "bfloat16"
-    compile: bool | None = None  # None: on CUDA only
+    compile: bool = False  # torch.compile the static passes (else captured by hand on CUDA)
     acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
     num_draft_tokens: tuple[int, ...] = DEFAULT_DRAFT_TOKENS
     prompts: int | None = None  # None: the largest batch size
@@ -220,8 +228,8 @@ class CapturedBenchConfig(BenchConfig):
             raise ValueError(f"--limit (random prompts) must be >= 1, got {self.prompts}")
 
     @property
-    def compiled(self) -> bool:
-        return self.compile if self.compile is not None else self.device.startswith("cuda")
+    def captured(self) -> bool:
+        return self.device.startswith("cuda") and not self.compile
 
     @property
     def prompt_count(self) -> int:
@@ -239,14 +247,16 @@ class Pair(SharedModels):
         self.drafter = random_model(cfg.draft, dtype, cfg.device, cfg.seed + 1)
         self.vocab = self.target.get_output_embeddings().weight.shape[0]
         self.scripts: dict[tuple[int, ...], list[int]] = {}
+        self.prompts: list[list[int]] = []  # the bench's random prompts, once drawn
 
     def decoder(self, static: bool) -> SpeculativeDecoder:
         def build() -> SpeculativeDecoder:
-            if static:
-                compiled = self.cfg.compiled
+            if static:  # a row's cache sized once: prompt, new tokens, a verify pass
+                cfg = self.cfg
+                room = cfg.prompt_tokens + cfg.max_new_tokens + MAX_FIXED_WIDTH
                 return SpeculativeDecoder(
-                    StaticCachedModel(self.target, "target", compiled),
-                    drafter=StaticCachedModel(self.drafter, "drafter", compiled),
+                    StaticCachedModel(self.target, "target", cfg.compile, capacity=room),
+                    drafter=StaticCachedModel(self.drafter, "drafter", cfg.compile, capacity=room),
                 )
             return SpeculativeDecoder(CachedModel(self.target), drafter=CachedModel(self.drafter))
 
@@ -310,10 +320,19 @@ class CapturedMethod:
             return "runs one prompt at a time"
         return self.unavailable()
 
+    warm_up_seconds: float | None = None
+
     def prepare(self, sample: Sequence[list[int]]) -> None:
-        """Warm-up over the widths this method will use (compiles and captures)."""
-        if self.unavailable() is None:
-            self.decode(list(sample), replace(self.settings, max_new_tokens=16))
+        """Warm-up at every batch size this method runs, over the widths it will use: each
+        shape's capture (or compile) is paid here, and timed (`warm_up_seconds`)."""
+        if self.unavailable() is not None:
+            return
+        started = time.perf_counter()
+        short = replace(self.settings, max_new_tokens=16)
+        for rows in self.pair.cfg.batch_sizes:
+            if self.skips(rows) is None:
+                self.decode(self.pair.prompts[:rows], short)
+        self.warm_up_seconds = synced_seconds(torch.device(self.pair.cfg.device), started)
 
     def run(self, batch: Sequence[list[int]]) -> Result:
         return self.decode(list(batch), self.settings)
@@ -469,21 +488,66 @@ def captured_methods(cfg: CapturedBenchConfig, pair: Pair, settings: Settings) -
     return methods
 
 
-def static_prices(pair: Pair, cfg: CapturedBenchConfig) -> dict:
+Timed = dict[int, tuple[dict[int, float], float]]  # rows -> (target seconds by width, drafter)
+
+
+def timed_passes(pair: Pair, cfg: CapturedBenchConfig) -> Timed:
+    """Seconds of even passes on the static path at each batch size (and one row): the target
+    holding 1 to K + 1 tokens a row (K the longest draft asked for), a drafter step."""
+    decoder = pair.decoder(static=True)
+    widths = list(range(1, max(cfg.num_draft_tokens) + 2))
+    context = [(1000 + i) % pair.vocab for i in range(cfg.prompt_tokens)]
+    timed: Timed = {}
+    for rows in sorted({1, *cfg.batch_sizes}):
+        target, drafted = pass_seconds(
+            [(decoder.target_backend, widths), (decoder.drafter_backend, [1])], context, 5, rows
+        )
+        timed[rows] = (target, drafted[1])
+    return timed
+
+
+def static_prices(timed: Timed, cfg: CapturedBenchConfig) -> dict:
     """Prices on the static path at batch 1: a target step (ms), verify passes of k + 1 tokens
     and a drafter step (in target steps), what the Leviathan bound is computed from."""
-    decoder = pair.decoder(static=True)
-    widths = sorted({1} | {k + 1 for k in cfg.num_draft_tokens})
-    context = [(1000 + i) % pair.vocab for i in range(cfg.prompt_tokens)]
-    target, drafted = pass_seconds(
-        [(decoder.target_backend, widths), (decoder.drafter_backend, [1])], context, reps=5
-    )
-    draft = drafted[1]
+    target, draft = timed[1]
     return {
         "target_step_ms": target[1] * 1e3,
-        "verify_steps": {str(w - 1): target[w] / target[1] for w in widths if w > 1},
+        "verify_steps": {str(k): target[k + 1] / target[1] for k in cfg.num_draft_tokens},
         "drafter_step": draft / target[1],
     }
+
+
+def auto_plans(timed: Timed, cfg: CapturedBenchConfig) -> list[dict]:
+    """What drafting `auto`'s planner drafts per row at each batch size and acceptance set: its
+    plan (`plan_lengths`) at that row count's measured prices, every row drafting by the model
+    at that acceptance, at most K tokens (the longest draft asked for, so the plan's length is
+    one the bench measured). `gain`: the plan's expected tokens per unit of cost over a plain
+    step's, at those prices."""
+    most = max(cfg.num_draft_tokens)
+    step = timed[1][0][1]
+    plans = []
+    for rows in cfg.batch_sizes:
+        counts = sorted({1, rows})
+        prices = Prices(
+            tuple(counts),
+            tuple(tuple(timed[r][0][w] / step for w in range(1, most + 2)) for r in counts),
+            tuple(timed[r][1] / step for r in counts),
+        )
+        plain = rows / prices.even_cost(rows, 1)
+        one_token = prices.even_cost(rows, 1)
+        for a in cfg.acceptance:
+            k, _, outlook = plan_lengths(
+                [a] * rows, [most] * rows, [most] * rows, [True] * rows, prices
+            )
+            plans.append({
+                "batch_size": rows,
+                "acceptance": a,
+                "k": sorted(set(k)),
+                "gain": outlook.ratio / plain,
+                "verify_steps": prices.even_cost(rows, most + 1) / one_token,
+                "drafter_step": (prices.draft_cost(rows) or 0.0) / one_token,
+            })  # fmt: skip
+    return plans
 
 
 def leviathan_bound(prices: dict, alpha: float, k: int) -> float:
@@ -506,16 +570,25 @@ def run_captured_bench(cfg: CapturedBenchConfig, progress: bool = True) -> dict:
 
 
 def _run(cfg: CapturedBenchConfig, progress: bool) -> dict:
+    device = torch.device(cfg.device)
+    started = time.perf_counter()
     pair = Pair(cfg)
+    built = synced_seconds(device, started)
     gen = torch.Generator().manual_seed(cfg.seed)
     prompts = torch.randint(1, pair.vocab, (cfg.prompt_count, cfg.prompt_tokens), generator=gen)
-    prompts = prompts.tolist()
+    pair.prompts = prompts = prompts.tolist()
+    started = time.perf_counter()  # a user's first token: the prompt's pass, nothing captured
+    pair.decoder(static=True).generate(prompts[:1], max_new_tokens=1, use_drafter=False)
+    startup = {"build_seconds": built, "first_token_seconds": synced_seconds(device, started)}
     settings = Settings(cfg.max_new_tokens, seed=cfg.seed)
     methods = captured_methods(cfg, pair, settings)
     records, skipped = measure(methods, prompts, cfg.batch_sizes, cfg.repeats, progress)
-    prices = static_prices(pair, cfg) if "sd" in cfg.methods else None
+    drafts = any(m.k is not None for m in methods)
+    timed = timed_passes(pair, cfg) if drafts else None
+    prices = static_prices(timed, cfg) if timed is not None and 1 in cfg.batch_sizes else None
 
     def extras(row: dict, method: CapturedMethod, rec, base) -> None:
+        row["warm_up_seconds"] = method.warm_up_seconds
         if rec.stats is None or method.k is None:
             return
         tau = rec.stats.total.tokens_per_target_call
@@ -527,5 +600,11 @@ def _run(cfg: CapturedBenchConfig, progress: bool) -> dict:
             row.update(leviathan_bound=bound, of_bound=row["speedup"]["geomean"] / bound)
 
     rows = speed_rows(methods, records, "tokens", extras, also_against=("hf-static", "eager-ar"))
+    decoder = pair.decoder(static=True)
+    backends = {"target": decoder.target_backend, "drafter": decoder.drafter_backend}
+    startup["captures"] = {r: [asdict(t) for t in b.capture_times] for r, b in backends.items()}
+    startup["capture_failures"] = {r: b.capture_failure for r, b in backends.items()}
     return bench_record(cfg, rows, skipped, acceptance_control=CONTROL, prices=prices,
-                        compiled=cfg.compiled, reference=REFERENCE)  # fmt: skip
+                        auto_plans=auto_plans(timed, cfg) if timed is not None else None,
+                        startup=startup, captured=cfg.captured, compiled=cfg.compile,
+                        reference=REFERENCE)  # fmt: skip

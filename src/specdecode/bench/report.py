@@ -264,7 +264,7 @@ def _captured_heading(record: dict, where: str) -> list[str]:
         f"# specdecode bench: {cfg['target']}-shaped target with a {cfg['draft']}-shaped drafter",
         "",
         f"{cfg['prompt_tokens']}-token random prompts ({record['machine'].get('cuda') or 'CPU'}, "
-        f"{cfg['dtype']}, static path {'compiled' if record['compiled'] else 'not compiled'}), "
+        f"{cfg['dtype']}, static path {_static_path(record)}), "
         f"{cfg['max_new_tokens']} new tokens, greedy, {where}",
         "",
         f"Acceptance {record['acceptance_control']}.",
@@ -276,7 +276,40 @@ def _captured_heading(record: dict, where: str) -> list[str]:
             f"Static path at batch 1: target step {prices['target_step_ms']:.2f} ms; verify pass "
             f"of k+1 tokens in steps: {verify}; drafter step {prices['drafter_step']:.3f} steps."
         )
-    return lines
+    notes = []
+    for plan in record.get("auto_plans") or []:
+        notes.append(
+            f"Drafting auto at batch {plan['batch_size']}, acceptance {plan['acceptance']:g}: "
+            f"k = {'/'.join(map(str, plan['k']))} (expected {plan['gain']:.2f}x plain at a drafter "
+            f"step of {plan['drafter_step']:.3f} and a verify pass of {plan['verify_steps']:.2f} "
+            "steps at the longest k)."
+        )
+    startup = record.get("startup")
+    if startup:
+        notes.append(
+            f"Start-up: pair built in {startup['build_seconds']:.1f} s, first token "
+            f"{startup['first_token_seconds']:.2f} s after."
+        )
+        for role, times in startup["captures"].items():
+            if times:
+                each = ", ".join(f"{t['rows']}x{t['width']}{'h' if t['hidden'] else ''} "
+                                 f"{t['seconds']:.2f}" for t in times)  # fmt: skip
+                notes.append(f"Captures of the {role} (rows x width: seconds): {each}.")
+        for role, failure in startup["capture_failures"].items():
+            if failure:
+                notes.append(f"The {role}'s passes ran uncaptured: {failure}.")
+    warm = {r["method"]: r["warm_up_seconds"] for r in record["methods"]
+            if r.get("warm_up_seconds") is not None}  # fmt: skip
+    if warm:
+        each = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items())
+        notes.append(f"Warm-up at every batch size (captures, compiles, 16 tokens): {each}.")
+    return lines + ([""] + [f"- {note}" for note in notes] if notes else [])
+
+
+def _static_path(record: dict) -> str:
+    if record.get("captured"):
+        return "captured by hand"
+    return "compiled" if record["compiled"] else "not compiled"
 
 
 def _prompt_slice(cfg: dict) -> str:

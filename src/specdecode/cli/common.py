@@ -163,14 +163,15 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="llama.cpp runs known models' GGUF files as shipped (the default on the CPU); "
         "torch runs transformers models (known models converted to fp32 once); torch-static "
-        "runs them over a static per-row cache in fixed shapes, compiled with --compile",
+        "runs them over a static per-row cache in fixed shapes (CUDA graphs on a GPU)",
     )
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch-static: torch.compile the decoding passes (CUDA graphs on a GPU; default: "
-        "on for CUDA, off on the CPU, where the first pass of each shape compiles for a minute)",
+        help="torch-static: torch.compile the decoding passes instead of capturing them by hand "
+        "(on a GPU the passes are captured as CUDA graphs at first use, a fraction of a second "
+        "each; compiling takes tens of seconds a shape, a minute on a CPU)",
     )
 
 
