@@ -35,7 +35,7 @@ bench() {  # NAME SECONDS ARGS...: one bench on the Qwen3 pair, its table and re
 
 if [[ $steps == *" tests "* ]]; then
   echo "== tests/test_cuda.py ($(date -u +%T))"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
 fi
 [[ $steps == *" b1 "* ]] && bench gpu-captured-b1 150 --limit 8 --batch-sizes 1 \
   --num-draft-tokens 3 4 5 --methods ar sd graph-ar eager-ar
