@@ -35,11 +35,11 @@ bench() {  # NAME SECONDS ARGS...: one bench on the Qwen3 pair, its table and re
 
 if [[ $steps == *" tests "* ]]; then
   echo "== tests/test_cuda.py ($(date -u +%T))"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -15
 fi
-[[ $steps == *" b1 "* ]] && bench gpu-captured-b1 150 --limit 8 --batch-sizes 1 \
+[[ $steps == *" b1 "* ]] && bench gpu-captured-b1 100 --limit 8 --batch-sizes 1 \
   --num-draft-tokens 3 4 5 --methods ar sd graph-ar eager-ar
-[[ $steps == *" curve "* ]] && bench gpu-captured-curve 170 --limit 64 --batch-sizes 4 16 64 \
+[[ $steps == *" curve "* ]] && bench gpu-captured-curve 165 --limit 64 --batch-sizes 4 16 64 \
   --num-draft-tokens 2 3 4 --methods ar sd
 [[ $steps == *" hf "* ]] && bench gpu-hf-static 120 --limit 4 --batch-sizes 1 \
   --num-draft-tokens 4 --methods ar sd hf-static

@@ -12,9 +12,11 @@ test_cuda.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdecode import SpeculativeDecoder
 from specdecode.backends.torch_static import StaticCachedModel
+from specdecode.pricebook import pass_seconds
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [20, 21, 22, 23], [40], [7, 7, 7, 7, 7, 7]]
 
@@ -42,9 +44,10 @@ class Recorded:
 
         def replay() -> None:
             assert self.addresses() == captured_over, "the cache moved under a captured graph"
-            for kept, fresh in zip(outputs, run(), strict=True):
-                if kept is not None:
-                    kept.copy_(fresh)
+            with torch.inference_mode():  # a replay's kernels write outputs unchecked
+                for kept, fresh in zip(outputs, run(), strict=True):
+                    if kept is not None:
+                        kept.copy_(fresh)
             self.replays += 1
 
         return replay, outputs
@@ -81,6 +84,9 @@ def test_captured_greedy_text_is_the_targets_and_graphs_are_reused(tiny_llama):
     )
     assert again.new_tokens == out.new_tokens
     assert (t_rec.captures, d_rec.captures) == seen
+    # graphs captured while decoding (in inference mode) replay for the pass timer (outside it)
+    (seconds,) = pass_seconds([(t_lm, [1, 4])], PROMPTS[0], 2, rows=5)
+    assert set(seconds) == {1, 4} and all(s > 0 for s in seconds.values())
     assert len(t_lm.capture_times) == t_rec.captures
     rows = {c.rows for c in t_lm.capture_times}
     assert 8 in rows and min(rows) < 8  # the bucket of five rows, then smaller ones

@@ -116,8 +116,9 @@ class CapturedPasses:
 
     def _capture(self, tokens, valid, lengths, want_hidden: bool) -> Captured:
         started = time.perf_counter()
-        static = tokens.clone(), valid.clone(), lengths.clone()
-        holes = torch.zeros_like(valid)  # the warm-up writes the scratch slot alone
+        with torch.inference_mode(False):  # inputs for life: written in and out of it
+            static = tokens.clone(), valid.clone(), lengths.clone()
+            holes = torch.zeros_like(valid)  # the warm-up writes the scratch slot alone
 
         def run() -> tuple[Any, ...]:
             return self.run(*static, want_hidden)
