@@ -302,7 +302,9 @@ def _captured_heading(record: dict, where: str) -> list[str]:
             if r.get("warm_up_seconds") is not None}  # fmt: skip
     if warm:
         each = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in warm.items())
-        notes.append(f"Warm-up on the first batch of every batch size (captures, compiles): {each}.")
+        notes.append(
+            f"Warm-up on the first batch of every batch size (captures, compiles): {each}."
+        )
     return lines + ([""] + [f"- {note}" for note in notes] if notes else [])
 
 
