@@ -188,3 +188,23 @@ def test_acceptance_holds_in_both_dtypes(wide_shapes, dtype):
         assert row["acceptance_measured"] == pytest.approx(0.8, abs=0.03), row["method"]
         assert row["mismatches"] == [], row["method"]
     assert record["ok"]
+
+
+def test_auto_plans_read_each_row_counts_prices():
+    """What the record says auto plans comes from the planner at each row count's own prices:
+    where a verify pass costs a step and the drafter little (a GPU's one row), it drafts, and
+    further at higher acceptance; where every token costs a step (compute-bound rows), never."""
+    from specdecode.bench.captured import auto_plans
+
+    cfg = CapturedBenchConfig(target="qwen3-4b", draft="qwen3-0.6b", batch_sizes=(1, 8),
+                              acceptance=(0.5, 0.9), num_draft_tokens=(2, 5))  # fmt: skip
+    timed = {
+        1: ({w: 0.010 * (1 + 0.01 * (w - 1)) for w in range(1, 7)}, 0.001),
+        8: ({w: 0.080 * w for w in range(1, 7)}, 0.008),  # every token a full pass
+    }
+    plans = {(p["batch_size"], p["acceptance"]): p for p in auto_plans(timed, cfg)}
+    assert 0 < plans[(1, 0.5)]["k"][0] < plans[(1, 0.9)]["k"][0] <= 5
+    assert plans[(1, 0.9)]["gain"] > plans[(1, 0.5)]["gain"] > 1.0
+    assert plans[(1, 0.9)]["drafter_step"] == pytest.approx(0.1)
+    assert plans[(8, 0.5)]["k"] == plans[(8, 0.9)]["k"] == [0]
+    assert plans[(8, 0.9)]["verify_steps"] == pytest.approx(6.0)
