@@ -29,16 +29,11 @@ def started(self):
 
 
 async def _inline(self):
-    try:
-        self._decoder = decoder = await asyncio.to_thread(self._load)
-        loop = decoder.loop(
-            max_rows=self.max_rows, prefill_chunk=self.prefill_chunk, **self.loop_options
-        )
-    except Exception as error:
-        self.load_error = str(error) or type(error).__name__
-        self.state = "failed"
-        self.loaded.set()
-        return
+    # a load that fails ends this task with its traceback: a measurement needs no more
+    self._decoder = decoder = await asyncio.to_thread(self._load)
+    loop = decoder.loop(
+        max_rows=self.max_rows, prefill_chunk=self.prefill_chunk, **self.loop_options
+    )
     self.state = "ready"
     self.loaded.set()
     while not self._stopping:
