@@ -113,10 +113,9 @@ class RowOffsetCache(Cache):
                  device: torch.device, keep: torch.Tensor | None = None) -> None:  # fmt: skip
         """New buffers `[rows, kv_heads, capacity + 1, head_dim]` (`shapes[i]`: layer i's
         kv_heads, head_dim, dtype), zeroed; `keep`: rows of the old ones copied to the front,
-        with the slots both capacities hold."""
+        with the slots both capacities hold. The layers see none of them until `use`."""
         with torch.inference_mode(False):  # buffers for life: written in and out of it
             self._allocate(shapes, rows, capacity, device, keep)
-        self.use(rows)
 
     def _allocate(self, shapes, rows, capacity, device, keep) -> None:
         full = []

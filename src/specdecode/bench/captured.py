@@ -247,7 +247,10 @@ class Pair(SharedModels):
         self.drafter = random_model(cfg.draft, dtype, cfg.device, cfg.seed + 1)
         self.vocab = self.target.get_output_embeddings().weight.shape[0]
         self.scripts: dict[tuple[int, ...], list[int]] = {}
-        self.prompts: list[list[int]] = []  # the bench's random prompts, once drawn
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.prompts: list[list[int]] = torch.randint(
+            1, self.vocab, (cfg.prompt_count, cfg.prompt_tokens), generator=gen
+        ).tolist()  # the bench's random prompts
 
     def decoder(self, static: bool) -> SpeculativeDecoder:
         def build() -> SpeculativeDecoder:
@@ -327,7 +330,7 @@ class CapturedMethod:
         timed runs: each shape's capture (or compile) is paid here and timed
         (`warm_up_seconds`). A shorter warm-up misses the row buckets a batch meets as its rows
         finish at different rounds (seeded drafts finish them in the same order again), and
-        the first timed run paid their captures: at 64 rows on an H100, 0.59x for 0.95x."""
+        the first timed run would pay their captures (docs/backends.md has the case)."""
         if self.unavailable() is not None:
             return
         started = time.perf_counter()
@@ -535,8 +538,7 @@ def auto_plans(timed: Timed, cfg: CapturedBenchConfig) -> list[dict]:
             tuple(tuple(timed[r][0][w] / step for w in range(1, most + 2)) for r in counts),
             tuple(timed[r][1] / step for r in counts),
         )
-        plain = rows / prices.even_cost(rows, 1)
-        one_token = prices.even_cost(rows, 1)
+        one_token = prices.even_cost(rows, 1)  # a plain round
         for a in cfg.acceptance:
             k, _, outlook = plan_lengths(
                 [a] * rows, [most] * rows, [most] * rows, [True] * rows, prices
@@ -545,7 +547,7 @@ def auto_plans(timed: Timed, cfg: CapturedBenchConfig) -> list[dict]:
                 "batch_size": rows,
                 "acceptance": a,
                 "k": sorted(set(k)),
-                "gain": outlook.ratio / plain,
+                "gain": outlook.ratio * one_token / rows,
                 "verify_steps": prices.even_cost(rows, most + 1) / one_token,
                 "drafter_step": (prices.draft_cost(rows) or 0.0) / one_token,
             })  # fmt: skip
@@ -576,9 +578,7 @@ def _run(cfg: CapturedBenchConfig, progress: bool) -> dict:
     started = time.perf_counter()
     pair = Pair(cfg)
     built = synced_seconds(device, started)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    prompts = torch.randint(1, pair.vocab, (cfg.prompt_count, cfg.prompt_tokens), generator=gen)
-    pair.prompts = prompts = prompts.tolist()
+    prompts = pair.prompts
     started = time.perf_counter()  # a user's first token: the prompt's pass, nothing captured
     pair.decoder(static=True).generate(prompts[:1], max_new_tokens=1, use_drafter=False)
     startup = {"build_seconds": built, "first_token_seconds": synced_seconds(device, started)}
