@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode.backends.base import PendingFromLengths
+from specdecode.backends.base import PendingFromLengths, StepFromForward
 from specdecode.core.config import LOOKUP_ALONE, LOOKUP_FIRST, DecodeConfig
 from specdecode.core.drafting.corpus import BAND_PRIORS
 from specdecode.core.drafting.mixed import MixedDrafter, corpus_key
@@ -339,7 +339,7 @@ class World:
 # ---- models ----
 
 
-class SimModel(PendingFromLengths):
+class SimModel(PendingFromLengths, StepFromForward):
     """A `ModelBackend` that runs no model: the target's logits point at the script's next
     token; the drafter model's at it where the model is right, at another token elsewhere.
     Every pass advances the machine's clock by what it costs there."""

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
+from specdecode.backends.base import StepFromForward
 from specdecode.core.config import SamplingConfig
 from specdecode.core.engine import DecodeLoop, RowFailed, RowRequest
 from specdecode.core.prices import Prices
@@ -72,6 +73,9 @@ class Faulty:
             self.armed = False
             raise RuntimeError("an admission failed half-way")
         return reused
+
+    def step_logits(self, tokens: list[int]) -> torch.Tensor:
+        return StepFromForward.step_logits(self, tokens)  # through the faults of `forward`
 
     def forward(self, tokens, valid, logits_to_keep=1, want_hidden=False):
         if self.fault == "context":

@@ -163,6 +163,39 @@ def test_rows_left_scattered_move_down_and_score_as_before(smol):
         assert (logits[b, -1] - fresh[0, -1]).abs().max() <= NOISE
 
 
+def test_a_plain_round_reads_the_logits_in_place_in_row_order(smol):
+    """`step_logits` on rows whose sequences run out of row order (a row joined on a low free
+    sequence, another moves down first): each row's logits are its own, as a fresh prefill
+    scores them, the rows' lengths grow by one, and the next pass reuses the view."""
+    target, _, tok = smol
+    rows = [tok(p).input_ids for p in PROMPTS] + [tok("import os\nimport sys\n").input_ids]
+    target.reset(4)
+    target.select_rows(torch.zeros(0, dtype=torch.long))
+    target.add_rows(rows)
+    tokens, valid = left_padded(rows)
+    target.forward(tokens, valid)
+    target.select_rows(torch.tensor([1, 3]))  # sequences 0 and 2 freed
+    joined = rows[0] + [13]
+    target.add_rows([joined])  # on sequence 0, its prompt's prefix held there
+    target.forward(torch.tensor([[0], [0], [13]]), torch.tensor([[False], [False], [True]]))
+    step = [21, 22, 23]
+    logits = target.step_logits(step).clone()  # [3, vocab]
+    assert target.seq_ids == [1, 2, 0]  # the row on sequence 3 moved down: rows out of order
+    assert target.lengths.tolist() == [len(rows[1]) + 1, len(rows[3]) + 1, len(joined) + 1]
+    for b, held in enumerate((rows[1], rows[3], joined)):
+        target.reset(1)
+        fresh, _ = target.forward(torch.tensor([held + [step[b]]]), ones(len(held) + 1))
+        assert (logits[b] - fresh[0, -1]).abs().max() <= NOISE
+    target.reset(1)
+    target.forward(torch.tensor([rows[2]]), ones(len(rows[2])))
+    first = target.step_logits([13])
+    again = target.step_logits([14])
+    assert again.data_ptr() == first.data_ptr()  # one view of llama.cpp's buffer
+    target.reset(1)
+    fresh, _ = target.forward(torch.tensor([rows[2] + [13, 14]]), ones(len(rows[2]) + 2))
+    assert (again[0] - fresh[0, -1]).abs().max() <= NOISE
+
+
 def test_hidden_states_are_the_last_norm(smol):
     """The drafter's hidden states (llama.cpp's embeddings output) come with the logits and
     differ by position; the logits are the same with or without them."""

@@ -150,6 +150,9 @@ def test_drafter_that_agrees_with_verifier_gets_whole_blocks_accepted():
         def start(self, batch_size):
             pass
 
+        def rests(self):
+            return False
+
         def propose(self, sequences, seq_lens, max_tokens, rng):
             from specdecode.core.drafting.base import Draft
 

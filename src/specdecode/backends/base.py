@@ -12,7 +12,9 @@ The engine never sees a `torch.nn.Module`, a llama.cpp context or a static cache
 * `add_rows(prompts)`: append rows that join between rounds, reusing cached prefixes where the
   backend keeps them;
 * `pending(sequences, seq_lens)`: the committed tokens a row has not yet been fed (one
-  definition for every backend, `PendingFromLengths`).
+  definition for every backend, `PendingFromLengths`);
+* `step_logits(tokens)`: a plain round's pass, one token per row, its logits read in place
+  where the backend can (`StepFromForward` otherwise).
 
 `torch_eager.CachedModel` implements it over a `transformers` decoder with a ragged
 `DynamicCache` view; `llamacpp.LlamaCppModel` over a GGUF file with one llama.cpp sequence
@@ -22,6 +24,7 @@ verification rules, samplers, drafters and length policies work unchanged on eit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -65,6 +68,12 @@ class ModelBackend(Protocol):
         self, sequences: Tensor, seq_lens: Tensor, pad_id: int = 0, width: int | None = None
     ) -> tuple[Tensor, Tensor]: ...
 
+    def step_logits(self, tokens: list[int]) -> Tensor:
+        """Append one token to every row (tokens[b]: the one row b's cache lacks) -> the logits
+        after it, [batch, vocab] float32, which may be the backend's own buffer: valid until
+        its next pass (`StepFromForward`; llama.cpp's leaves them where it wrote them)."""
+        ...
+
 
 class PendingFromLengths:
     """`ModelBackend.pending` from the tokens each row's cache holds (`lengths`): the one
@@ -80,6 +89,19 @@ class PendingFromLengths:
         sequences: [batch, capacity], seq_lens: [batch] -> tokens, valid: [batch, n_pending]
         """
         return pending_block(sequences, seq_lens, self.lengths, pad_id, width)
+
+
+class StepFromForward:
+    """`ModelBackend.step_logits` as a `forward` of one token per row: for backends whose
+    logits are a fresh tensor anyway."""
+
+    device: torch.device
+    forward: Callable[..., tuple[Tensor, Tensor | None]]  # the backend's own
+
+    def step_logits(self, tokens: list[int]) -> Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [batch, 1]
+        logits, _ = self.forward(ids, torch.ones_like(ids, dtype=torch.bool))
+        return logits[:, 0]  # [batch, vocab]
 
 
 def pending_block(

@@ -128,6 +128,8 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
         self.rows_capacity = 0
         self.batch = None
         self.batch_capacity = 0
+        self._view_key: tuple[int, int] | None = None  # `_logits_view`: where it points
+        self._view = torch.empty(0)
         self._new_context(max(1, max_rows))
         self.prefix_cache = PrefixCache(prefix_cache_mib << 20)
         self.pages = PageMove(self.path, role, weights, mover, slower)
@@ -249,20 +251,10 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
         keep = min(logits_to_keep, n)
         valid_l = valid.tolist()
         tokens_l = tokens.tolist()
-        lengths_l = self.lengths.tolist()
+        lengths_l = [len(row) for row in self.row_tokens]
         count = sum(map(sum, valid_l))
         counts = [sum(v) for v in valid_l]
-        for b in range(batch):
-            if lengths_l[b] + counts[b] > self.context_length:
-                raise ValueError(
-                    f"{self.role}: row {b} would hold {lengths_l[b] + counts[b]} tokens, beyond "
-                    f"this llama.cpp context of {self.context_length} per row"
-                )
-        self._compact()
-        if want_hidden != self.embeddings_on:  # with embeddings on, llama.cpp outputs (and
-            # computes the logits of) every token of a batch: only when the hidden states are read
-            self.lib.llama_set_embeddings(self.ctx, want_hidden)
-            self.embeddings_on = want_hidden
+        self._before_pass(lengths_l, counts, want_hidden)
         # every valid token, rows in the order of their sequence ids: (row, column of its
         # logits or -1, token, position). With a cache stream per row llama.cpp puts rows in
         # one micro-batch only while their sequence ids rise one by one through the batch; a
@@ -286,13 +278,58 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
         # goes in pieces, each piece's outputs copied before the next overwrites them
         for start in range(0, count, self.max_batch_tokens):
             self._decode_piece(entries[start : start + self.max_batch_tokens], logits, hidden)
-        self.lengths = self.lengths + torch.tensor(counts, dtype=torch.long)
         for b in range(batch):
             if counts[b]:
                 self.row_tokens[b].extend(
                     t for t, v in zip(tokens_l[b], valid_l[b], strict=True) if v
                 )
         return logits, hidden
+
+    def step_logits(self, tokens: list[int]) -> torch.Tensor:
+        """`forward` of one token per row, the logits left where llama.cpp wrote them: [batch,
+        vocab], a view valid until this model's next pass. Why: a plain round reads them once,
+        and the copy of a vocabulary-wide row and a ragged block's bookkeeping cost a few per
+        cent of a small model's step on a CPU (docs/findings.md, the plain path)."""
+        self.pages.before_pass()
+        start = time.perf_counter()
+        batch = len(tokens)
+        lengths = [len(row) for row in self.row_tokens]
+        self._before_pass(lengths, [1] * batch, False)
+        order = sorted(range(batch), key=self.seq_ids.__getitem__)  # as `_forward` runs rows
+        self._ensure_batch(batch)
+        for i, b in enumerate(order):
+            self._entry(i, tokens[b], lengths[b], b, True)
+        self._decode(batch)
+        if batch == 1:
+            self.pages.step_seconds.append(time.perf_counter() - start)
+        for row, token in zip(self.row_tokens, tokens, strict=True):
+            row.append(token)
+        logits = self._logits_view(batch)
+        if order != sorted(order):  # output i is row order[i]'s
+            logits = logits[torch.tensor(order).argsort()]  # [batch, vocab], a copy
+        return logits
+
+    def _before_pass(self, lengths: list[int], counts: list[int], want_hidden: bool) -> None:
+        """Refuse a pass past a row's context; move the rows down (`_compact`); embeddings on
+        only for a pass that reads hidden states."""
+        for b, (held, count) in enumerate(zip(lengths, counts, strict=True)):
+            if held + count > self.context_length:
+                raise ValueError(
+                    f"{self.role}: row {b} would hold {held + count} tokens, beyond "
+                    f"this llama.cpp context of {self.context_length} per row"
+                )
+        self._compact()
+        if want_hidden != self.embeddings_on:  # with embeddings on, llama.cpp outputs (and
+            # computes the logits of) every token of a batch: only when the hidden states are read
+            self.lib.llama_set_embeddings(self.ctx, want_hidden)
+            self.embeddings_on = want_hidden
+
+    def _entry(self, i: int, token: int, pos: int, row: int, output: bool) -> None:
+        """Entry i of llama.cpp's batch: `token` at `pos` of row `row`'s sequence."""
+        lb = self.batch
+        lb.token[i], lb.pos[i], lb.n_seq_id[i] = token, pos, 1
+        lb.seq_id[i][0] = self.seq_ids[row]
+        lb.logits[i] = output
 
     def _decode_piece(
         self,
@@ -302,14 +339,9 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
     ) -> None:
         """One `llama_decode` of `piece`, its wanted outputs copied into logits (and hidden)."""
         self._ensure_batch(len(piece))
-        lb = self.batch
         rows, cols, index = [], [], []  # where each output goes, and which output it is
         for i, (b, col, token, pos) in enumerate(piece):
-            lb.token[i] = token
-            lb.pos[i] = pos
-            lb.n_seq_id[i] = 1
-            lb.seq_id[i][0] = self.seq_ids[b]
-            lb.logits[i] = col >= 0
+            self._entry(i, token, pos, b, col >= 0)
             if col >= 0:
                 rows.append(b)
                 cols.append(col)
@@ -336,6 +368,15 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
                 f"{self.role}: llama_decode failed with status {status} on a batch of {count} "
                 "tokens (1: no room left in the cache; < 0: an error inside llama.cpp)"
             )
+
+    def _logits_view(self, rows: int) -> torch.Tensor:
+        """llama.cpp's logits of the last pass's `rows` outputs, in place: [rows, vocab]. The
+        view is made again only when llama.cpp's buffer moved (its outputs grew)."""
+        address = ctypes.addressof(self.lib.llama_get_logits(self.ctx).contents)
+        if self._view_key != (address, rows):
+            self._view_key = (address, rows)
+            self._view = self._outputs(self.lib.llama_get_logits(self.ctx), rows, self.vocab_size)
+        return self._view
 
     @staticmethod
     def _outputs(pointer, rows: int, width: int) -> torch.Tensor:

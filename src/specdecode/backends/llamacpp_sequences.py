@@ -81,7 +81,6 @@ class LlamaCppSequences:
     memory: Any
     role: str
     rows_capacity: int
-    lengths: torch.Tensor  # [batch] tokens held in each row's sequence
     prefix_cache: PrefixCache
     seq_ids: list[int]  # row b is llama.cpp sequence seq_ids[b]
     row_tokens: list[list[int]]  # what each row's sequence holds
@@ -93,10 +92,15 @@ class LlamaCppSequences:
     # whose partition is unknown: its cells are reused by no row and not saved
     partitions: dict[int, str]
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[batch] tokens held in each row's sequence, from `row_tokens`: one account of a
+        row's cells, and a plain round's pass adds its token without a tensor op."""
+        return torch.tensor([len(row) for row in self.row_tokens], dtype=torch.long)
+
     def _start_rows(self, batch_size: int) -> None:
         """Row b on sequence b, every sequence empty: a new batch (`reset`)."""
         self.seq_ids = list(range(batch_size))
-        self.lengths = torch.zeros(batch_size, dtype=torch.long)
         self.row_tokens = [[] for _ in range(batch_size)]
         self.kept = {}
         self.partitions = {}
@@ -147,7 +151,6 @@ class LlamaCppSequences:
             self.seq_ids.append(seq)
             self.row_tokens.append(list(prompt[:n]))
             reused.append(n)
-        self.lengths = torch.cat([self.lengths, torch.tensor(reused, dtype=torch.long)])
         return reused
 
     def _cells(self, seq: int, most: int | None = None) -> ctypes.Array | None:
@@ -211,7 +214,6 @@ class LlamaCppSequences:
             if new < old:
                 self.lib.llama_memory_seq_rm(self.memory, self.seq_ids[b], new, -1)
                 del self.row_tokens[b][new:]
-        self.lengths = lengths
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows. The sequences of the others keep their cells for a row that
@@ -221,4 +223,3 @@ class LlamaCppSequences:
             self.kept[self.seq_ids[b]] = self.row_tokens[b]
         self.seq_ids = [self.seq_ids[b] for b in keep]
         self.row_tokens = [self.row_tokens[b] for b in keep]
-        self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))

@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdecode.backends.base import PendingFromLengths
+from specdecode.backends.base import PendingFromLengths, StepFromForward
 
 HOLE = -1
 
@@ -149,7 +149,7 @@ class TorchDecoderInfo:
         return tuple(sorted([eos] if isinstance(eos, int) else (eos or [])))
 
 
-class CachedModel(PendingFromLengths, TorchDecoderInfo):
+class CachedModel(PendingFromLengths, StepFromForward, TorchDecoderInfo):
     """A decoder plus its ragged per-row cache: forward appends, truncate rolls back."""
 
     def __init__(

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdecode.backends.base import PendingFromLengths
+from specdecode.backends.base import PendingFromLengths, StepFromForward
 from specdecode.backends.cuda_graphs import CapturedPasses
 from specdecode.backends.torch_eager import (
     TorchDecoderInfo,
@@ -145,7 +145,7 @@ class RowOffsetCache(Cache):
             values[: len(keep)] = values.index_select(0, keep)
 
 
-class StaticCachedModel(PendingFromLengths, TorchDecoderInfo):
+class StaticCachedModel(PendingFromLengths, StepFromForward, TorchDecoderInfo):
     """A transformers decoder over a `RowOffsetCache`: the `ModelBackend` of fixed shapes.
 
     `capture`: CUDA graphs captured by hand (default: on a CUDA device unless `compile`);

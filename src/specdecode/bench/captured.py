@@ -169,6 +169,9 @@ class ScriptedDrafter:
         self.inner.start(batch_size)
         self.rows = torch.arange(batch_size, device=self.scripts.device)
 
+    def rests(self) -> bool:
+        return False  # its every round may draft
+
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         draft = self.inner.propose(sequences, seq_lens, max_tokens, rng)
         if draft.probs is not None:

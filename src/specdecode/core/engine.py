@@ -25,12 +25,14 @@ from specdecode.core.sampling import (
     RowRandom,
     RowSampling,
     bad_rows,
+    greedy_tokens,
     law_scales,
     row_seed_list,
     sample_from,
 )
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import (
+    GreedyRule,
     LosslessSamplingRule,
     Verdict,
     VerificationRule,
@@ -102,11 +104,30 @@ UNUSABLE = (
 )
 
 
+@dataclass
+class HostRows:
+    """The running rows' ends on the host, for a run of plain rounds (`Batch.on_host`): lists
+    per row, and the tokens those rounds took, not yet in the batch's tensors."""
+
+    last: list[int]  # each row's last committed token: what its target cache lacks
+    lens: list[int]  # committed tokens
+    left: list[int]  # tokens it may still take
+    stops: list[set[int]]  # the ids that end it
+    added: list[list[int]]  # taken since the tensors were last written, one per round
+
+    def select(self, keep: list[int]) -> None:
+        for name in ("last", "lens", "left", "stops", "added"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
+
+
 class Batch:
     """Committed tokens of the rows running, in one padded buffer, with their budgets and ends.
 
     `capacity` is the longest row (prompt, new tokens and a round's drafts); rows join
-    (`add`) and leave (`select`) between rounds."""
+    (`add`) and leave (`select`) between rounds. A run of plain rounds keeps them on the host
+    (`on_host`, `append`) and writes its tokens into the tensors when anything else needs them
+    (`sync`)."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
@@ -115,8 +136,42 @@ class Batch:
         self.budget = torch.zeros(0, dtype=torch.long, device=device)  # tokens still allowed
         self.stop_ids = torch.full((0, 1), -1, dtype=torch.long, device=device)  # [batch, s]
         self.rows: list[int] = []  # the key of each running row
+        self.host: HostRows | None = None
+
+    def on_host(self) -> HostRows:
+        """The rows on the host, read off the tensors at the first plain round of a run."""
+        if self.host is None:
+            last = self.sequences.gather(1, self.seq_lens[:, None] - 1)[:, 0]  # [batch]
+            host = torch.stack([last, self.seq_lens, self.budget]).tolist()  # [3, batch]
+            stops = [set(ids) - {-1} for ids in self.stop_ids.tolist()]
+            self.host = HostRows(*host, stops, [[] for _ in self.rows])
+        return self.host
+
+    def append(self, tokens: list[int]) -> list[bool]:
+        """`commit` for a plain round (nothing drafted, every row ready), on the host: each row
+        takes its one next token; a running row always has budget left for it. -> done."""
+        host = self.on_host()
+        done = []
+        for b, token in enumerate(tokens):
+            host.added[b].append(token)
+            host.last[b], host.lens[b], host.left[b] = token, host.lens[b] + 1, host.left[b] - 1
+            done.append(host.left[b] == 0 or token in host.stops[b])
+        return done
+
+    def sync(self) -> None:
+        """Write the tokens of the plain rounds since the last write into the tensors."""
+        host, self.host = self.host, None
+        if host is None or not host.added or not host.added[0]:
+            return
+        added = torch.tensor(host.added, device=self.device)  # [batch, n]
+        n = added.shape[1]
+        index = self.seq_lens[:, None] + torch.arange(n, device=self.device)  # [batch, n]
+        self.sequences.scatter_(1, index, added)
+        self.seq_lens = self.seq_lens + n
+        self.budget = self.budget - n
 
     def add(self, keys: list[int], requests: list[RowRequest]) -> None:
+        self.sync()
         capacity = self.sequences.shape[1]
         rows = torch.zeros(len(requests), capacity, dtype=torch.long)
         for i, r in enumerate(requests):
@@ -159,6 +214,8 @@ class Batch:
         return block, counts, done
 
     def select(self, keep: list[int]) -> torch.Tensor:
+        if self.host is not None:  # the run of plain rounds goes on with the rows kept
+            self.host.select(keep)
         index = torch.tensor(keep, dtype=torch.long, device=self.sequences.device)
         self.sequences, self.seq_lens, self.budget, self.stop_ids = (
             t.index_select(0, index)
@@ -231,6 +288,7 @@ def speculative_step(
     each row's temperature (`law_scales`; None: every row greedy), for the check of its law.
     """
     t0 = time.perf_counter()
+    batch.sync()
     if rng is not None:
         rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
     seq_lens = batch.seq_lens  # [batch]
@@ -281,6 +339,46 @@ def speculative_step(
     accepted = torch.minimum(verdict.num_accepted, draft.lengths)
     fed = pending_valid.sum(1) + draft.lengths  # [batch]
     return Round(block, counts, accepted, draft.lengths, passes, done & ready, ready, fed, invalid)
+
+
+def plain_step(
+    target: ModelBackend,
+    rule: VerificationRule,
+    batch: Batch,
+    rng: RowRandom | None,
+    stats: DecodeStats,
+    scales: torch.Tensor | None = None,
+) -> HostRound:
+    """`speculative_step` with nothing to draft, for rows whose target caches lack only their
+    last token: one pass of one token per row, and the rule's verdict on an empty draft.
+
+    Why a second path: on a CPU, right after a pass has streamed the weights through the
+    caches, each distinct tensor op costs tens of microseconds whatever its size, and the
+    general round's (the pending block, the drafted masks, the commit over k + 1 slots, the
+    round's figures stacked for the host) added up to a few per cent of a small model's step
+    (docs/findings.md, the plain path). This one keeps the rows on the host (`Batch.on_host`)
+    and reads the logits where the target left them. The greedy verdict is the argmax;
+    another rule gets the empty draft, so a seeded row draws the numbers it would draw in
+    the general round and writes the same text.
+    """
+    t0 = time.perf_counter()
+    rows = batch.on_host()
+    logits = target.step_logits(rows.last)  # [batch, vocab], valid until the target's next pass
+    if isinstance(rule, GreedyRule) and scales is None:
+        tokens, invalid = greedy_tokens(logits)
+    else:
+        if rng is not None:
+            rng.begin_round(torch.tensor(rows.lens, device=logits.device))
+        view = logits[:, None]  # [batch, 1, vocab]
+        none = torch.zeros(len(rows.last), 0, dtype=torch.long, device=logits.device)
+        verdict = rule.verify(none, None, view, none.sum(1), rng)
+        figures = [verdict.next_tokens, bad_rows(view, scales).long()]
+        tokens, invalid = torch.stack(figures).tolist()  # [2, batch]
+    done = batch.append(tokens)
+    stats.verify_seconds += time.perf_counter() - t0
+    stats.target_passes += 1
+    ones, zeros = [1] * len(tokens), [0] * len(tokens)
+    return HostRound([[t] for t in tokens], ones, zeros, zeros, zeros, done, ones, ones, invalid)
 
 
 def coupled_next_tokens(
@@ -487,6 +585,19 @@ class DecodeLoop:
             self.rng.select(keep)
         self.sampling.select(keep)
 
+    def _plain_round(self) -> bool:
+        """Whether this round runs `plain_step`: every row's target cache lacks only its last
+        token, and no drafter drafts (none, a batch past `max_draft_batch`, or a resting one;
+        coupled randomness draws a plain round's token through the drafter's law)."""
+        if self.pending_width != 1 or self.cfg.coupled:
+            return False
+        gate = self.cfg.max_draft_batch
+        return (
+            self.drafter is None
+            or (gate is not None and len(self.batch.rows) > gate)
+            or self.drafter.rests()
+        )
+
     @torch.inference_mode()
     def step(self) -> list[RowUpdate]:
         """One round over every running row (rows queued since the last one join first).
@@ -509,11 +620,13 @@ class DecodeLoop:
         scales = None if greedy else law_scales(self.sampling, self.running, self.target.device)
         was_first = self.first_round
         try:
-            result = speculative_step(
-                self.target, self.drafter, rule, self.batch, self.cfg, rng, self.stats,
-                self.pending_width, self.prefill_chunk, scales,
-            )  # fmt: skip
-            host = result.to_host()
+            if self._plain_round():
+                host = plain_step(self.target, rule, self.batch, rng, self.stats, scales)
+            else:
+                host = speculative_step(
+                    self.target, self.drafter, rule, self.batch, self.cfg, rng, self.stats,
+                    self.pending_width, self.prefill_chunk, scales,
+                ).to_host()  # fmt: skip
         finally:
             self.stats.wall_seconds += self.clock() - start
         seconds = self.clock() - start

@@ -24,6 +24,8 @@ makes wall-clock comparisons of policies under sampling paired rather than noisy
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -42,6 +44,22 @@ def argmax_last(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(-1)
     best = np.argmax(x.numpy(), axis=-1)  # a NumPy scalar for a 1-D x
     return torch.from_numpy(np.asarray(best, dtype=np.int64))
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's argmax of [batch, vocab] logits, and whether the row is unusable
+    (`bad_rows` of a greedy row), on the host. One read of the vocabulary does both: NaN and
+    +inf win an argmax, and an all -inf row's argmax is -inf, so the winner's own logit is
+    finite exactly when the row is usable. On the CPU through NumPy and no tensor op: right
+    after a pass, each op's first call of the round costs tens of microseconds."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        array = logits.numpy()  # [batch, vocab]
+        best = array.argmax(-1).tolist()  # [batch]
+        return best, [not math.isfinite(array[b, t]) for b, t in enumerate(best)]
+    best = logits.argmax(-1)  # [batch]
+    bad = ~torch.isfinite(logits.gather(1, best[:, None])[:, 0])  # [batch]
+    host = torch.stack([best, bad.long()]).tolist()  # [2, batch]
+    return host[0], [bool(flag) for flag in host[1]]
 
 
 def bad_maxima(maxima: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,9 @@ class NARDrafter:
             )
             self.verifier.keep_states = True  # after the verifier's reset, which clears it
 
+    def rests(self) -> bool:
+        return False  # its every round may draft
+
     @torch.no_grad()
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         del rng  # argmax drafts

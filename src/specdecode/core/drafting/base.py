@@ -35,6 +35,13 @@ class Draft:
 class Drafter(Protocol):
     def start(self, batch_size: int) -> None: ...
 
+    def rests(self) -> bool:
+        """Whether the coming round drafts nothing whatever the text (a drafter resting its
+        search): the engine then runs it as a plain round and asks neither `propose` nor
+        `rollback` (a model drafter catches up on its tokens when it drafts again). Asked
+        only where the engine can run such a round; True begins that round."""
+        ...
+
     def propose(
         self,
         sequences: torch.Tensor,  # [batch, capacity] committed tokens

@@ -91,6 +91,9 @@ class PromptLookupDrafter:
     def start(self, batch_size: int) -> None:
         self.policy.start(batch_size, self.device)
 
+    def rests(self) -> bool:
+        return False  # its every round may draft
+
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         limits = self.policy.round_limits(max_tokens).tolist()  # most tokens per row
         tokens, lengths = lookup_drafts(sequences, seq_lens, limits, self.lookup)

@@ -136,6 +136,14 @@ class MixedDrafter:
         if self.model is not None:
             self.model.start(batch_size)
 
+    def rests(self) -> bool:
+        """A round of the search's rest (`Rest`), begun here: the engine runs it plain."""
+        if not self.rest.left:
+            return False
+        self.rest.begin()
+        self.round = None
+        return True
+
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         if self.rest.begin():  # a plain round, as the engine runs one with no drafter asked
             self.round = None

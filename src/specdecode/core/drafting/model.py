@@ -75,6 +75,9 @@ class ModelDrafter:
         self.policy.start(batch_size, self.lm.device)
 
     @torch.no_grad()
+    def rests(self) -> bool:
+        return False  # its every round may draft
+
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         policy = self.policy
         # [batch] most tokens per row this round, within the model's context
@@ -181,6 +184,9 @@ class DeferredModelDrafter:
         self.rows, self.capacity = batch_size, max(self.capacity, batch_size)
         if self.drafter is not None:
             self.drafter.start(batch_size)
+
+    def rests(self) -> bool:
+        return False  # its every round may draft
 
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         return self._made().propose(sequences, seq_lens, max_tokens, rng)
