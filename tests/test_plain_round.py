@@ -5,6 +5,8 @@ drafter that rests."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 import specdecode.core.engine as engine
@@ -142,20 +144,23 @@ def test_a_row_that_fails_in_a_plain_round_leaves_alone(tiny_llama):
 
 
 def test_a_resting_drafter_is_not_asked_and_its_text_stands(tiny_llama, monkeypatch):
-    """Rounds a drafter rests run plain without `propose`; the drafting rounds between them
-    read the host rounds' tokens (written back into the batch first): greedy text equals
-    plain decoding, and the drafter was asked only in the rounds it did not rest."""
+    """Rounds a drafter rests run plain without `propose`, and so do rounds whose draft came
+    back empty; the drafting rounds between them read the host rounds' tokens (written back
+    into the batch first): greedy text equals plain decoding."""
 
     class Resting(PromptLookupDrafter):
-        asked = rounds = 0
+        asked = rested = 0
+        empty: ClassVar[list[bool]] = []  # per `propose`: the draft came back empty
 
-        def rests(self) -> bool:  # every other round it is asked in
-            Resting.rounds += 1
-            return Resting.rounds % 2 == 0
+        def rests(self) -> bool:  # every other time it is asked
+            Resting.asked += 1
+            Resting.rested += Resting.asked % 2
+            return Resting.asked % 2 == 1
 
         def propose(self, sequences, seq_lens, max_tokens, rng):
-            Resting.asked += 1
-            return super().propose(sequences, seq_lens, max_tokens, rng)
+            draft = super().propose(sequences, seq_lens, max_tokens, rng)
+            Resting.empty.append(draft.tokens.shape[1] == 0)
+            return draft
 
     decoder = SpeculativeDecoder(tiny_llama(seed=0))
     plain = decoder.generate(PROMPTS[:3], max_new_tokens=20, use_drafter=False).new_tokens
@@ -164,8 +169,11 @@ def test_a_resting_drafter_is_not_asked_and_its_text_stands(tiny_llama, monkeypa
     calls = counted(monkeypatch)
     texts, _, rounds = drive(like(lean, drafter), {0: [RowRequest(p, 20) for p in PROMPTS[:3]]})
     assert texts == plain
-    assert calls[0] > 0 and Resting.asked > 0
-    assert calls[0] + Resting.asked == rounds  # a round is asked for a draft or runs plain
+    assert Resting.rested > 0 and any(Resting.empty[1:]) and not all(Resting.empty[1:])
+    assert len(Resting.empty) + Resting.rested == rounds  # a round is asked, or rests
+    # the first round feeds the prompts (a general round); after it, every round that drafts
+    # nothing runs plain
+    assert calls[0] == Resting.rested + sum(Resting.empty[1:])
 
 
 def test_the_host_rows_are_written_back_before_the_tensors_are_read():

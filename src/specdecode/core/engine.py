@@ -267,6 +267,53 @@ class HostRound:
     invalid: list[int]
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """A round begun (`propose`): what the target's pass feeds each row up to, which rows take
+    part, the draft, and when the round began."""
+
+    seq_lens: torch.Tensor  # [batch] committed tokens, or a prefilling row's next chunk's end
+    ready: torch.Tensor  # [batch] bool: the row's prompt is all in the target's cache
+    draft: Draft
+    began: float
+
+
+def propose(
+    target: ModelBackend,
+    drafter: Drafter | None,
+    batch: Batch,
+    cfg: DecodeConfig,
+    rng: RowRandom | None,
+    prefill_chunk: int | None = None,
+) -> Proposal:
+    """Begin a round: the batch's tensors current, the random numbers started, the drafter
+    asked for up to `max_draft_tokens` per ready row where it drafts at this batch size.
+
+    A row whose prompt is longer than `prefill_chunk` tokens still to feed gets its next chunk
+    in this round's pass and nothing else (not ready): a long prompt joining a running batch
+    holds the other rows up a chunk at a time."""
+    began = time.perf_counter()
+    batch.sync()
+    if rng is not None:
+        rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
+    seq_lens = batch.seq_lens  # [batch]
+    ready = torch.ones_like(seq_lens, dtype=torch.bool)
+    if prefill_chunk is not None:
+        held = target.lengths.to(seq_lens.device)
+        ready = seq_lens - held <= prefill_chunk
+        seq_lens = torch.where(ready, seq_lens, held + prefill_chunk)  # what this pass feeds
+    max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens) * ready  # +1 comes free
+    drafting = drafter is not None and (
+        cfg.max_draft_batch is None or len(batch.rows) <= cfg.max_draft_batch
+    )  # a plain round otherwise: the drafter catches up on its tokens when it drafts again
+    draft = (
+        drafter.propose(batch.sequences, seq_lens, max_draft, rng)
+        if drafting
+        else Draft.empty(len(batch.rows), batch.sequences.device)
+    )
+    return Proposal(seq_lens, ready, draft, began)
+
+
 def speculative_step(
     target: ModelBackend,
     drafter: Drafter | None,
@@ -278,35 +325,19 @@ def speculative_step(
     pending_width: int | None = None,
     prefill_chunk: int | None = None,
     scales: torch.Tensor | None = None,
+    proposal: Proposal | None = None,
 ) -> Round:
     """One round for every running row: draft, verify in one target pass, roll back, commit.
 
-    A row whose prompt is longer than `prefill_chunk` tokens still to feed gets its next chunk
-    in this pass and nothing else (not ready): a long prompt joining a running batch holds
-    the other rows up a chunk at a time. `pending_width`: how many committed tokens the
-    target's cache lacks at most, where the caller knows it on the host. `scales`: [batch]
-    each row's temperature (`law_scales`; None: every row greedy), for the check of its law.
+    `pending_width`: how many committed tokens the target's cache lacks at most, where the
+    caller knows it on the host. `scales`: [batch] each row's temperature (`law_scales`; None:
+    every row greedy), for the check of its law. `proposal`: the round, where the caller began
+    it (`propose`) to see its draft first.
     """
-    t0 = time.perf_counter()
-    batch.sync()
-    if rng is not None:
-        rng.begin_round(batch.seq_lens)  # position-keyed numbers start at each row's length
-    seq_lens = batch.seq_lens  # [batch]
-    ready = torch.ones_like(seq_lens, dtype=torch.bool)
+    proposal = proposal or propose(target, drafter, batch, cfg, rng, prefill_chunk)
+    seq_lens, ready, draft = proposal.seq_lens, proposal.ready, proposal.draft
     if prefill_chunk is not None:
-        held = target.lengths.to(seq_lens.device)
-        ready = seq_lens - held <= prefill_chunk
-        seq_lens = torch.where(ready, seq_lens, held + prefill_chunk)  # what this pass feeds
         pending_width = None
-    max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens) * ready  # +1 comes free
-    drafting = drafter is not None and (
-        cfg.max_draft_batch is None or len(batch.rows) <= cfg.max_draft_batch
-    )  # a plain round otherwise: the drafter catches up on its tokens when it drafts again
-    draft = (
-        drafter.propose(batch.sequences, seq_lens, max_draft, rng)
-        if drafting
-        else Draft.empty(len(batch.rows), batch.sequences.device)
-    )
     t1 = time.perf_counter()
     pending, pending_valid = target.pending(batch.sequences, seq_lens, width=pending_width)
     k = draft.tokens.shape[1]
@@ -331,10 +362,8 @@ def speculative_step(
         invalid = invalid | bad
     block, counts, done = batch.commit(draft, verdict.num_accepted, next_tokens, ready)
     stats.verify_seconds += time.perf_counter() - t1
-    stats.draft_seconds += t1 - t0
-    stats.policy_seconds += draft.policy_seconds
     stats.target_passes += 1
-    stats.drafter_passes += draft.passes
+    stats.heard(draft, t1 - proposal.began)
     passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
     accepted = torch.minimum(verdict.num_accepted, draft.lengths)
     fed = pending_valid.sum(1) + draft.lengths  # [batch]
@@ -348,6 +377,7 @@ def plain_step(
     rng: RowRandom | None,
     stats: DecodeStats,
     scales: torch.Tensor | None = None,
+    asked: tuple[Drafter, Proposal] | None = None,
 ) -> HostRound:
     """`speculative_step` with nothing to draft, for rows whose target caches lack only their
     last token: one pass of one token per row, and the rule's verdict on an empty draft.
@@ -359,7 +389,8 @@ def plain_step(
     (docs/findings.md, the plain path). This one keeps the rows on the host (`Batch.on_host`)
     and reads the logits where the target left them. The greedy verdict is the argmax;
     another rule gets the empty draft, so a seeded row draws the numbers it would draw in
-    the general round and writes the same text.
+    the general round and writes the same text. `asked`: the drafter, and the round it began
+    (`propose`) whose draft came back empty: it hears the round as the general one tells it.
     """
     t0 = time.perf_counter()
     rows = batch.on_host()
@@ -367,7 +398,7 @@ def plain_step(
     if isinstance(rule, GreedyRule) and scales is None:
         tokens, invalid = greedy_tokens(logits)
     else:
-        if rng is not None:
+        if rng is not None and asked is None:  # `propose` began the numbers
             rng.begin_round(torch.tensor(rows.lens, device=logits.device))
         view = logits[:, None]  # [batch, 1, vocab]
         none = torch.zeros(len(rows.last), 0, dtype=torch.long, device=logits.device)
@@ -375,6 +406,11 @@ def plain_step(
         figures = [verdict.next_tokens, bad_rows(view, scales).long()]
         tokens, invalid = torch.stack(figures).tolist()  # [2, batch]
     done = batch.append(tokens)
+    if asked is not None:
+        drafter, proposal = asked
+        none = proposal.draft.lengths  # [batch] zeros
+        drafter.rollback(proposal.seq_lens, none, none)
+        stats.heard(proposal.draft, t0 - proposal.began)
     stats.verify_seconds += time.perf_counter() - t0
     stats.target_passes += 1
     ones, zeros = [1] * len(tokens), [0] * len(tokens)
@@ -585,18 +621,28 @@ class DecodeLoop:
             self.rng.select(keep)
         self.sampling.select(keep)
 
-    def _plain_round(self) -> bool:
-        """Whether this round runs `plain_step`: every row's target cache lacks only its last
-        token, and no drafter drafts (none, a batch past `max_draft_batch`, or a resting one;
-        coupled randomness draws a plain round's token through the drafter's law)."""
-        if self.pending_width != 1 or self.cfg.coupled:
-            return False
-        gate = self.cfg.max_draft_batch
-        return (
-            self.drafter is None
-            or (gate is not None and len(self.batch.rows) > gate)
-            or self.drafter.rests()
-        )
+    def _round(self, rule: VerificationRule, rng: RowRandom | None, scales) -> HostRound:
+        """One round on the path it needs. Rows whose target caches lack only their last token
+        run `plain_step` where nothing is drafted: no drafter, a batch past `max_draft_batch`,
+        a drafter resting, or a draft that came back empty. Prompts being fed, drafts, and
+        coupled randomness (which draws a plain round's token through the drafter's law) take
+        `speculative_step`."""
+        target, drafter, batch, cfg = self.target, self.drafter, self.batch, self.cfg
+        if self.pending_width != 1 or cfg.coupled:
+            return speculative_step(
+                target, drafter, rule, batch, cfg, rng, self.stats, self.pending_width,
+                self.prefill_chunk, scales,
+            ).to_host()  # fmt: skip
+        gate = cfg.max_draft_batch
+        if drafter is None or (gate is not None and len(batch.rows) > gate) or drafter.rests():
+            return plain_step(target, rule, batch, rng, self.stats, scales)
+        proposal = propose(target, drafter, batch, cfg, rng, self.prefill_chunk)
+        if proposal.draft.tokens.shape[1] == 0:
+            return plain_step(target, rule, batch, rng, self.stats, scales, (drafter, proposal))
+        return speculative_step(
+            target, drafter, rule, batch, cfg, rng, self.stats, 1, self.prefill_chunk, scales,
+            proposal,
+        ).to_host()  # fmt: skip
 
     @torch.inference_mode()
     def step(self) -> list[RowUpdate]:
@@ -620,13 +666,7 @@ class DecodeLoop:
         scales = None if greedy else law_scales(self.sampling, self.running, self.target.device)
         was_first = self.first_round
         try:
-            if self._plain_round():
-                host = plain_step(self.target, rule, self.batch, rng, self.stats, scales)
-            else:
-                host = speculative_step(
-                    self.target, self.drafter, rule, self.batch, self.cfg, rng, self.stats,
-                    self.pending_width, self.prefill_chunk, scales,
-                ).to_host()  # fmt: skip
+            host = self._round(rule, rng, scales)
         finally:
             self.stats.wall_seconds += self.clock() - start
         seconds = self.clock() - start

@@ -9,6 +9,10 @@ what the speedup bound of Leviathan et al. is written in (see `bench`).
 from __future__ import annotations
 
 from dataclasses import asdict, astuple, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdecode.core.drafting.base import Draft
 
 
 @dataclass
@@ -141,6 +145,12 @@ class DecodeStats:
         for row in self.rows:
             total = total.merge(row)
         return total
+
+    def heard(self, draft: Draft, seconds: float) -> None:
+        """A round's draft (`Draft`), asked for in `seconds`."""
+        self.draft_seconds += seconds
+        self.policy_seconds += draft.policy_seconds
+        self.drafter_passes += draft.passes
 
     def cost_figures(self) -> CostFigures:
         """The passes' costs so far, the coupling pass left out of the verify time."""
