@@ -74,10 +74,10 @@ class ModelDrafter:
         self.lm.reset(batch_size)
         self.policy.start(batch_size, self.lm.device)
 
-    @torch.no_grad()
     def rests(self) -> bool:
         return False  # its every round may draft
 
+    @torch.no_grad()
     def propose(self, sequences, seq_lens, max_tokens, rng) -> Draft:
         policy = self.policy
         # [batch] most tokens per row this round, within the model's context
