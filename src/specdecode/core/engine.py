@@ -377,7 +377,8 @@ def plain_step(
     rng: RowRandom | None,
     stats: DecodeStats,
     scales: torch.Tensor | None = None,
-    asked: tuple[Drafter, Proposal] | None = None,
+    drafter: Drafter | None = None,
+    proposal: Proposal | None = None,
 ) -> HostRound:
     """`speculative_step` with nothing to draft, for rows whose target caches lack only their
     last token: one pass of one token per row, and the rule's verdict on an empty draft.
@@ -389,16 +390,18 @@ def plain_step(
     (docs/findings.md, the plain path). This one keeps the rows on the host (`Batch.on_host`)
     and reads the logits where the target left them. The greedy verdict is the argmax;
     another rule gets the empty draft, so a seeded row draws the numbers it would draw in
-    the general round and writes the same text. `asked`: the drafter, and the round it began
-    (`propose`) whose draft came back empty: it hears the round as the general one tells it.
+    the general round and writes the same text. `drafter` hears the round as the general
+    round tells it (`rollback`, nothing drafted: a drafter that files each pass's states keeps
+    them); `proposal`: the round it began (`propose`), whose draft came back empty.
     """
     t0 = time.perf_counter()
     rows = batch.on_host()
+    held = list(rows.lens) if drafter is not None and proposal is None else []  # committed
     logits = target.step_logits(rows.last)  # [batch, vocab], valid until the target's next pass
     if isinstance(rule, GreedyRule) and scales is None:
         tokens, invalid = greedy_tokens(logits)
     else:
-        if rng is not None and asked is None:  # `propose` began the numbers
+        if rng is not None and proposal is None:  # `propose` began the numbers
             rng.begin_round(torch.tensor(rows.lens, device=logits.device))
         view = logits[:, None]  # [batch, 1, vocab]
         none = torch.zeros(len(rows.last), 0, dtype=torch.long, device=logits.device)
@@ -406,11 +409,14 @@ def plain_step(
         figures = [verdict.next_tokens, bad_rows(view, scales).long()]
         tokens, invalid = torch.stack(figures).tolist()  # [2, batch]
     done = batch.append(tokens)
-    if asked is not None:
-        drafter, proposal = asked
-        none = proposal.draft.lengths  # [batch] zeros
-        drafter.rollback(proposal.seq_lens, none, none)
+    if proposal is not None:
         stats.heard(proposal.draft, t0 - proposal.began)
+    if drafter is not None:
+        committed = (
+            proposal.seq_lens if proposal is not None else torch.tensor(held, device=batch.device)
+        )  # [batch]
+        none = torch.zeros_like(committed)
+        drafter.rollback(committed, none, none)
     stats.verify_seconds += time.perf_counter() - t0
     stats.target_passes += 1
     ones, zeros = [1] * len(tokens), [0] * len(tokens)
@@ -635,10 +641,10 @@ class DecodeLoop:
             ).to_host()  # fmt: skip
         gate = cfg.max_draft_batch
         if drafter is None or (gate is not None and len(batch.rows) > gate) or drafter.rests():
-            return plain_step(target, rule, batch, rng, self.stats, scales)
+            return plain_step(target, rule, batch, rng, self.stats, scales, drafter)
         proposal = propose(target, drafter, batch, cfg, rng, self.prefill_chunk)
         if proposal.draft.tokens.shape[1] == 0:
-            return plain_step(target, rule, batch, rng, self.stats, scales, (drafter, proposal))
+            return plain_step(target, rule, batch, rng, self.stats, scales, drafter, proposal)
         return speculative_step(
             target, drafter, rule, batch, cfg, rng, self.stats, 1, self.prefill_chunk, scales,
             proposal,

@@ -37,9 +37,9 @@ class Drafter(Protocol):
 
     def rests(self) -> bool:
         """Whether the coming round drafts nothing whatever the text (a drafter resting its
-        search): the engine then runs it as a plain round and asks neither `propose` nor
-        `rollback` (a model drafter catches up on its tokens when it drafts again). Asked
-        only where the engine can run such a round; True begins that round."""
+        search): the engine then runs it as a plain round, with no `propose`, and `rollback`
+        told that nothing was drafted (a model drafter catches up on its tokens when it drafts
+        again). Asked only where the engine can run such a round; True begins that round."""
         ...
 
     def propose(
