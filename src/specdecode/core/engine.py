@@ -363,7 +363,7 @@ def speculative_step(
     block, counts, done = batch.commit(draft, verdict.num_accepted, next_tokens, ready)
     stats.verify_seconds += time.perf_counter() - t1
     stats.target_passes += 1
-    stats.heard(draft, t1 - proposal.began)
+    stats.heard(t1 - proposal.began, draft.policy_seconds, draft.passes)
     passes = draft.row_passes if draft.row_passes is not None else draft.lengths  # [batch]
     accepted = torch.minimum(verdict.num_accepted, draft.lengths)
     fed = pending_valid.sum(1) + draft.lengths  # [batch]
@@ -410,7 +410,8 @@ def plain_step(
         tokens, invalid = torch.stack(figures).tolist()  # [2, batch]
     done = batch.append(tokens)
     if proposal is not None:
-        stats.heard(proposal.draft, t0 - proposal.began)
+        draft = proposal.draft
+        stats.heard(t0 - proposal.began, draft.policy_seconds, draft.passes)
     if drafter is not None:
         committed = (
             proposal.seq_lens if proposal is not None else torch.tensor(held, device=batch.device)

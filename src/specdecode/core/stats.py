@@ -9,10 +9,6 @@ what the speedup bound of Leviathan et al. is written in (see `bench`).
 from __future__ import annotations
 
 from dataclasses import asdict, astuple, dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from specdecode.core.drafting.base import Draft
 
 
 @dataclass
@@ -146,11 +142,12 @@ class DecodeStats:
             total = total.merge(row)
         return total
 
-    def heard(self, draft: Draft, seconds: float) -> None:
-        """A round's draft (`Draft`), asked for in `seconds`."""
+    def heard(self, seconds: float, policy_seconds: float, passes: int) -> None:
+        """A round's draft, asked for in `seconds`: its length policy's share of them and the
+        drafter's passes (`Draft.policy_seconds`, `Draft.passes`)."""
         self.draft_seconds += seconds
-        self.policy_seconds += draft.policy_seconds
-        self.drafter_passes += draft.passes
+        self.policy_seconds += policy_seconds
+        self.drafter_passes += passes
 
     def cost_figures(self) -> CostFigures:
         """The passes' costs so far, the coupling pass left out of the verify time."""
