@@ -305,7 +305,7 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
         for row, token in zip(self.row_tokens, tokens, strict=True):
             row.append(token)
         logits = self._logits_view(batch)
-        if order != sorted(order):  # output i is row order[i]'s
+        if order != list(range(batch)):  # output i is row order[i]'s
             logits = logits[torch.tensor(order).argsort()]  # [batch, vocab], a copy
         return logits
 
@@ -372,10 +372,10 @@ class LlamaCppModel(PendingFromLengths, LlamaCppSequences):
     def _logits_view(self, rows: int) -> torch.Tensor:
         """llama.cpp's logits of the last pass's `rows` outputs, in place: [rows, vocab]. The
         view is made again only when llama.cpp's buffer moved (its outputs grew)."""
-        address = ctypes.addressof(self.lib.llama_get_logits(self.ctx).contents)
-        if self._view_key != (address, rows):
-            self._view_key = (address, rows)
-            self._view = self._outputs(self.lib.llama_get_logits(self.ctx), rows, self.vocab_size)
+        pointer = self.lib.llama_get_logits(self.ctx)
+        key = (ctypes.addressof(pointer.contents), rows)
+        if self._view_key != key:
+            self._view_key, self._view = key, self._outputs(pointer, rows, self.vocab_size)
         return self._view
 
     @staticmethod

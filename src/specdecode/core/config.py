@@ -207,6 +207,10 @@ class DecodeConfig:
         """Whether the drafting plans each round's length itself (up to the bound's MAX)."""
         return self.drafting in PLANNED_DRAFTINGS
 
+    def drafts_at(self, rows: int) -> bool:
+        """Whether a round of `rows` running rows asks the drafter (`max_draft_batch`)."""
+        return self.max_draft_batch is None or rows <= self.max_draft_batch
+
     @property
     def max_draft_tokens(self) -> int:
         """The longest round: sizes the verify window and the token buffer."""

@@ -303,9 +303,8 @@ def propose(
         ready = seq_lens - held <= prefill_chunk
         seq_lens = torch.where(ready, seq_lens, held + prefill_chunk)  # what this pass feeds
     max_draft = (batch.budget - 1).clamp(max=cfg.max_draft_tokens) * ready  # +1 comes free
-    drafting = drafter is not None and (
-        cfg.max_draft_batch is None or len(batch.rows) <= cfg.max_draft_batch
-    )  # a plain round otherwise: the drafter catches up on its tokens when it drafts again
+    # a plain round otherwise: the drafter catches up on its tokens when it drafts again
+    drafting = drafter is not None and cfg.drafts_at(len(batch.rows))
     draft = (
         drafter.propose(batch.sequences, seq_lens, max_draft, rng)
         if drafting
@@ -640,8 +639,7 @@ class DecodeLoop:
                 target, drafter, rule, batch, cfg, rng, self.stats, self.pending_width,
                 self.prefill_chunk, scales,
             ).to_host()  # fmt: skip
-        gate = cfg.max_draft_batch
-        if drafter is None or (gate is not None and len(batch.rows) > gate) or drafter.rests():
+        if drafter is None or not cfg.drafts_at(len(batch.rows)) or drafter.rests():
             return plain_step(target, rule, batch, rng, self.stats, scales, drafter)
         proposal = propose(target, drafter, batch, cfg, rng, self.prefill_chunk)
         if proposal.draft.tokens.shape[1] == 0:
