@@ -22,6 +22,7 @@ from specdecode.core.drafting.factory import Sources, make_drafter
 from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, plan_lengths
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
+from specdecode.core.outcomes import Outcomes
 from specdecode.core.prices import Prices
 from specdecode.core.stats import DecodeStats, RowStats
 from specdecode.core.verification import make_rule
@@ -419,6 +420,27 @@ def test_a_plan_drafts_only_where_its_gain_times_its_worth_beats_a_plain_step() 
     none, pads, seen = plan_lengths(*args, worth=0.99 * plain / promised.ratio)
     assert sum(none) == sum(pads) == 0 and seen.ratio == pytest.approx(plain)
     assert plan_lengths(*args, worth=0.0)[0] == [0, 0]
+
+
+def test_an_explored_drafting_round_drafts_one_token_a_row() -> None:
+    """Where the judge explores drafting (its bolder worth), the plan drafts at most one token
+    a row: on a machine where drafting loses every drafted token is paid for, and one measures
+    the worth as well. Rounds that explore nothing plan as deep as the worth lets them."""
+    prices = priced(per_token_1=0.1, per_token_8=0.1, draft=None)
+    judge = Outcomes({4: 0.5}, explore_every=2)  # a worth that drafts nothing, explored soon
+    planner = PricedPlanner(4, False, prices, 4, outcomes=judge)
+    planner.start(4)
+    depths = []
+    for _ in range(12):
+        plan = planner.plan([4] * 4, [4] * 4, [4] * 4, [0] * 4)
+        depths.append((judge.explores(), max(plan.lengths), max(plan.fillers)))
+        judge.observe([1 + max(plan.lengths)] * 4, 4, 1.0)
+    explored = [d for kind, *d in depths if kind == "draft"]
+    assert explored and all(k == 1 and f == 0 for k, f in explored)
+    assert all(k == 0 for kind, k, _ in depths if kind is None)  # at 0.5 nothing pays
+    bold = PricedPlanner(4, False, prices, 4)  # the same prices at worth 1: deeper drafts
+    bold.start(4)
+    assert max(bold.plan([4] * 4, [4] * 4, [4] * 4, [0] * 4).lengths) > 1
 
 
 def test_a_search_that_keeps_nothing_rests_and_wakes_on_kept_drafts_or_a_new_row() -> None:

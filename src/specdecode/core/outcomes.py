@@ -34,11 +34,14 @@ so the worth cannot flip at every correction.
 
 A kind of round not seen for `explore_every` rounds at a row count is run once: a plain round
 where the plan always drafts, a bolder plan where it never does (prices that undersell drafting
-show it only in rounds they would not draft). At most two rounds in `explore_every` explore (4%
-at the default 50); each exploration that finds nothing new doubles the wait for the next of
-its kind, up to `BACKOFF` times (0.5% a kind), until a correction says the machine changed or
-an explored drafting round beats a plain one, or plain rounds run `CHANGED` times slower or
-faster than before, two windows of plain rounds in a row (another process started or ended).
+show it only in rounds they would not draft), one token a row at most (`explores`): where
+drafting loses, every drafted token of such a round is paid for, and one token measures what a
+predicted gain is worth as well as a deep draft does. At most two rounds in `explore_every`
+explore (4% at the default 50); each exploration that finds nothing new doubles the wait for
+the next of its kind, up to `BACKOFF` times (0.5% a kind), until a correction says the machine
+changed or an explored drafting round beats a plain one, or plain rounds run `CHANGED` times
+slower or faster than before, two windows of plain rounds in a row (another process started or
+ended).
 
 A worth stored by an earlier process starts the next one halfway (in ratio) back toward
 `FIRST_WORTH`: it was measured on the machine as it was then, perhaps beside another process or
@@ -194,6 +197,11 @@ class Outcomes:
             # drafting shows it only in rounds they would not draft
             return max(1.0, min(EXPLORE_BOLDER * seen.worth, WORTH_RANGE[1]))
         return seen.worth
+
+    def explores(self) -> str | None:
+        """The kind of round the plan that `worth` just answered explores ("plain", "draft"),
+        or None where it explores nothing."""
+        return self._exploring
 
     def predicted(self, rows: int, tokens: float, steps: float, plain_steps: float) -> None:
         """The plan of this round drafts: it expects `tokens` committed tokens for `steps`

@@ -54,6 +54,7 @@ MEMORY = 0.8  # weight of the past in each update: about the last five rounds co
 # rounds without one (at MEMORY a one-token match, kept a fifth of the time, was tried again
 # every third round and drafted in 30% of an MT-Bench answer's rounds at one row)
 KEY_MEMORY, KEY_RELAX = 0.95, 0.99
+EXPLORED_DEPTH = 1  # tokens a row drafts at most where drafting is explored
 
 
 class PriceModel(Protocol):
@@ -404,6 +405,10 @@ class PricedPlanner:
         lags = [self.catch_up(lag) for lag in behind] if self.has_model else [0.0] * len(behind)
         rows = len(keys)
         worth = self.outcomes.worth(rows) if self.outcomes is not None and rows else 1.0
+        if self.outcomes is not None and rows and self.outcomes.explores() == "draft":
+            # an explored drafting round: one token a row at most (`Outcomes`)
+            budget = [min(b, EXPLORED_DEPTH) for b in budget]
+            room = [min(r, EXPLORED_DEPTH) for r in room]
         best: tuple[Outlook, Plan] | None = None
         for by_model in choices:
             rates = [
