@@ -318,6 +318,35 @@ def test_a_failing_match_length_stays_off_for_many_rounds() -> None:
     assert planner.plan([4], [4], [4], [0]).lengths[0] > 0
 
 
+def test_a_match_length_that_failed_stays_off_in_the_next_call(pair) -> None:
+    """What one call's plan learnt of a match length is where the next call's starts (a loop
+    per `generate` call goes on as a server's one loop does): one-token matches that failed are
+    not drafted at the next call's first round, while a fresh store drafts them at the prior.
+    A new corpus starts the store afresh."""
+    prices = priced(per_token_1=0.3, draft=None)
+    texts: dict = {}
+    first = PricedPlanner(4, False, prices, max_tokens=4, texts=texts)
+    first.start(1)
+    for _ in range(8):
+        first.observe([1], [2], [0])
+    later = PricedPlanner(4, False, prices, max_tokens=4, texts=texts)
+    later.start(1)
+    assert later.plan([1], [4], [4], [0]).lengths == [0]
+    fresh = PricedPlanner(4, False, prices, max_tokens=4, texts={})
+    fresh.start(1)
+    assert fresh.plan([1], [4], [4], [0]).lengths[0] > 0
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, drafter=draft)
+    decoder.use_corpus(None)
+    decoder.generate(PROMPTS, drafting="auto", prices=prices, **GREEDY)
+    learnt = decoder._texts
+    drafter = decoder._drafter(decoder.config(drafting="auto", prices=prices), True, None, None, 4)
+    # the next call's planner reads what the first one learnt
+    assert any(drafter.planner.by_ngram is rates for rates in learnt.values())
+    decoder.use_corpus(None)
+    assert decoder._texts == {}
+
+
 def test_a_model_needs_a_priced_step() -> None:
     with pytest.raises(ValueError, match="needs its step's price"):
         PricedPlanner(4, True, priced(draft=None), max_tokens=8)

@@ -48,6 +48,7 @@ from specdecode.core.config import (
 from specdecode.core.drafting.base import Drafter
 from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.drafting.factory import Sources, make_drafter
+from specdecode.core.drafting.planners import Acceptance
 from specdecode.core.engine import DecodeLoop, StepEvent, decode
 from specdecode.core.outcomes import Outcomes
 from specdecode.core.prices import Prices
@@ -134,6 +135,9 @@ class SpeculativeDecoder:
         self.corpus: CorpusIndex | None = None  # drafting auto's corpus (`use_corpus`)
         self.clock: Callable[[], float] = time.perf_counter  # rounds' and timings' seconds
         self._default_corpus: str | None = None  # read at the first drafting auto, if not chosen
+        # what drafting auto's plans learnt of each lookup match length and corpus band, kept
+        # from call to call (`PricedPlanner`); a new corpus starts it afresh
+        self._texts: dict[tuple[int, int], Acceptance] = {}
 
     @property
     def target_backend(self) -> ModelBackend:
@@ -241,6 +245,7 @@ class SpeculativeDecoder:
         built already, or None (no corpus). A named corpus is tokenized and indexed once, then
         read from the cache (`<cache>/corpora`)."""
         self._default_corpus = None  # chosen
+        self._texts = {}  # its bands are another corpus's
         if corpus is None or isinstance(corpus, CorpusIndex):
             self.corpus = corpus
             return
@@ -447,6 +452,7 @@ class SpeculativeDecoder:
             outcomes=lambda: self.price_book.outcomes if cfg.prices is None else None,
             rows=drafting_rows,
             corpus=self.corpus,
+            texts=self._texts,
         )
         return make_drafter(cfg.drafting, cfg, sources)
 

@@ -28,6 +28,7 @@ from specdecode.core.drafting.lookup import PromptLookupDrafter
 from specdecode.core.drafting.mixed import MixedDrafter
 from specdecode.core.drafting.model import DeferredModelDrafter, ModelDrafter
 from specdecode.core.drafting.planners import (
+    Acceptance,
     FixedPlanner,
     PricedPlanner,
     PriceModel,
@@ -55,6 +56,9 @@ class Sources:
     model_context: int | None = None  # its tokens per row, known before it loads (None: none)
     rows: int = 1  # the most rows a batch of this drafter holds
     corpus: CorpusIndex | None = None  # drafts where the row's own text has none (auto only)
+    # what drafting auto's planners learnt of each match length and corpus band, shared by the
+    # planners of one decoder (`PricedPlanner`); None: each starts from the priors
+    texts: dict[tuple[int, int], Acceptance] | None = None
 
     @property
     def model(self) -> ModelBackend | None:
@@ -127,6 +131,7 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
         LOOKUP_FIRST.min_ngram,
         corpus_priors=BAND_PRIORS if sources.corpus is not None else (),
         outcomes=sources.outcomes(),
+        texts=sources.texts,
     )
     return MixedDrafter(lookup, model, planner, sources.vocab_size, sources.corpus)
 

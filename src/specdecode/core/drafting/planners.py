@@ -347,6 +347,7 @@ class PricedPlanner:
         first_ngram: int = 1,
         corpus_priors: Sequence[float] = (),
         outcomes: Outcomes | None = None,
+        texts: dict[tuple[int, int], Acceptance] | None = None,
     ) -> None:
         if has_model and prices.draft_cost(1) is None:
             raise ValueError("pricing a drafter model's rounds needs its step's price")
@@ -357,7 +358,15 @@ class PricedPlanner:
         # each band from its own prior: a band of less clear choices is not tried at the price
         # of a clear one's
         priors = [PRIOR] * (lookup_ngrams + 1) + [at_prior_weight(a) for a in corpus_priors]
-        self.by_ngram = Acceptance(len(priors), KEY_MEMORY, KEY_RELAX, priors)
+        # `texts`: what earlier planners of one decoder learnt of each match length and band,
+        # kept by their counts; a planner made per call starts where the last left off, as a
+        # server's one loop goes on, not from the priors (every fresh start drafted each match
+        # length at the priors' rate until its drafts said otherwise)
+        shared = texts if texts is not None else {}
+        key = (lookup_ngrams, len(corpus_priors))
+        if key not in shared:
+            shared[key] = Acceptance(len(priors), KEY_MEMORY, KEY_RELAX, priors)
+        self.by_ngram = shared[key]
         self.by_row = Acceptance(0)  # the model's acceptance, per row
         # a corpus band's acceptance per row: from the band's (`by_ngram`) and what the corpus
         # got right in the row's own text (`prime`), then the row's own drafts; a chat row
