@@ -395,7 +395,15 @@ def plain_step(
     """
     t0 = time.perf_counter()
     rows = batch.on_host()
-    held = list(rows.lens) if drafter is not None and proposal is None else []  # committed
+    # what the drafter hears as committed, made before the pass (a tensor op made right after
+    # one costs tens of microseconds): the round's own, or the rows' lengths before its token
+    committed = None  # [batch]
+    if drafter is not None:
+        committed = (
+            proposal.seq_lens
+            if proposal is not None
+            else torch.tensor(rows.lens, device=batch.device)
+        )
     logits = target.step_logits(rows.last)  # [batch, vocab], valid until the target's next pass
     if isinstance(rule, GreedyRule) and scales is None:
         tokens, invalid = greedy_tokens(logits)
@@ -411,10 +419,7 @@ def plain_step(
     if proposal is not None:
         draft = proposal.draft
         stats.heard(t0 - proposal.began, draft.policy_seconds, draft.passes)
-    if drafter is not None:
-        committed = (
-            proposal.seq_lens if proposal is not None else torch.tensor(held, device=batch.device)
-        )  # [batch]
+    if committed is not None:
         none = torch.zeros_like(committed)
         drafter.rollback(committed, none, none)
     stats.verify_seconds += time.perf_counter() - t0

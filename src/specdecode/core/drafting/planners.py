@@ -362,11 +362,9 @@ class PricedPlanner:
         # kept by their counts; a planner made per call starts where the last left off, as a
         # server's one loop goes on, not from the priors (every fresh start drafted each match
         # length at the priors' rate until its drafts said otherwise)
-        shared = texts if texts is not None else {}
+        fresh = Acceptance(len(priors), KEY_MEMORY, KEY_RELAX, priors)
         key = (lookup_ngrams, len(corpus_priors))
-        if key not in shared:
-            shared[key] = Acceptance(len(priors), KEY_MEMORY, KEY_RELAX, priors)
-        self.by_ngram = shared[key]
+        self.by_ngram = fresh if texts is None else texts.setdefault(key, fresh)
         self.by_row = Acceptance(0)  # the model's acceptance, per row
         # a corpus band's acceptance per row: from the band's (`by_ngram`) and what the corpus
         # got right in the row's own text (`prime`), then the row's own drafts; a chat row
