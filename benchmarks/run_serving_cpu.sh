@@ -28,7 +28,8 @@ cd "$(dirname "$0")/.."
 LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server}
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: build it with benchmarks/studies/llamacpp-peer/llamacpp_peer.sh, or set LLAMA_SERVER" >&2; exit 1; }
 # SERVING_PLAN=auto-check: only drafting auto against drafting off and llama-server (code and
-# chat at 1, 4 and 8 requests, equal work, three passes), into
+# chat at 1, 4 and 8 requests, equal work, three passes, the servers taking turns wave by wave),
+# into
 # benchmarks/studies/auto-any-machine/serving/: what `auto` gives on the machine that runs it.
 # SERVING_LEVELS="1" (with auto-check): those concurrency levels only, into serving-c1/
 plan=${SERVING_PLAN:-full}
@@ -89,10 +90,10 @@ three="ours ours-plain llama-server"
 if [ "$plan" = auto-check ]; then
   # shellcheck disable=SC2046,SC2086
   step code $(labels $three) --prompts humaneval --limit 8 --modes new --concurrency $levels \
-    --repeats 3 --ignore-eos
+    --repeats 3 --ignore-eos --waves
   # shellcheck disable=SC2046,SC2086
   step chat $(labels $three) --prompts mtbench --limit 8 --modes chat --turns 2 \
-    --concurrency $levels --repeats 3 --ignore-eos
+    --concurrency $levels --repeats 3 --ignore-eos --waves
   grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
   exit 0
 fi

@@ -15,7 +15,7 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -223,6 +223,26 @@ def test_counts_equal_what_was_served(fake_server, prompts_file):
     low, high = min(seen["pass_tok_per_s"]), max(seen["pass_tok_per_s"])
     assert f"| {seen['output_tok_per_s']:.2f} [{low:.2f}, {high:.2f}] |" in table
     assert "chat: 2 turns" in table
+
+
+@pytest.mark.parametrize("waves", [False, True])
+def test_waves_take_turns_between_servers_and_join_into_one_pass(fake_server, prompts_file, waves):
+    """With waves, the servers take turns every `concurrency` prompts (the first of each wave
+    alternating) and each server's waves join into one pass of all its requests; without,
+    each server runs its whole pass in turn."""
+    fake, url = fake_server
+    fake.reset()
+    words = ("alpha", "beta", "gamma")
+    servers = (Server.parse(f"a={url}"), Server.parse(f"b={url}"))
+    cfg = replace(config(url, prompts_file(*words), concurrency=(1,), waves=waves), servers=servers)
+    record = run_serving_bench(cfg, log=quiet)
+    sent = [next(w for w in words if w in e["body"]["prompt"]) for e in fake.state.log[2:]]
+    assert sent == (sorted(words * 2) if waves else list(words) * 2)
+    assert [p["server"] for p in record["passes"]] == ["a", "b"]
+    for p in record["passes"]:
+        assert len(p["requests"]) == 3
+        starts = [r["sent_s"] for r in p["requests"]]
+        assert starts == sorted(starts) and starts[-1] < p["wall_s"]
 
 
 def test_chunks_counted_where_the_stream_has_no_usage(fake_server, prompts_file):

@@ -7,6 +7,7 @@ priced plan does is decided by the prices alone, not by this machine's timings.
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
 import torch
@@ -19,7 +20,12 @@ from specdecode.cli.main import build_parser
 from specdecode.core.config import DEFAULT_DRAFTING, DRAFTINGS, DecodeConfig, PromptLookup
 from specdecode.core.drafting.corpus import CorpusIndex
 from specdecode.core.drafting.factory import Sources, make_drafter
-from specdecode.core.drafting.planners import FixedPlanner, PricedPlanner, plan_lengths
+from specdecode.core.drafting.planners import (
+    FixedPlanner,
+    PricedPlanner,
+    explored_caps,
+    plan_lengths,
+)
 from specdecode.core.engine import decode
 from specdecode.core.length_policies import ConstantLength
 from specdecode.core.outcomes import Outcomes
@@ -470,6 +476,49 @@ def test_an_explored_drafting_round_drafts_one_token_a_row() -> None:
     bold = PricedPlanner(4, False, prices, 4)  # the same prices at worth 1: deeper drafts
     bold.start(4)
     assert max(bold.plan([4] * 4, [4] * 4, [4] * 4, [0] * 4).lengths) > 1
+
+
+def test_an_explored_drafting_round_drafts_on_as_many_rows_as_the_machine_makes_cheap() -> None:
+    """An exploration drafts one token on the row most likely to keep it, and on more rows
+    only while the pass stays within `EXPLORED_COST` plain rounds (or costs no more: a padded
+    pass): one row where each extra token costs most of a step, every row where rows are
+    nearly free, never a row with nothing found."""
+
+    caps, rates = [3, 3, 0, 3], [0.2, 0.9, 0.95, 0.5]
+    dear = priced(per_token_1=0.9, per_token_8=0.9, layout="levels")
+    assert explored_caps(caps, rates, dear) == [0, 1, 0, 0]
+    cheap = priced(per_token_1=0.01, per_token_8=0.01, layout="levels")
+    assert explored_caps(caps, rates, cheap) == [1, 1, 0, 1]
+    padded = priced(per_token_1=0.9, per_token_8=0.9, layout="padded")
+    assert explored_caps(caps, rates, padded) == [1, 1, 0, 1]
+    judge = Outcomes({4: 0.5}, explore_every=2)
+    planner = PricedPlanner(4, False, dear, 4, outcomes=judge)
+    planner.start(4)
+    drafted = []
+    for _ in range(12):
+        plan = planner.plan([4] * 4, [4] * 4, [4] * 4, [0] * 4)
+        if judge.explores() == "draft":
+            drafted.append(sum(k > 0 for k in plan.lengths) + sum(f > 0 for f in plan.fillers))
+        judge.observe([1 + max(plan.lengths)] * 4, 4, 1.0)
+    assert drafted and all(n <= 1 for n in drafted)
+
+
+def test_a_mixed_drafter_times_its_searches_by_the_decoders_clock(decoder) -> None:
+    """One clock per decoder: a caller that times the decoder its own way (a study that runs
+    two decoders turn about, a simulated machine) has the search's rests timed the same way as
+    the loop's rounds, not by the wall clock."""
+    ticks = []
+
+    def clock() -> float:
+        ticks.append(1)
+        return float(len(ticks))
+
+    decoder.clock = clock
+    try:
+        loop = decoder.loop(max_rows=1, drafting="lookup-first")
+    finally:
+        decoder.clock = time.perf_counter
+    assert loop.clock is clock and loop.drafter.rest.clock is clock
 
 
 def test_a_search_that_keeps_nothing_rests_and_wakes_on_kept_drafts_or_a_new_row() -> None:

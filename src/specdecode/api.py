@@ -453,6 +453,7 @@ class SpeculativeDecoder:
             rows=drafting_rows,
             corpus=self.corpus,
             texts=self._texts,
+            clock=self.clock,
         )
         return make_drafter(cfg.drafting, cfg, sources)
 

@@ -1,19 +1,26 @@
 """Drafting `auto` as a user gets it (the decoder of `from_pretrained`: the standard library
 corpus, the plan judged by measured outcomes) against drafting off, in one process on the
-default pair (llama.cpp, 2 threads), interleaved, `--passes` passes each, every request run to
-64 tokens (no end id), rows joining as others end: HumanEval 0-7 and MT-Bench 81-88 at one,
-four and eight rows. Prints decoding seconds (after each run's first round), the drafting
-figures, the judge's worth and corrections; then each cell's ratio over off, with the spread of
-the passes.
+default pair (llama.cpp, 2 threads), `--passes` passes, every request run to 64 tokens (no end
+id), rows joining as others end: HumanEval 0-7 and MT-Bench 81-88 at one, four and eight rows.
+
+The two modes run turn about, round by round: two decoders of the same pair (the weights of
+each settled in 2 MiB pages), one drafting auto and one plain, each loop stepping once in turn
+until both are done. On a shared VM whose steps slow by a third for tens of seconds and recover
+(measured on the 2-core EPYC), modes run a pass apart meet different machines; modes run a
+round apart meet the same one. Each decoder is timed by its own clock, the wall clock less the
+other decoder's rounds, so its judge, prices and rests see the machine as if it ran alone.
+A mode's seconds are the sum of its rounds after its first; the first mover alternates by pass.
+Prints each pass's seconds, the drafting figures, the judge's worth and corrections; then each
+cell's ratio over off, pooled and per pass.
 
     python benchmarks/studies/auto-any-machine/in_process.py [--passes 2] [--cells ...]
 
-`--busy SECONDS`: a second process starts that many seconds into every run (auto and off
-alike, so both meet the same machine) and stops at its end (another process on the machine):
-spinning on one core, or with `--busy-kind memory` copying 512 MiB arrays over and over (a
-competitor for memory bandwidth, which slows a step that streams the weights more than it
-slows the extra tokens of a pass). The judge's corrections and the changes its plain rounds
-show are printed as they come.
+`--busy SECONDS`: a second process starts that many seconds into every pass (both modes meet
+it, turn about) and stops at its end (another process on the machine): spinning on one core,
+or with `--busy-kind memory` copying 512 MiB arrays over and over (a competitor for memory
+bandwidth, which slows a step that streams the weights more than it slows the extra tokens of
+a pass). The judge's corrections and the changes its plain rounds show are printed as they
+come.
 """
 
 import argparse
@@ -43,10 +50,27 @@ BUSY = {
     "memory": "import numpy as np\na = np.ones(1 << 26)\nb = np.empty_like(a)\n"
     "while True: np.copyto(b, a)",
 }
-decoder = SpeculativeDecoder.from_pretrained(
-    "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", threads=2
-)
-decoder.settle()  # the move to 2 MiB pages made now, as a server makes it: no cell meets it
+
+
+class OwnClock:
+    """The wall clock less the seconds the other decoder's rounds took."""
+
+    def __init__(self) -> None:
+        self.away = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.away
+
+
+MODES = ("off", "auto")
+decoders, clocks = {}, {}
+for mode in MODES:
+    decoders[mode] = SpeculativeDecoder.from_pretrained(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", threads=2
+    )
+    decoders[mode].settle()  # the move to 2 MiB pages made now, as a server makes it
+    clocks[mode] = decoders[mode].clock = OwnClock()
+decoder = decoders["auto"]
 sets = {"code": load_prompts("humaneval", limit=8), "chat": load_prompts("mtbench", limit=8)}
 summary = []
 for cell in args.cells:
@@ -54,30 +78,40 @@ for cell in args.cells:
     ids = [decoder.encode(p.text)[0] for p in sets[kind]]
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     for rep in range(args.passes):
-        for mode in ("off", "auto") if rep % 2 == 0 else ("auto", "off"):
+        order = MODES if rep % 2 == 0 else MODES[::-1]
+        loops, rounds, spent = {}, dict.fromkeys(MODES, 0), dict.fromkeys(MODES, 0.0)
+        for mode in order:
             kw = {"use_drafter": False} if mode == "off" else {"drafting": "auto"}
-            loop = decoder.loop(max_rows=rows, prefill_chunk=256, **kw)
+            loops[mode] = decoders[mode].loop(max_rows=rows, prefill_chunk=256, **kw)
             for p in ids:
-                loop.add(RowRequest(p, args.tokens, stop_token_ids=()))
-            loop.step()
-            busy = None
-            start, rounds = time.perf_counter(), 0
-            while len(loop):
-                due = args.busy is not None
-                if due and busy is None and time.perf_counter() - start > args.busy:
-                    busy = subprocess.Popen([sys.executable, "-c", BUSY[args.busy_kind]])
-                    print(f"  a busy process starts after {rounds} rounds", flush=True)
-                loop.step()
-                rounds += 1
-            if busy is not None:
-                busy.kill()
-            wall = time.perf_counter() - start
-            seconds[mode].append(wall)
-            figures = loop.stats.summary().split(";")[3].strip()
-            judge = decoder.outcomes
-            worth = judge.snapshot() if judge is not None else {}
+                loops[mode].add(RowRequest(p, args.tokens, stop_token_ids=()))
+        busy, began = None, time.perf_counter()
+        for mode in order:  # each loop's first round (its first prompts' prefill): not timed
+            t = time.perf_counter()
+            loops[mode].step()
+            clocks["off" if mode == "auto" else "auto"].away += time.perf_counter() - t
+        while any(len(loop) for loop in loops.values()):
+            if args.busy is not None and busy is None and time.perf_counter() - began > args.busy:
+                busy = subprocess.Popen([sys.executable, "-c", BUSY[args.busy_kind]])
+                print(f"  a busy process starts after {rounds['auto']} rounds", flush=True)
+            for mode in order:
+                if not len(loops[mode]):
+                    continue
+                t = time.perf_counter()
+                loops[mode].step()
+                took = time.perf_counter() - t
+                spent[mode] += took
+                rounds[mode] += 1
+                clocks["off" if mode == "auto" else "auto"].away += took
+        if busy is not None:
+            busy.kill()
+        judge = decoder.outcomes
+        worth = judge.snapshot() if judge is not None else {}
+        for mode in MODES:
+            seconds[mode].append(spent[mode])
+            figures = loops[mode].stats.summary().split(";")[3].strip()
             print(
-                f"{cell} | {rep} {mode}: {wall:.2f} s, {rounds} rounds, {figures}"
+                f"{cell} | {rep} {mode}: {spent[mode]:.2f} s, {rounds[mode]} rounds, {figures}"
                 + (
                     f"; worth { ({r: round(v, 2) for r, v in worth.items()}) }"
                     if mode == "auto"

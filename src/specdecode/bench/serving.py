@@ -17,13 +17,14 @@ work: `ignore_eos` (vLLM's extension, honoured by llama-server and ours) runs ev
   within a conversation helps.
 
 Servers are interleaved at each concurrency level (A B A B over `repeats`), so slow drifts of a
-shared machine fall on all of them alike. A pass is one server x mode x concurrency x repeat;
-a cell pools a server's repeats of one mode and level. Completion tokens come from the stream's
-`usage` chunk (`stream_options.include_usage`), else from llama-server's `timings`, else from
-the number of chunks with text (llama-cpp-python's server sends no usage when streaming; a
-chunk is one token there, bar characters split over tokens); each request records which.
-Acceptance comes from `metrics.speculative_decoding` (ours, vLLM) or `timings.draft_n` /
-`draft_n_accepted` (llama-server) where the server sends them.
+shared machine fall on all of them alike; with `waves`, they take turns wave by wave within a pass
+(`concurrency` prompts a wave), for a VM whose steps slow by a third for tens of seconds. A pass is
+one server x mode x concurrency x repeat; a cell pools a server's repeats of one mode and level.
+Completion tokens come from the stream's `usage` chunk (`stream_options.include_usage`), else from
+llama-server's `timings`, else from the number of chunks with text (llama-cpp-python's server sends
+no usage when streaming; a chunk is one token there, bar characters split over tokens); each request
+records which. Acceptance comes from `metrics.speculative_decoding` (ours, vLLM) or
+`timings.draft_n` / `draft_n_accepted` (llama-server) where the server sends them.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class ServeBenchConfig:
     api_key: str | None = None
     timeout_s: float = 600.0  # the longest wait for a server's next bytes
     ignore_eos: bool = False  # every request runs to max_tokens (equal work)
+    # each pass cut into waves of `concurrency` prompts, the servers taking turns wave by wave
+    waves: bool = False
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -483,13 +486,33 @@ async def _run(cfg: ServeBenchConfig, prompts: list[Prompt], log: Callable[[str]
         passes = []
         for mode_name in cfg.modes:
             for concurrency in cfg.concurrency:
+                step = concurrency if cfg.waves else len(prompts)
+                parts = [prompts[i : i + step] for i in range(0, len(prompts), step)]
                 for repeat in range(cfg.repeats):
-                    for client in clients:  # A B A B: drift falls on every server alike
-                        done = await _pass(client, MODES[mode_name], prompts, concurrency, cfg)
-                        done["repeat"] = repeat
-                        passes.append(done)
-                        log(_pass_line(done))
+                    done: dict[str, list[dict]] = {c.server.label: [] for c in clients}
+                    for i, part in enumerate(parts):
+                        # A B A B: drift falls on every server alike; the first of each wave
+                        # alternates, so none always follows an idle machine
+                        for client in clients if (i + repeat) % 2 == 0 else clients[::-1]:
+                            wave = await _pass(client, MODES[mode_name], part, concurrency, cfg)
+                            done[client.server.label].append(wave)
+                    for client in clients:
+                        joined = _joined(done[client.server.label])
+                        joined["repeat"] = repeat
+                        passes.append(joined)
+                        log(_pass_line(joined))
     return {"servers": servers, "passes": passes}
+
+
+def _joined(waves: list[dict]) -> dict:
+    """One pass from its waves: their seconds added, each wave's requests sent after the
+    waves before it on the pass's clock."""
+    joined = {**waves[0], "wall_s": 0.0, "warmup": [], "requests": []}
+    for wave in waves:
+        for key in ("warmup", "requests"):
+            joined[key] += [r | {"sent_s": r["sent_s"] + joined["wall_s"]} for r in wave[key]]
+        joined["wall_s"] += wave["wall_s"]
+    return joined
 
 
 def _pass_line(done: dict) -> str:

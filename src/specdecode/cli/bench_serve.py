@@ -34,6 +34,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         timeout_s=args.timeout,
         ignore_eos=args.ignore_eos,
+        waves=args.waves,
     )
     record = run_serving_bench(cfg, log=(lambda line: None) if args.quiet else None)
     out = Path(args.out)
@@ -101,6 +102,13 @@ def add_subcommands(subparsers) -> None:
         help="ask every server to run each request to --max-tokens (vLLM's extension, honoured "
         "by llama-server and ours): the same work on every server, whatever greedy text each "
         "serves",
+    )
+    p.add_argument(
+        "--waves",
+        action="store_true",
+        help="cut each pass into waves of --concurrency prompts, the servers taking turns wave "
+        "by wave: on a shared machine whose speed wanders over tens of seconds, every server "
+        "meets the same stretches",
     )
     p.add_argument("--api-key", default=None, help="sent as a Bearer token to every server")
     p.add_argument(

@@ -9,6 +9,7 @@ them (a shipped head is loaded, prices are timed).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +60,9 @@ class Sources:
     # what drafting auto's planners learnt of each match length and corpus band, shared by the
     # planners of one decoder (`PricedPlanner`); None: each starts from the priors
     texts: dict[tuple[int, int], Acceptance] | None = None
+    # the decoder's clock: a mixed drafter times its searches by it (`mixed.Rest`), as the
+    # loop times its rounds and the prices their passes
+    clock: Callable[[], float] = time.perf_counter
 
     @property
     def model(self) -> ModelBackend | None:
@@ -98,7 +102,9 @@ def _lookup(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
 def _lookup_first(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
     model = _model(setting, cfg, sources)
     planner = FixedPlanner(model.policy)
-    return MixedDrafter(sources.lookup or LOOKUP_FIRST, model, planner, sources.vocab_size)
+    return MixedDrafter(
+        sources.lookup or LOOKUP_FIRST, model, planner, sources.vocab_size, clock=sources.clock
+    )
 
 
 def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
@@ -133,7 +139,9 @@ def _auto(setting: str, cfg: DecodeConfig, sources: Sources) -> Drafter:
         outcomes=sources.outcomes(),
         texts=sources.texts,
     )
-    return MixedDrafter(lookup, model, planner, sources.vocab_size, sources.corpus)
+    return MixedDrafter(
+        lookup, model, planner, sources.vocab_size, sources.corpus, clock=sources.clock
+    )
 
 
 BUILDERS: dict[str, Callable[[str, DecodeConfig, Sources], Drafter]] = {

@@ -55,6 +55,10 @@ MEMORY = 0.8  # weight of the past in each update: about the last five rounds co
 # every third round and drafted in 30% of an MT-Bench answer's rounds at one row)
 KEY_MEMORY, KEY_RELAX = 0.95, 0.99
 EXPLORED_DEPTH = 1  # tokens a row drafts at most where drafting is explored
+# plain rounds an explored drafting round's pass costs at most, at the prices, past its first
+# row: as many rows as fit (all of them where rows are nearly free, a GPU), one where each
+# extra token costs most of a step (a CPU whose steps are compute-bound)
+EXPLORED_COST = 1.5
 
 
 class PriceModel(Protocol):
@@ -247,6 +251,32 @@ def model_can_pay(prices: PriceModel, max_tokens: int, rows: int) -> bool:
     return False
 
 
+def explored_caps(caps: list[int], rates: list[float], prices: PriceModel) -> list[int]:
+    """The rows an explored drafting round may draft on, one token each (`caps[b]` > 0: row b
+    has a source), the most likely kept first: as many as keep the pass within
+    `EXPLORED_COST` plain rounds at the prices (the others padded with fillers where that
+    costs less), or where even one row costs more, the cheapest number of them (a padded pass
+    costs the same however many rows it drafts on).
+    An exploration asks what a predicted gain is worth on this machine; a round that costs
+    little asks it as well as one that drafts on every row, and where drafting loses every
+    explored token is paid for."""
+    batch = len(caps)
+    order = sorted((b for b in range(batch) if caps[b] > 0), key=lambda b: -rates[b])
+    if not order:
+        return [0] * batch
+    bound = EXPLORED_COST * prices.shape_cost([1] * batch)
+    even = prices.shape_cost([2] * batch)  # the other rows padded with a filler each
+    costs = []  # (cost, -rows) of drafting on the first `rows` of the order
+    for rows in range(1, len(order) + 1):
+        chosen = set(order[:rows])
+        ragged = prices.shape_cost([2 if r in chosen else 1 for r in range(batch)])
+        costs.append((min(ragged, even), -rows))
+    within = [rows for cost, rows in costs if cost <= bound]
+    rows = -min(within) if within else -min(costs)[1]
+    chosen = set(order[:rows])
+    return [min(c, 1) if b in chosen else 0 for b, c in enumerate(caps)]
+
+
 def plan_lengths(
     rates: list[float],
     caps: list[int],
@@ -412,8 +442,8 @@ class PricedPlanner:
         lags = [self.catch_up(lag) for lag in behind] if self.has_model else [0.0] * len(behind)
         rows = len(keys)
         worth = self.outcomes.worth(rows) if self.outcomes is not None and rows else 1.0
-        if self.outcomes is not None and rows and self.outcomes.explores() == "draft":
-            # an explored drafting round: one token a row at most (`Outcomes`)
+        exploring = self.outcomes is not None and rows and self.outcomes.explores() == "draft"
+        if exploring:  # an explored drafting round: one token a row at most (`Outcomes`)
             budget = [min(b, EXPLORED_DEPTH) for b in budget]
             room = [min(r, EXPLORED_DEPTH) for r in room]
         best: tuple[Outlook, Plan] | None = None
@@ -427,6 +457,8 @@ class PricedPlanner:
                 for n, f, c, r, m in zip(keys, found, budget, room, by_model, strict=True)
             ]
             catch_up = [c if m else 0.0 for m, c in zip(by_model, lags, strict=True)]
+            if exploring:
+                caps = explored_caps(caps, rates, self.prices)
             real, fillers, seen = plan_lengths(
                 rates, caps, budget, by_model, self.prices, catch_up, worth
             )
