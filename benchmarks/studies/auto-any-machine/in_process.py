@@ -10,8 +10,12 @@ until both are done. On a shared VM whose steps slow by a third for tens of seco
 round apart meet the same one. Each decoder is timed by its own clock, the wall clock less the
 other decoder's rounds, so its judge, prices and rests see the machine as if it ran alone.
 A mode's seconds are the sum of its rounds after its first; the first mover alternates by pass.
-Prints each pass's seconds, the drafting figures, the judge's worth and corrections; then each
-cell's ratio over off, pooled and per pass.
+Both are given with and without the rounds that feed a prompt: those are the same work in both
+modes (about a second each at one row) but run at different moments, since auto reaches each
+next prompt sooner, so they carry the machine's wandering and nothing of drafting.
+Prints each pass's seconds (and those outside llama.cpp's decode: the host's work around the
+passes), the drafting figures, the judge's worth and corrections; then each cell's ratio over
+off, pooled and per pass.
 
     python benchmarks/studies/auto-any-machine/in_process.py [--passes 2] [--cells ...]
 
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import time
 
+import specdecode.backends.llamacpp as llamacpp
 from specdecode import SpeculativeDecoder
 from specdecode.core.engine import RowRequest
 from specdecode.prompts import load_prompts
@@ -50,6 +55,20 @@ BUSY = {
     "memory": "import numpy as np\na = np.ones(1 << 26)\nb = np.empty_like(a)\n"
     "while True: np.copyto(b, a)",
 }
+
+
+now = {"mode": "off"}  # the mode whose round runs
+decoding: dict[str, float] = collections.defaultdict(float)  # seconds inside llama_decode
+decode = llamacpp.LlamaCppModel._decode
+
+
+def timed_decode(self, count: int) -> None:
+    start = time.perf_counter()
+    decode(self, count)
+    decoding[now["mode"]] += time.perf_counter() - start
+
+
+llamacpp.LlamaCppModel._decode = timed_decode
 
 
 class OwnClock:
@@ -77,9 +96,13 @@ for cell in args.cells:
     kind, rows = cell.split()[0], int(cell.split()[1])
     ids = [decoder.encode(p.text)[0] for p in sets[kind]]
     seconds: dict[str, list[float]] = collections.defaultdict(list)
+    decoding_only: dict[str, list[float]] = collections.defaultdict(list)
+    outside: dict[str, float] = collections.defaultdict(float)
     for rep in range(args.passes):
         order = MODES if rep % 2 == 0 else MODES[::-1]
         loops, rounds, spent = {}, dict.fromkeys(MODES, 0), dict.fromkeys(MODES, 0.0)
+        host = dict.fromkeys(MODES, 0.0)  # seconds of its rounds outside llama.cpp's decode
+        decoded = dict.fromkeys(MODES, 0.0)  # seconds of its rounds that feed no prompt
         for mode in order:
             kw = {"use_drafter": False} if mode == "off" else {"drafting": "auto"}
             loops[mode] = decoders[mode].loop(max_rows=rows, prefill_chunk=256, **kw)
@@ -87,6 +110,7 @@ for cell in args.cells:
                 loops[mode].add(RowRequest(p, args.tokens, stop_token_ids=()))
         busy, began = None, time.perf_counter()
         for mode in order:  # each loop's first round (its first prompts' prefill): not timed
+            now["mode"] = mode
             t = time.perf_counter()
             loops[mode].step()
             clocks["off" if mode == "auto" else "auto"].away += time.perf_counter() - t
@@ -97,10 +121,20 @@ for cell in args.cells:
             for mode in order:
                 if not len(loops[mode]):
                     continue
+                now["mode"] = mode
+                inside = decoding[mode]
+                loop = loops[mode]
+                # a round that feeds a prompt: one going on, or a row joining now
+                feeds = loop.pending_width not in (None, 1) or (
+                    bool(loop.waiting) and len(loop.batch.rows) < loop.max_rows
+                )
                 t = time.perf_counter()
-                loops[mode].step()
+                loop.step()
                 took = time.perf_counter() - t
                 spent[mode] += took
+                if not feeds:
+                    decoded[mode] += took
+                host[mode] += took - (decoding[mode] - inside)
                 rounds[mode] += 1
                 clocks["off" if mode == "auto" else "auto"].away += took
         if busy is not None:
@@ -109,9 +143,13 @@ for cell in args.cells:
         worth = judge.snapshot() if judge is not None else {}
         for mode in MODES:
             seconds[mode].append(spent[mode])
+            decoding_only[mode].append(decoded[mode])
+            outside[mode] += host[mode]
             figures = loops[mode].stats.summary().split(";")[3].strip()
             print(
-                f"{cell} | {rep} {mode}: {spent[mode]:.2f} s, {rounds[mode]} rounds, {figures}"
+                f"{cell} | {rep} {mode}: {spent[mode]:.2f} s ({decoded[mode]:.2f} s in rounds "
+                f"that feed no prompt, {host[mode]:.2f} s outside llama.cpp's decode), "
+                f"{rounds[mode]} rounds, {figures}"
                 + (
                     f"; worth { ({r: round(v, 2) for r, v in worth.items()}) }"
                     if mode == "auto"
@@ -119,11 +157,17 @@ for cell in args.cells:
                 ),
                 flush=True,
             )
-    ratios = [o / a for o, a in zip(seconds["off"], seconds["auto"], strict=True)]
-    pooled = sum(seconds["off"]) / sum(seconds["auto"])
+    parts = []
+    for name, measured in (("all rounds", seconds), ("rounds that feed no prompt", decoding_only)):
+        ratios = [o / a for o, a in zip(measured["off"], measured["auto"], strict=True)]
+        pooled = sum(measured["off"]) / sum(measured["auto"])
+        parts.append(
+            f"{name} {pooled:.3f}x (passes {', '.join(f'{r:.3f}' for r in ratios)}; seconds "
+            f"off {sum(measured['off']):.1f}, auto {sum(measured['auto']):.1f})"
+        )
     line = (
-        f"{cell}: auto over off {pooled:.3f}x (passes {', '.join(f'{r:.3f}' for r in ratios)}); "
-        f"seconds off {sum(seconds['off']):.1f}, auto {sum(seconds['auto']):.1f}"
+        f"{cell}: auto over off, {'; '.join(parts)}; outside llama.cpp's decode off "
+        f"{outside['off']:.2f} s, auto {outside['auto']:.2f} s"
     )
     summary.append(line)
     print(line, flush=True)

@@ -395,15 +395,17 @@ def plain_step(
     """
     t0 = time.perf_counter()
     rows = batch.on_host()
-    # what the drafter hears as committed, made before the pass (a tensor op made right after
-    # one costs tens of microseconds): the round's own, or the rows' lengths before its token
-    committed = None  # [batch]
+    # what the drafter hears (committed, and nothing drafted), made before the pass (a tensor
+    # op made right after one costs tens of microseconds): the round's own lengths, or the
+    # rows' lengths before its token
+    committed = none_drafted = None  # [batch] each
     if drafter is not None:
         committed = (
             proposal.seq_lens
             if proposal is not None
             else torch.tensor(rows.lens, device=batch.device)
         )
+        none_drafted = torch.zeros_like(committed)
     logits = target.step_logits(rows.last)  # [batch, vocab], valid until the target's next pass
     if isinstance(rule, GreedyRule) and scales is None:
         tokens, invalid = greedy_tokens(logits)
@@ -420,8 +422,7 @@ def plain_step(
         draft = proposal.draft
         stats.heard(t0 - proposal.began, draft.policy_seconds, draft.passes)
     if committed is not None:
-        none = torch.zeros_like(committed)
-        drafter.rollback(committed, none, none)
+        drafter.rollback(committed, none_drafted, none_drafted)
     stats.verify_seconds += time.perf_counter() - t0
     stats.target_passes += 1
     ones, zeros = [1] * len(tokens), [0] * len(tokens)

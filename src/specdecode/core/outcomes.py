@@ -34,14 +34,15 @@ so the worth cannot flip at every correction.
 
 A kind of round not seen for `explore_every` rounds at a row count is run once: a plain round
 where the plan always drafts, a bolder plan where it never does (prices that undersell drafting
-show it only in rounds they would not draft), one token a row at most (`explores`): where
-drafting loses, every drafted token of such a round is paid for, and one token measures what a
-predicted gain is worth as well as a deep draft does. At most two rounds in `explore_every`
-explore (4% at the default 50); each exploration that finds nothing new doubles the wait for
-the next of its kind, up to `BACKOFF` times (0.5% a kind), until a correction says the machine
-changed or an explored drafting round beats a plain one, or plain rounds run `CHANGED` times
-slower or faster than before, two windows of plain rounds in a row (another process started or
-ended).
+show it only in rounds they would not draft), one token a row at most, on as many rows as keep
+the pass within 1.5 plain rounds at the prices (`explores`, `planners.explored_caps`): where
+drafting loses, every drafted token of such a round is paid for, and one token on one row
+measures what a predicted gain is worth as well as a deep draft on every row does. At most two
+rounds in `explore_every` explore (4% at the default 50); each exploration that finds nothing
+new doubles the wait for the next of its kind, up to `BACKOFF` times (0.5% a kind), until a
+correction says the machine changed or an explored drafting round beats a plain one, or plain
+rounds run `CHANGED` times slower or faster than before, two windows of plain rounds in a row
+(another process started or ended).
 
 A worth stored by an earlier process starts the next one halfway (in ratio) back toward
 `FIRST_WORTH`: it was measured on the machine as it was then, perhaps beside another process or
