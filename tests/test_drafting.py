@@ -483,7 +483,6 @@ def test_an_explored_drafting_round_drafts_on_as_many_rows_as_the_machine_makes_
     only while the pass stays within `EXPLORED_COST` plain rounds (or costs no more: a padded
     pass): one row where each extra token costs most of a step, every row where rows are
     nearly free, never a row with nothing found."""
-
     caps, rates = [3, 3, 0, 3], [0.2, 0.9, 0.95, 0.5]
     dear = priced(per_token_1=0.9, per_token_8=0.9, layout="levels")
     assert explored_caps(caps, rates, dear) == [0, 1, 0, 0]

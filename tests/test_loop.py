@@ -141,3 +141,22 @@ def test_timed_rounds_reach_drafting_s_judge(tiny_llama, monkeypatch):
     monkeypatch.setattr(decoder, "observe_round", lambda *a: plain.append(a))
     decoder.generate(PROMPTS[:2], max_new_tokens=4, use_drafter=False)
     assert plain == []  # nothing planned, nothing to watch
+
+
+def test_a_round_is_decoding_only_when_it_feeds_no_prompt(tiny_llama):
+    """`DecodeLoop.decoding` after each round: not for the first (the prompts' prefill), nor
+    for a round a row joins in or any chunk of a long prompt is fed, its last too, else yes."""
+    decoder = SpeculativeDecoder(tiny_llama(seed=0), drafter=tiny_llama(seed=3, layers=1))
+    loop = decoder.loop(max_rows=2, prefill_chunk=4, use_drafter=False)
+    loop.add(RowRequest(PROMPTS[1], 6))
+    seen = []
+    for r in range(5):
+        if r == 2:  # nine tokens in chunks of four: fed over three rounds
+            loop.add(RowRequest(PROMPTS[0], 3))
+        loop.step()
+        seen.append(loop.decoding)
+    assert seen == [False, True, False, False, False]
+    while len(loop):
+        loop.step()
+        last = loop.decoding
+    assert last

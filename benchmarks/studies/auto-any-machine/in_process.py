@@ -124,15 +124,11 @@ for cell in args.cells:
                 now["mode"] = mode
                 inside = decoding[mode]
                 loop = loops[mode]
-                # a round that feeds a prompt: one going on, or a row joining now
-                feeds = loop.pending_width not in (None, 1) or (
-                    bool(loop.waiting) and len(loop.batch.rows) < loop.max_rows
-                )
                 t = time.perf_counter()
                 loop.step()
                 took = time.perf_counter() - t
                 spent[mode] += took
-                if not feeds:
+                if loop.decoding:  # the round fed no prompt
                     decoded[mode] += took
                 host[mode] += took - (decoding[mode] - inside)
                 rounds[mode] += 1

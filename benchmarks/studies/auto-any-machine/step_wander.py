@@ -33,13 +33,9 @@ for _ in range(args.passes):
     for p in ids:
         loop.add(RowRequest(p, 64, stop_token_ids=()))
     while len(loop):
-        # a round that feeds a prompt: one going on, or a row joining now
-        feeds = loop.pending_width not in (None, 1) or (
-            bool(loop.waiting) and len(loop.batch.rows) < loop.max_rows
-        )
         start = time.perf_counter()
         loop.step()
-        if not feeds:
+        if loop.decoding:  # the round fed no prompt
             steps.append((start - zero, time.perf_counter() - start))
 seconds: dict[int, list[float]] = {}
 for at, took in steps:

@@ -530,6 +530,9 @@ class DecodeLoop:
         self.rng: RowRandom | None = None
         self.pending_width: int | None = None
         self.first_round = True
+        # the last round fed no prompt tokens and kept every row: a decoding round, what
+        # drafting's judge weighs and what a study of decoding speed times
+        self.decoding = False
         self.batch = Batch(self._capacity(), target.device)
         if joins:  # room for max_rows rows, made once, then emptied for rows to join
             self._empty_models()
@@ -675,16 +678,18 @@ class DecodeLoop:
         before = self.stats.cost_figures()
         rng = None if greedy else self.rng
         scales = None if greedy else law_scales(self.sampling, self.running, self.target.device)
-        was_first = self.first_round
+        # a round that feeds prompt tokens (the first, one a row joins in, each chunk of a long
+        # prompt up to its last) begins with the width the target lacks not known
+        feeds = self.pending_width is None
         try:
             host = self._round(rule, rng, scales)
         finally:
             self.stats.wall_seconds += self.clock() - start
         seconds = self.clock() - start
         failed = [k for k, bad in zip(self.batch.rows, host.invalid, strict=True) if bad]
-        decoding = not was_first and all(host.ready) and not reused and not failed
-        if self.observe is not None and decoding:
-            # a decoding round (no prompt in it): what it took, for drafting's judge
+        self.decoding = not feeds and not failed
+        if self.observe is not None and self.decoding:
+            # a decoding round (no prompt tokens in it): what it took, for drafting's judge
             self.observe(host.fed, sum(host.counts), seconds)
         if self.first_round and any(host.ready):  # it holds the prefills
             self.stats.end_first_round(before, self.clock() - start, sum(host.counts))

@@ -266,15 +266,13 @@ def explored_caps(caps: list[int], rates: list[float], prices: PriceModel) -> li
         return [0] * batch
     bound = EXPLORED_COST * prices.shape_cost([1] * batch)
     even = prices.shape_cost([2] * batch)  # the other rows padded with a filler each
-    costs = []  # (cost, -rows) of drafting on the first `rows` of the order
-    for rows in range(1, len(order) + 1):
-        chosen = set(order[:rows])
-        ragged = prices.shape_cost([2 if r in chosen else 1 for r in range(batch)])
-        costs.append((min(ragged, even), -rows))
-    within = [rows for cost, rows in costs if cost <= bound]
-    rows = -min(within) if within else -min(costs)[1]
-    chosen = set(order[:rows])
-    return [min(c, 1) if b in chosen else 0 for b, c in enumerate(caps)]
+    cost = {  # of drafting on the first n rows of the order
+        n: min(even, prices.shape_cost([2 if r in order[:n] else 1 for r in range(batch)]))
+        for n in range(1, len(order) + 1)
+    }
+    within = [n for n, c in cost.items() if c <= bound]
+    n = max(within) if within else min(cost, key=lambda n: (cost[n], -n))
+    return [1 if b in order[:n] else 0 for b in range(batch)]
 
 
 def plan_lengths(
