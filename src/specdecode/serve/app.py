@@ -17,7 +17,6 @@ never queued. Rows reuse cached prompt prefixes only of requests with the same A
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -59,10 +58,6 @@ TEMPLATE_MESSAGE_CHARS = 300  # of a chat template's own error message, repeated
 
 log = logging.getLogger("specdecode.serve")
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client of a non-streamed request disconnected before its answer."""
 
 
 class InternalError(RequestError):
@@ -173,8 +168,13 @@ async def client_gone(request: Request) -> None:
         pass
 
 
+# one encoder for every event: `json.dumps` with any option set builds a new one each call, a
+# cost paid at every streamed token; compact, as OpenAI's own stream is
+_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":")).encode
+
+
 def _sse(payload: Any) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+    return b"data: " + _encode(payload).encode() + b"\n\n"
 
 
 class Rows:
@@ -207,13 +207,22 @@ class Rows:
         self.sampling = sampling
         self.partition = partition
         self.streams: list[RowStream] = []
+        # every row's updates, tagged with its index, read by the request's own task
+        self.inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     def submit(self, arrival: float) -> None:
         """All rows join the queue, or none (a full queue refuses the whole request)."""
         try:
-            for prompt, max_tokens in self.rows:
+            for i, (prompt, max_tokens) in enumerate(self.rows):
                 stream = RowStream(
-                    self.state.scheduler, prompt, max_tokens, self.sampling, arrival, self.partition
+                    self.state.scheduler,
+                    prompt,
+                    max_tokens,
+                    self.sampling,
+                    arrival,
+                    self.inbox,
+                    i,
+                    self.partition,
                 )
                 self.streams.append(stream)
                 stream.submit()
@@ -233,63 +242,38 @@ class Rows:
         """Every row to its end (a failed row fails the request and cancels the others). A
         client that goes away before the answer cancels the rows too, rather than leaving them
         to decode for nobody."""
-
-        async def one(stream: RowStream) -> None:
-            async with contextlib.aclosing(stream.pieces()) as pieces:
-                async for _ in pieces:
-                    pass
-
-        async def watch() -> None:
-            await client_gone(request)
-            raise ClientGone
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                rows = [group.create_task(one(stream)) for stream in self.streams]
-                watcher = group.create_task(watch())
-                await asyncio.wait(rows)
-                watcher.cancel()
-        except* RequestError as errors:
-            raise errors.exceptions[0] from None
-        except* ClientGone:
-            raise RequestError("the client went away", status=499) from None
-        finally:
-            self.cancel()
+        async for _ in self.merged(request):
+            pass
         return self.results
 
     async def merged(self, request: Request) -> AsyncIterator[tuple[int, str | None]]:
-        """(choice, piece) as rows produce text; (choice, None) when a row ends. A client that
-        goes away ends it with a 499 `RequestError`, whether or not the server tells the
-        response (a server of ASGI spec 2.4 tells it only when a send fails)."""
-        out: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RowStream) -> None:
-            try:
-                async with contextlib.aclosing(stream.pieces()) as pieces:
-                    async for piece in pieces:
-                        out.put_nowait((i, piece))
-                out.put_nowait((i, None))
-            except RequestError as error:
-                out.put_nowait((i, error))
+        """(choice, piece) as rows produce text; (choice, None) when a row ends. A failed row
+        raises its `RequestError`, and a client that goes away a 499, whether or not the server
+        tells the response (a server of ASGI spec 2.4 tells it only when a send fails); either
+        way every row still running is cancelled."""
 
         async def watch() -> None:
             await client_gone(request)
-            out.put_nowait((-1, RequestError("the client went away", status=499)))
+            self.inbox.put_nowait((-1, RequestError("the client went away", status=499)))
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
-        tasks.append(asyncio.create_task(watch()))
+        watcher = asyncio.create_task(watch())
         try:
             remaining = len(self.streams)
             while remaining:
-                i, item = await out.get()
+                i, item = await self.inbox.get()
                 if isinstance(item, RequestError):
                     raise item
-                if item is None:
+                stream = self.streams[i]
+                if stream.done:  # delivered before the row's cancel reached the engine
+                    continue
+                piece = stream.take(item)
+                if piece:
+                    yield i, piece
+                if stream.done:
                     remaining -= 1
-                yield i, item
+                    yield i, None
         finally:
-            for task in tasks:
-                task.cancel()
+            watcher.cancel()
             self.cancel()
 
 

@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -324,11 +324,14 @@ def row_request(
 
 class RowStream:
     """One row of a request: `submit` it (a full queue refuses at once, before any response
-    starts), then iterate `pieces` for its text as it becomes safe to show; `result` fills in.
-    Its updates are turned into output by a `RowOutput` as they are read.
+    starts); the engine thread then delivers its updates, tagged with the row's `index`, to the
+    request's `inbox`, one asyncio queue for all its rows, and `take` turns each into the text it
+    makes safe to show (a `RowOutput`), filling in `result`.
 
-    The row leaves the engine whenever its consumer stops early (a client that disconnects, a
-    stop string, another row of the request failing): `pieces`' `finally` cancels it, so its
+    One queue a request, read by the request's own task, is one wake of the event loop a round,
+    with no task between the engine and the response. The row leaves the engine whenever its
+    output ends before the engine says so (a stop string) or its request stops reading (a client
+    that disconnects, another row failing): whoever reads the inbox then calls `cancel`, so its
     cache is freed before the next round.
     """
 
@@ -339,12 +342,15 @@ class RowStream:
         max_tokens: int,
         sampling: Sampling,
         arrival: float,
+        inbox: asyncio.Queue[tuple[int, Any]],
+        index: int = 0,
         partition: str = "",
     ) -> None:
         """`partition`: the request's prefix-cache partition (`cache_partition`)."""
         self.scheduler = scheduler
         self.aloop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RowUpdate | Failure] = asyncio.Queue()
+        self.inbox = inbox
+        self.index = index
         stop_ids = () if sampling.ignore_eos else scheduler.default_stop_ids()
         try:
             request = row_request(prompt, max_tokens, sampling, stop_ids, partition)
@@ -354,7 +360,8 @@ class RowStream:
         self.output = RowOutput(
             scheduler.tokenizer, sampling.stop, stop_ids, len(prompt), arrival, scheduler.metrics
         )
-        self.ended = True  # nothing to cancel until submitted
+        self.ended = True  # out of the engine: nothing to cancel until submitted
+        self.done = False  # its output has ended, or it failed: later deliveries are stale
 
     @property
     def result(self) -> RowResult:
@@ -362,7 +369,7 @@ class RowStream:
 
     def _deliver(self, item: RowUpdate | Failure) -> None:  # engine thread
         with contextlib.suppress(RuntimeError):  # the event loop has closed (shutdown)
-            self.aloop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.aloop.call_soon_threadsafe(self.inbox.put_nowait, (self.index, item))
 
     def submit(self) -> None:
         self.scheduler.submit(self.job)
@@ -373,21 +380,18 @@ class RowStream:
             self.ended = True
             self.scheduler.cancel(self.job)
 
-    async def pieces(self) -> AsyncIterator[str]:
-        output = self.output
-        try:
-            while True:
-                update = await self.queue.get()
-                if isinstance(update, Failure):
-                    self.ended = True
-                    kind = "invalid_request_error" if update.status < 500 else "server_error"
-                    raise RequestError(update.message, status=update.status, type=kind)
-                piece = output.add(update)
-                if piece:
-                    yield piece
-                if output.ended:  # a row stopped by a stop string still runs: cancelled below
-                    self.ended = update.finished
-                    break
-        finally:
+    def take(self, item: RowUpdate | Failure) -> str:
+        """The text `item` makes safe to show ("" while none is); a `Failure` raises the
+        request's error. Once the row's output has ended it is `done`: out of the engine
+        (cancelled if a stop string ended it while it still ran) and counted in the metrics."""
+        if isinstance(item, Failure):
+            self.ended = self.done = True
+            kind = "invalid_request_error" if item.status < 500 else "server_error"
+            raise RequestError(item.message, status=item.status, type=kind)
+        piece = self.output.add(item)
+        if self.output.ended:
+            self.done = True
+            self.ended = item.finished
             self.cancel()
-        output.finish()
+            self.output.finish()
+        return piece

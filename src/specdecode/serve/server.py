@@ -172,6 +172,10 @@ def serve(load: Callable[[], ServedDecoder], config: ServeConfig) -> int:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=5,
+            # h11 whatever else is installed: httptools refuses some malformed requests (a
+            # control character in a header) with uvicorn's plain-text 400, before any route
+            # can answer with OpenAI's error body; what it saves a token is a tenth of uvloop's
+            http="h11",
         ),
         state,
         config.drain_seconds,
