@@ -185,6 +185,25 @@ def test_stop_strings_across_chunks(live, stream):
     assert text == "the quic"
 
 
+def test_a_row_stopped_early_in_a_streamed_request_of_several_ends_alone(live):
+    """The rows of a request share one inbox: a row that a stop string ends while the engine
+    still runs it gets one last chunk and no text from the updates still on their way, and the
+    other row streams on to its end."""
+    client = live.client()
+    prompts = ["ab zz cd ", "qrstuvwxy "]
+    texts, finishes = ["", ""], [[], []]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=30, stop=["zz"], stream=True
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finishes[choice.index].append(choice.finish_reason)
+    assert texts == ["ab ", expected_text(prompts[1], 30)[0]]
+    assert finishes == [["stop"], ["length"]]
+
+
 def test_metrics_rise_by_the_responses_counts(live):
     before = {
         n: live.metric(n)
