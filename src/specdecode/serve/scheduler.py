@@ -3,13 +3,13 @@ and hands each row's updates to the asyncio side.
 
 The loop is synchronous and CPU-bound, so it runs in one dedicated thread and only that thread
 calls `add`, `cancel` and `step`; the event loop only queues admissions and cancellations under a
-lock and wakes the thread. A row's updates go to its request through
-`call_soon_threadsafe` into an asyncio queue. Requests beyond the batch wait in a bounded queue
-(`max_queue`); past it the server answers 429 at once instead of letting latency grow without
-bound. A row that fails inside the engine (`RowFailed`: its logits or law unusable) fails
-alone, as does one whose tokens cannot be turned into text (`serve.output`), and the other rows
-go on; any other error of a round fails every running row and resets the loop and both models,
-so the next requests start from a clean state.
+lock and wakes the thread. A row's updates go to its request through `call_soon_threadsafe`
+into the request's inbox, one asyncio queue for all its rows. Requests beyond the batch wait in
+a bounded queue (`max_queue`); past it the server answers 429 at once instead of letting
+latency grow without bound. A row that fails inside the engine (`RowFailed`: its logits or law
+unusable) fails alone, as does one whose tokens cannot be turned into text (`serve.output`),
+and the other rows go on; any other error of a round fails every running row and resets the
+loop and both models, so the next requests start from a clean state.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ class RowStream:
         sampling: Sampling,
         arrival: float,
         inbox: asyncio.Queue[tuple[int, Any]],
-        index: int = 0,
+        index: int,
         partition: str = "",
     ) -> None:
         """`partition`: the request's prefix-cache partition (`cache_partition`)."""
