@@ -32,6 +32,10 @@ LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.
 # into
 # benchmarks/studies/auto-any-machine/serving/: what `auto` gives on the machine that runs it.
 # SERVING_LEVELS="1" (with auto-check): those concurrency levels only, into serving-c1/
+# SERVING_PLAN=plain-check: only our --no-draft server against llama-server, code and chat at
+# one request, equal work, five passes, wave by wave, into benchmarks/studies/plain-path/
+# two-servers-c1/: plain decoding served, with nothing else between the two (with two servers
+# the waves' turns are symmetric, each following itself and the other alike)
 plan=${SERVING_PLAN:-full}
 levels=${SERVING_LEVELS:-1 4 8}
 out=benchmarks/results/serving-default-pair
@@ -40,6 +44,9 @@ if [ "$plan" = auto-check ]; then
   out=benchmarks/studies/auto-any-machine/serving
   [ -n "${SERVING_LEVELS:-}" ] && out=$out-c${levels// /-}
   servers="ours ours-plain llama-server"
+elif [ "$plan" = plain-check ]; then
+  out=benchmarks/studies/plain-path/two-servers-c1
+  servers="ours-plain llama-server"
 fi
 logs=runs/serving-logs
 mkdir -p "$out" "$logs"
@@ -95,6 +102,15 @@ if [ "$plan" = auto-check ]; then
   step chat $(labels $three) --prompts mtbench --limit 8 --modes chat --turns 2 \
     --concurrency $levels --repeats 3 --ignore-eos --waves
   grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
+  exit 0
+fi
+if [ "$plan" = plain-check ]; then
+  # shellcheck disable=SC2046,SC2086
+  step code $(labels $servers) --prompts humaneval --limit 8 --modes new --concurrency 1 \
+    --repeats 5 --ignore-eos --waves
+  # shellcheck disable=SC2046,SC2086
+  step chat $(labels $servers) --prompts mtbench --limit 8 --modes chat --turns 2 \
+    --concurrency 1 --repeats 5 --ignore-eos --waves
   exit 0
 fi
 four="ours ours-plain llama-server llama-server-draft"
