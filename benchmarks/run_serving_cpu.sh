@@ -37,16 +37,21 @@ LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.
 # two-servers-c1/: plain decoding served, with nothing else between the two (with two servers
 # the waves' turns are symmetric, each following itself and the other alike)
 plan=${SERVING_PLAN:-full}
+case $plan in
+  full | auto-check | plain-check) ;;
+  *) echo "SERVING_PLAN=$plan: expected full, auto-check or plain-check" >&2; exit 2 ;;
+esac
 levels=${SERVING_LEVELS:-1 4 8}
 out=benchmarks/results/serving-default-pair
 servers="ours ours-plain llama-server llama-server-draft llama-cpp-python"
+repeats=3  # passes of each check's cells
 if [ "$plan" = auto-check ]; then
   out=benchmarks/studies/auto-any-machine/serving
   [ -n "${SERVING_LEVELS:-}" ] && out=$out-c${levels// /-}
   servers="ours ours-plain llama-server"
 elif [ "$plan" = plain-check ]; then
   out=benchmarks/studies/plain-path/two-servers-c1
-  servers="ours-plain llama-server"
+  servers="ours-plain llama-server" levels=1 repeats=5
 fi
 logs=runs/serving-logs
 mkdir -p "$out" "$logs"
@@ -94,23 +99,16 @@ step() {  # step NAME BENCH-ARGS...: one bench-serve record unless it is there a
     || echo "$name: failed (see above)" >&2
 }
 three="ours ours-plain llama-server"
-if [ "$plan" = auto-check ]; then
+if [ "$plan" != full ]; then  # a check: code and chat, equal work, wave by wave
   # shellcheck disable=SC2046,SC2086
-  step code $(labels $three) --prompts humaneval --limit 8 --modes new --concurrency $levels \
-    --repeats 3 --ignore-eos --waves
-  # shellcheck disable=SC2046,SC2086
-  step chat $(labels $three) --prompts mtbench --limit 8 --modes chat --turns 2 \
-    --concurrency $levels --repeats 3 --ignore-eos --waves
-  grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
-  exit 0
-fi
-if [ "$plan" = plain-check ]; then
-  # shellcheck disable=SC2046,SC2086
-  step code $(labels $servers) --prompts humaneval --limit 8 --modes new --concurrency 1 \
-    --repeats 5 --ignore-eos --waves
+  step code $(labels $servers) --prompts humaneval --limit 8 --modes new --concurrency $levels \
+    --repeats $repeats --ignore-eos --waves
   # shellcheck disable=SC2046,SC2086
   step chat $(labels $servers) --prompts mtbench --limit 8 --modes chat --turns 2 \
-    --concurrency 1 --repeats 5 --ignore-eos --waves
+    --concurrency $levels --repeats $repeats --ignore-eos --waves
+  if [ "$plan" = auto-check ]; then
+    grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
+  fi
   exit 0
 fi
 four="ours ours-plain llama-server llama-server-draft"

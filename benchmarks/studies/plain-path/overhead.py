@@ -17,7 +17,7 @@ or HTTP threads taking a core.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import random
 import statistics
 import sys
@@ -28,35 +28,22 @@ import httpx
 import llama_cpp
 
 from specdecode.backends.llamacpp import LlamaCppModel
+from specdecode.bench.serving import Client, Server
 from specdecode.models.store import gguf_file
 from specdecode.prompts import load_prompts
 
 TOKENS = 64
+MODEL = "qwen2.5-coder-1.5b"
 OURS, PEER = "ours --no-draft", "llama-server"
 HUGE, SMALL = "bare step, 2 MiB pages", "bare step, 4 KiB pages"
 
 
-def served(port: str, text: str) -> tuple[float, int]:
+async def served(client: Client, text: str) -> tuple[float, int]:
     """Seconds per token after the first, and the prompt's tokens, of one streamed chat."""
-    body = {
-        "model": "qwen2.5-coder-1.5b", "messages": [{"role": "user", "content": text}],
-        "max_tokens": TOKENS, "temperature": 0, "stream": True, "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    first, pieces, prompt_tokens = 0.0, 0, 0
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, timeout=300) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
-            choice = (chunk.get("choices") or [{}])[0]
-            if (choice.get("delta") or {}).get("content"):
-                pieces += 1
-                first = first or time.perf_counter()
-    return (time.perf_counter() - first) / (pieces - 1), prompt_tokens
+    done = await client.chat([{"role": "user", "content": text}])
+    if "error" in done:
+        raise RuntimeError(f"{client.server.label}: {done['error']}")
+    return (done["e2e_s"] - done["ttft_s"]) / (done["completion_tokens"] - 1), done["prompt_tokens"]
 
 
 def bare(model: LlamaCppModel, batch, prompt_tokens: int) -> float:
@@ -75,7 +62,7 @@ def bare(model: LlamaCppModel, batch, prompt_tokens: int) -> float:
     return (time.perf_counter() - start) / (TOKENS - 1)
 
 
-def main() -> None:
+async def main() -> None:
     ours, peer = sys.argv[1], sys.argv[2]
     passes = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     path = gguf_file("qwen2.5-coder-1.5b", progress=False)
@@ -89,6 +76,11 @@ def main() -> None:
     prompts = [p.text for p in load_prompts("mtbench", limit=8)]
     lengths = [80] * len(prompts)  # the server's count, from the first pass on
     seconds: dict[str, list[float]] = {name: [] for name in (OURS, PEER, *models)}
+    http = httpx.AsyncClient(timeout=300)
+    clients = {
+        name: Client(http, Server(name, f"http://127.0.0.1:{port}"), MODEL, TOKENS, ignore_eos=True)
+        for name, port in ((OURS, ours), (PEER, peer))
+    }
     random.seed(0)
     for repeat in range(passes + 1):
         for i, text in enumerate(prompts):
@@ -97,10 +89,11 @@ def main() -> None:
                 if name in models:
                     value = bare(models[name], batch, lengths[i])
                 else:
-                    value, count = served(ours if name == OURS else peer, tagged)
+                    value, count = await served(clients[name], tagged)
                     lengths[i] = count if name == OURS else lengths[i]
                 if repeat:
                     seconds[name].append(value)
+    await http.aclose()
     print(f"{passes} passes x {len(prompts)} prompts, {TOKENS} tokens; ms a token, mean [median]")
     for name, values in seconds.items():
         mean, median = statistics.mean(values), statistics.median(values)
@@ -113,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    asyncio.run(main())

@@ -361,7 +361,11 @@ class RowStream:
             scheduler.tokenizer, sampling.stop, stop_ids, len(prompt), arrival, scheduler.metrics
         )
         self.ended = True  # out of the engine: nothing to cancel until submitted
-        self.done = False  # its output has ended, or it failed: later deliveries are stale
+
+    @property
+    def done(self) -> bool:
+        """Whether the row's output has ended: deliveries still on their way are stale."""
+        return self.output.ended
 
     @property
     def result(self) -> RowResult:
@@ -385,12 +389,11 @@ class RowStream:
         request's error. Once the row's output has ended it is `done`: out of the engine
         (cancelled if a stop string ended it while it still ran) and counted in the metrics."""
         if isinstance(item, Failure):
-            self.ended = self.done = True
+            self.ended = True
             kind = "invalid_request_error" if item.status < 500 else "server_error"
             raise RequestError(item.message, status=item.status, type=kind)
         piece = self.output.add(item)
         if self.output.ended:
-            self.done = True
             self.ended = item.finished
             self.cancel()
             self.output.finish()
