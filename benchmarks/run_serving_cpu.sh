@@ -33,9 +33,12 @@ LLAMA_SERVER=${LLAMA_SERVER:-/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.
 # benchmarks/studies/auto-any-machine/serving/: what `auto` gives on the machine that runs it.
 # SERVING_LEVELS="1" (with auto-check): those concurrency levels only, into serving-c1/
 # SERVING_PLAN=plain-check: only our --no-draft server against llama-server, code and chat at
-# one request, equal work, five passes, wave by wave, into benchmarks/studies/plain-path/
-# two-servers-c1/: plain decoding served, with nothing else between the two (with two servers
-# the waves' turns are symmetric, each following itself and the other alike)
+# one request, equal work, wave by wave, into benchmarks/studies/plain-path/two-servers-c1/:
+# plain decoding served, with nothing else between the two (with two servers the waves' turns
+# are symmetric, each following itself and the other alike). Both servers are started
+# PLAIN_STARTS times (3), three passes each start, into start-N/, the first to start taking
+# turns: where a process's weights land moves its step by a per cent or more, start to start,
+# so one start of each is one draw of that; pooled.md pools the starts (pooled.py)
 plan=${SERVING_PLAN:-full}
 case $plan in
   full | auto-check | plain-check) ;;
@@ -51,10 +54,11 @@ if [ "$plan" = auto-check ]; then
   servers="ours ours-plain llama-server"
 elif [ "$plan" = plain-check ]; then
   out=benchmarks/studies/plain-path/two-servers-c1
-  servers="ours-plain llama-server" levels=1 repeats=5
+  servers="ours-plain llama-server" levels=1
 fi
 logs=runs/serving-logs
 mkdir -p "$out" "$logs"
+for name in $servers; do : >"$logs/$name.log"; done  # each start of a plain-check appends
 tokens=64
 read -r target draft < <(python -c "
 from specdecode.models.store import gguf_file
@@ -72,24 +76,31 @@ declare -A cmd=(
 --n_threads_batch 2 --interrupt_requests False --port 8184"
 )
 declare -A pid
-stop_all() { for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null; done; wait; }
+stop_all() {
+  for name in "${!pid[@]}"; do kill "${pid[$name]}" 2>/dev/null; done
+  wait
+  pid=()
+}
 trap stop_all EXIT
-# one at a time, each ready before the next starts: our servers time this machine's pass
-# prices on a first start, which other servers loading beside them would skew
-for name in $servers; do
-  ${cmd[$name]} >"$logs/$name.log" 2>&1 &
-  pid[$name]=$!
-  probe=/health  # 503 while loading
-  [ "$name" = llama-cpp-python ] && probe=/v1/models  # it listens once loaded
-  for _ in $(seq 1 1800); do
-    curl -sf "http://127.0.0.1:${port[$name]}$probe" >/dev/null && continue 2
-    kill -0 "${pid[$name]}" 2>/dev/null || break
-    sleep 1
+start_all() {  # start_all NAME...: in that order, one at a time, each ready before the next
+  # starts: our servers time this machine's pass prices on a first start, which other servers
+  # loading beside them would skew
+  local name probe
+  for name in "$@"; do
+    ${cmd[$name]} >>"$logs/$name.log" 2>&1 &
+    pid[$name]=$!
+    probe=/health  # 503 while loading
+    [ "$name" = llama-cpp-python ] && probe=/v1/models  # it listens once loaded
+    for _ in $(seq 1 1800); do
+      curl -sf "http://127.0.0.1:${port[$name]}$probe" >/dev/null && continue 2
+      kill -0 "${pid[$name]}" 2>/dev/null || break
+      sleep 1
+    done
+    echo "$name did not start; see $logs/$name.log" >&2
+    exit 1
   done
-  echo "$name did not start; see $logs/$name.log" >&2
-  exit 1
-done
-echo "all servers ready: $(date -u +%H:%M:%S)"
+  echo "servers ready: $(date -u +%H:%M:%S)"
+}
 
 labels() { for name in "$@"; do printf -- "--label %s=http://127.0.0.1:%s " "$name" "${port[$name]}"; done; }
 step() {  # step NAME BENCH-ARGS...: one bench-serve record unless it is there already
@@ -99,16 +110,33 @@ step() {  # step NAME BENCH-ARGS...: one bench-serve record unless it is there a
     || echo "$name: failed (see above)" >&2
 }
 three="ours ours-plain llama-server"
-if [ "$plan" != full ]; then  # a check: code and chat, equal work, wave by wave
+check() {  # a check's cells: code and chat, equal work, wave by wave
   # shellcheck disable=SC2046,SC2086
   step code $(labels $servers) --prompts humaneval --limit 8 --modes new --concurrency $levels \
     --repeats $repeats --ignore-eos --waves
   # shellcheck disable=SC2046,SC2086
   step chat $(labels $servers) --prompts mtbench --limit 8 --modes chat --turns 2 \
     --concurrency $levels --repeats $repeats --ignore-eos --waves
-  if [ "$plan" = auto-check ]; then
-    grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
-  fi
+}
+if [ "$plan" = plain-check ]; then
+  root=$out
+  for start in $(seq 1 "${PLAIN_STARTS:-3}"); do
+    out=$root/start-$start
+    [ -f "$out/code/record.json" ] && [ -f "$out/chat/record.json" ] && continue
+    order=$servers
+    [ $((start % 2)) = 0 ] && order=$(echo "$servers" | tr ' ' '\n' | tac | xargs)
+    start_all $order
+    check
+    stop_all
+  done
+  python benchmarks/studies/plain-path/pooled.py "$root"/start-* | tee "$root/pooled.md"
+  exit 0
+fi
+# shellcheck disable=SC2086
+start_all $servers
+if [ "$plan" = auto-check ]; then
+  check
+  grep -h "delivers" "$logs/ours.log" || echo "ours: no correction of what drafting is worth"
   exit 0
 fi
 four="ours ours-plain llama-server llama-server-draft"

@@ -1,16 +1,21 @@
-"""What a server adds to a decoding step: the time per streamed token of our `--no-draft` server
-and of llama-server, beside the bare `llama_decode` step of the same weights in this process,
-once in 2 MiB pages (as our server holds them) and once in llama.cpp's file mapping (4 KiB
-pages, as llama-server holds them). All four take turns prompt by prompt in a shuffled order,
-so the machine's drift falls on each alike; the first pass is a warm-up.
+"""What a server adds to a decoding step and to a prompt's prefill: the time per streamed token,
+and to the first token, of our `--no-draft` server and of llama-server, beside the bare
+`llama_decode` passes of the same weights in this process, once in 2 MiB pages (as our server
+holds them) and once in llama.cpp's file mapping (4 KiB pages, as llama-server holds them).
+All four take turns prompt by prompt in a shuffled order, so the machine's drift falls on each
+alike; the first pass is a warm-up.
 
-Each prompt is an MT-Bench question (81-88, a fresh tag in front so no prefix is reused) as a
-one-turn chat, 64 tokens (ignore_eos), greedy; a server's time per token is from its first
-token to the end of its stream over the 63 after it. The bare step runs a prompt of the length
-the server reported, then 63 one-token steps, on a context shaped as the server's (2,048
-tokens a row, 8 rows, 2 threads). Server minus bare step is all a server spends per token
-outside the step: the token's choice, the round's bookkeeping, the hand-off, the event loop
-or HTTP threads taking a core.
+The prompts: MT-Bench questions 81-88 as one-turn chats and HumanEval 0-7 as completions, a
+fresh tag in front of each text so none of it is reused, 64 tokens (ignore_eos), greedy. A server's
+time per token is from its first token to the end of its stream over the 63 after it; its
+first-token time is the client's, from sending to the first text (set beside a bare prefill
+for the completions only: both servers keep a chat template's opening system turn cached, so a
+chat's first token follows a prefill of the rest). The bare passes run a prompt
+of the length the server reported (one pass, its last token's logits out), then 63 one-token
+steps, on a context shaped as the server's (2,048 tokens a row, 8 rows, 2 threads). Server
+minus bare pass is all a server spends outside `llama_decode`: per token the token's choice,
+the round's bookkeeping, the hand-off, the event loop or HTTP threads taking a core; per
+request the HTTP exchange, the tokenizer, the queue and the prefix cache's bookkeeping.
 
     python benchmarks/studies/plain-path/overhead.py OURS_PORT LLAMA_SERVER_PORT [PASSES]
 """
@@ -38,28 +43,35 @@ OURS, PEER = "ours --no-draft", "llama-server"
 HUGE, SMALL = "bare step, 2 MiB pages", "bare step, 4 KiB pages"
 
 
-async def served(client: Client, text: str) -> tuple[float, int]:
-    """Seconds per token after the first, and the prompt's tokens, of one streamed chat."""
-    done = await client.chat([{"role": "user", "content": text}])
+async def served(client: Client, text: str, chat: bool) -> tuple[float, float, int]:
+    """Seconds to the first token, seconds per token after it, and the prompt's tokens, of one
+    streamed chat or completion."""
+    if chat:
+        done = await client.chat([{"role": "user", "content": text}])
+    else:
+        done = await client.complete(text)
     if "error" in done:
         raise RuntimeError(f"{client.server.label}: {done['error']}")
-    return (done["e2e_s"] - done["ttft_s"]) / (done["completion_tokens"] - 1), done["prompt_tokens"]
+    per_token = (done["e2e_s"] - done["ttft_s"]) / (done["completion_tokens"] - 1)
+    return done["ttft_s"], per_token, done["prompt_tokens"]
 
 
-def bare(model: LlamaCppModel, batch, prompt_tokens: int) -> float:
-    """Seconds per one-token `llama_decode` after a prompt of `prompt_tokens` (random ids)."""
+def bare(model: LlamaCppModel, batch, prompt_tokens: int) -> tuple[float, float]:
+    """Seconds of the prefill `llama_decode` of `prompt_tokens` (random ids), and per one-token
+    `llama_decode` after it."""
     llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(model.ctx), 0, -1, -1)
     for i in range(prompt_tokens):
         batch.token[i], batch.pos[i], batch.n_seq_id[i] = random.randrange(1000, 20000), i, 1
         batch.seq_id[i][0], batch.logits[i] = 0, i == prompt_tokens - 1
     batch.n_tokens = prompt_tokens
-    assert llama_cpp.llama_decode(model.ctx, batch) == 0
     start = time.perf_counter()
+    assert llama_cpp.llama_decode(model.ctx, batch) == 0
+    prefilled = time.perf_counter()
     for step in range(TOKENS - 1):
         batch.token[0], batch.pos[0], batch.logits[0] = 1234, prompt_tokens + step, True
         batch.n_tokens = 1
         assert llama_cpp.llama_decode(model.ctx, batch) == 0
-    return (time.perf_counter() - start) / (TOKENS - 1)
+    return prefilled - start, (time.perf_counter() - prefilled) / (TOKENS - 1)
 
 
 async def main() -> None:
@@ -73,36 +85,51 @@ async def main() -> None:
     }
     models[HUGE].settle()
     batch = llama_cpp.llama_batch_init(512, 0, 1)
-    prompts = [p.text for p in load_prompts("mtbench", limit=8)]
+    prompts = [(p.text, True) for p in load_prompts("mtbench", limit=8)]
+    prompts += [(p.text, False) for p in load_prompts("humaneval", limit=8)]
     lengths = [80] * len(prompts)  # the server's count, from the first pass on
-    seconds: dict[str, list[float]] = {name: [] for name in (OURS, PEER, *models)}
+    # (first token, per token after it) by variant and prompt kind
+    seconds: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     http = httpx.AsyncClient(timeout=300)
     clients = {
         name: Client(http, Server(name, f"http://127.0.0.1:{port}"), MODEL, TOKENS, ignore_eos=True)
         for name, port in ((OURS, ours), (PEER, peer))
     }
+    variants = [OURS, PEER, *models]
     random.seed(0)
     for repeat in range(passes + 1):
-        for i, text in enumerate(prompts):
+        for i, (text, chat) in enumerate(prompts):
             tagged = f"# {uuid.uuid4().hex[:8]}\n{text}"
-            for name in random.sample(list(seconds), len(seconds)):
+            for name in random.sample(variants, len(variants)):
                 if name in models:
                     value = bare(models[name], batch, lengths[i])
                 else:
-                    value, count = await served(clients[name], tagged)
+                    first, per_token, count = await served(clients[name], tagged, chat)
+                    value = first, per_token
                     lengths[i] = count if name == OURS else lengths[i]
                 if repeat:
-                    seconds[name].append(value)
+                    seconds.setdefault((name, chat), []).append(value)
     await http.aclose()
-    print(f"{passes} passes x {len(prompts)} prompts, {TOKENS} tokens; ms a token, mean [median]")
-    for name, values in seconds.items():
-        mean, median = statistics.mean(values), statistics.median(values)
-        print(f"  {name:24s} {1e3 * mean:6.2f} [{1e3 * median:6.2f}]")
-    mean = {name: statistics.mean(values) for name, values in seconds.items()}
-    print(f"ours - bare step (2 MiB): {1e3 * (mean[OURS] - mean[HUGE]):.2f} ms")
-    print(f"llama-server - bare step (4 KiB): {1e3 * (mean[PEER] - mean[SMALL]):.2f} ms")
-    print(f"2 MiB pages save {1e3 * (mean[SMALL] - mean[HUGE]):.2f} ms a step")
-    print(f"ours over llama-server, tokens/s after the first: {mean[PEER] / mean[OURS]:.3f}x")
+    for chat, kind in ((True, "MT-Bench chats"), (False, "HumanEval completions")):
+        mean = {
+            name: [statistics.mean(v[part] for v in seconds[name, chat]) for part in (0, 1)]
+            for name in variants
+        }
+        print(f"{kind}: {passes} passes x 8 prompts, {TOKENS} tokens, mean ms")
+        print(f"  {'':24s} {'first token':>12s} {'a token after':>14s}")
+        for name in variants:
+            print(f"  {name:24s} {1e3 * mean[name][0]:12.1f} {1e3 * mean[name][1]:14.2f}")
+        # a chat's template opens with the same system turn, which both servers keep cached:
+        # its first token follows a prefill of the rest, so only completions match a bare one
+        for part, what in ((1, "a token"), (0, "a first token"))[: 1 if chat else 2]:
+            ours_adds = 1e3 * (mean[OURS][part] - mean[HUGE][part])
+            peer_adds = 1e3 * (mean[PEER][part] - mean[SMALL][part])
+            pages = 1e3 * (mean[SMALL][part] - mean[HUGE][part])
+            print(
+                f"  {what}: ours adds {ours_adds:.2f} ms to its pass, llama-server "
+                f"{peer_adds:.2f}; 2 MiB pages save {pages:.2f} ms; ours over llama-server "
+                f"{mean[PEER][part] / mean[OURS][part]:.3f}x"
+            )
 
 
 if __name__ == "__main__":
