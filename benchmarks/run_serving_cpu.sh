@@ -47,7 +47,6 @@ esac
 levels=${SERVING_LEVELS:-1 4 8}
 out=benchmarks/results/serving-default-pair
 servers="ours ours-plain llama-server llama-server-draft llama-cpp-python"
-repeats=3  # passes of each check's cells
 if [ "$plan" = auto-check ]; then
   out=benchmarks/studies/auto-any-machine/serving
   [ -n "${SERVING_LEVELS:-}" ] && out=$out-c${levels// /-}
@@ -113,10 +112,10 @@ three="ours ours-plain llama-server"
 check() {  # a check's cells: code and chat, equal work, wave by wave
   # shellcheck disable=SC2046,SC2086
   step code $(labels $servers) --prompts humaneval --limit 8 --modes new --concurrency $levels \
-    --repeats $repeats --ignore-eos --waves
+    --repeats 3 --ignore-eos --waves
   # shellcheck disable=SC2046,SC2086
   step chat $(labels $servers) --prompts mtbench --limit 8 --modes chat --turns 2 \
-    --concurrency $levels --repeats $repeats --ignore-eos --waves
+    --concurrency $levels --repeats 3 --ignore-eos --waves
 }
 if [ "$plan" = plain-check ]; then
   root=$out

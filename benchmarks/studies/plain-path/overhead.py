@@ -56,9 +56,11 @@ async def served(client: Client, text: str, chat: bool) -> tuple[float, float, i
     return done["ttft_s"], per_token, done["prompt_tokens"]
 
 
-def bare(model: LlamaCppModel, batch, prompt_tokens: int) -> tuple[float, float]:
+def bare(
+    model: LlamaCppModel, batch, prompt_tokens: int, steps: int = TOKENS - 1
+) -> tuple[float, float]:
     """Seconds of the prefill `llama_decode` of `prompt_tokens` (random ids), and per one-token
-    `llama_decode` after it."""
+    `llama_decode` of the `steps` after it."""
     llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(model.ctx), 0, -1, -1)
     for i in range(prompt_tokens):
         batch.token[i], batch.pos[i], batch.n_seq_id[i] = random.randrange(1000, 20000), i, 1
@@ -67,11 +69,11 @@ def bare(model: LlamaCppModel, batch, prompt_tokens: int) -> tuple[float, float]
     start = time.perf_counter()
     assert llama_cpp.llama_decode(model.ctx, batch) == 0
     prefilled = time.perf_counter()
-    for step in range(TOKENS - 1):
+    for step in range(steps):
         batch.token[0], batch.pos[0], batch.logits[0] = 1234, prompt_tokens + step, True
         batch.n_tokens = 1
         assert llama_cpp.llama_decode(model.ctx, batch) == 0
-    return prefilled - start, (time.perf_counter() - prefilled) / (TOKENS - 1)
+    return prefilled - start, (time.perf_counter() - prefilled) / steps
 
 
 async def main() -> None:

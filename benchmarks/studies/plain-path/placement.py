@@ -15,30 +15,14 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import time
 
 import llama_cpp
+from overhead import bare  # this script's folder is on the path when it runs
 
 from specdecode.backends.llamacpp import LlamaCppModel
 from specdecode.models.store import gguf_file
 
 PROMPT, STEPS = 120, 30
-
-
-def steps(model: LlamaCppModel, batch) -> float:
-    """Seconds per one-token `llama_decode` after a prompt of random ids."""
-    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(model.ctx), 0, -1, -1)
-    for i in range(PROMPT):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i] = random.randrange(1000, 20000), i, 1
-        batch.seq_id[i][0], batch.logits[i] = 0, i == PROMPT - 1
-    batch.n_tokens = PROMPT
-    assert llama_cpp.llama_decode(model.ctx, batch) == 0
-    start = time.perf_counter()
-    for step in range(STEPS):
-        batch.token[0], batch.pos[0], batch.logits[0] = 1234, PROMPT + step, True
-        batch.n_tokens = 1
-        assert llama_cpp.llama_decode(model.ctx, batch) == 0
-    return (time.perf_counter() - start) / STEPS
 
 
 def main() -> None:
@@ -57,7 +41,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in models}
     for turn in range(turns + 1):
         for name in random.sample(list(models), len(models)):
-            value = steps(models[name], batch)
+            value = bare(models[name], batch, PROMPT, STEPS)[1]
             if turn:
                 seconds[name].append(value)
     base = seconds["file mapping"]

@@ -19,17 +19,10 @@ from pathlib import Path
 CELLS = ("code", "chat")
 
 
-def passes(record: dict) -> dict[str, dict[int, tuple[int, float]]]:
-    """(tokens, seconds) by server label and pass."""
-    out: dict[str, dict[int, tuple[int, float]]] = {}
-    for p in record["passes"]:
-        tokens = sum(r["completion_tokens"] for r in p["requests"] if "error" not in r)
-        out.setdefault(p["server"], {})[p["repeat"]] = (tokens, p["wall_s"])
-    return out
-
-
-def rate(values: list[tuple[int, float]]) -> float:
-    return sum(t for t, _ in values) / sum(s for _, s in values)
+def figures(record: dict) -> dict[str, dict]:
+    """bench-serve's own figures of the record's one cell, by server label: its completion
+    tokens and wall seconds over the measured passes, and each pass's tokens/s."""
+    return {cell["server"]: cell for cell in record["cells"]}
 
 
 def main(dirs: list[Path]) -> None:
@@ -40,34 +33,35 @@ def main(dirs: list[Path]) -> None:
     print("| cell | start | ours tok/s | peer tok/s | ratio | passes |")
     print("|---|---|---|---|---|---|")
     for cell in CELLS:
-        pooled: dict[str, list[tuple[int, float]]] = {}
-        by_start = []
+        tokens = {"ours": 0, "peer": 0}
+        seconds = {"ours": 0.0, "peer": 0.0}
+        by_start, passes = [], 0
         for d in dirs:
             file = d / cell / "record.json"
             if not file.is_file():
                 continue
             record = json.loads(file.read_text())
-            ours, peer = (s["label"] for s in record["servers"][:2])
-            runs = passes(record)
-            pairs = sorted(set(runs[ours]) & set(runs[peer]))
-            each = [rate([runs[ours][i]]) / rate([runs[peer][i]]) for i in pairs]
-            a, b = rate([runs[ours][i] for i in pairs]), rate([runs[peer][i] for i in pairs])
+            cells = figures(record)
+            ours, peer = (cells[s["label"]] for s in record["servers"][:2])
+            for side, figure in (("ours", ours), ("peer", peer)):
+                tokens[side] += figure["completion_tokens"]
+                seconds[side] += figure["wall_s"]
+            a, b = ours["output_tok_per_s"], peer["output_tok_per_s"]
+            pairs = zip(ours["pass_tok_per_s"], peer["pass_tok_per_s"], strict=True)
+            each = [x / y for x, y in pairs]
             by_start.append(a / b)
-            pooled.setdefault("ours", []).extend(runs[ours][i] for i in pairs)
-            pooled.setdefault("peer", []).extend(runs[peer][i] for i in pairs)
+            passes += len(each)
             print(
                 f"| {cell} | {d.name}, {record['started'][11:16]} | {a:.2f} | {b:.2f} | "
-                f"**{a / b:.3f}x** | "
-                f"{', '.join(f'{x:.3f}' for x in each)} |"
+                f"**{a / b:.3f}x** | {', '.join(f'{x:.3f}' for x in each)} |"
             )
         if not by_start:
             continue
-        a, b = rate(pooled["ours"]), rate(pooled["peer"])
+        a, b = (tokens[side] / seconds[side] for side in ("ours", "peer"))
         spread = f"{min(by_start):.3f}-{max(by_start):.3f}"
         print(
-            f"| {cell} | all ({len(by_start)} starts, {len(pooled['ours'])} passes) | {a:.2f} | "
-            f"{b:.2f} | **{a / b:.3f}x** | starts {spread}, "
-            f"mean {statistics.mean(by_start):.3f} |"
+            f"| {cell} | all ({len(by_start)} starts, {passes} passes) | {a:.2f} | {b:.2f} | "
+            f"**{a / b:.3f}x** | starts {spread}, mean {statistics.mean(by_start):.3f} |"
         )
 
 
