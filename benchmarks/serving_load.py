@@ -27,8 +27,9 @@ The server's RSS is read after warm-up and after the run: a bounded cache that f
 serving would read as drift, so the prefix cache is kept small (`--prefix-cache-mib`, filled
 during warm-up) and the figure measures everything else. Last, a second burst is sent and
 SIGTERM arrives while it runs: every request of it must be answered in full or refused cleanly
-(429, 503 shutting_down, or a connection the server closed before answering), and the server
-must exit 0.
+(429, 503 shutting_down, or a connection the server closed or reset before answering), the
+server must exit 0, and the answers it counts in its last log line must be those its clients
+received.
 
 `tests/test_serve_load.py` runs a short version through the same functions.
 """
@@ -39,6 +40,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -252,14 +254,22 @@ async def send(
 ) -> Outcome:
     """One request to its end. A 429 is retried after its Retry-After while `retry` holds; any
     other answer than 200 or 429 ends it (as refused where it is a clean 503 shutting_down,
-    else as lost), as does an error of the connection before any answer (refused where the
-    server closed it unanswered, which a draining server may)."""
+    else as lost), as does an error of the connection: refused where the server closed or reset
+    it before any answer began (a draining server may, with a request it had not read), lost
+    where a stream had begun. A non-streamed request's answer begins only when it is whole, so
+    its client cannot tell a request the server never read from one it dropped: the drain's
+    check against the server's own count of answers tells them apart."""
     out = Outcome(plan.tag, plan.stream, plan.chat, plan.max_tokens)
     deadline = time.monotonic() + patience
     while True:
         try:
             r = await (_streamed if plan.stream else _whole)(client, plan, out)
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as error:
+        except (
+            httpx.ConnectError,
+            httpx.RemoteProtocolError,
+            httpx.ReadError,
+            httpx.WriteError,
+        ) as error:
             if out.started:
                 out.end, out.detail = "lost", f"cut mid-answer: {type(error).__name__}"
             else:
@@ -464,12 +474,13 @@ def drain_under_load(
 ) -> dict[str, Any]:
     """Send `batch` and SIGTERM the server once `after_answers` of it are answered (so rows
     are running and the queue is full when the signal lands); then every request must end
-    answered in full or refused cleanly, and the server exit 0."""
+    answered in full or refused cleanly, the server exit 0, and the answers it counted in its
+    last words be those its clients received."""
+    start = server.counters()["request_success_total"]
 
     async def main() -> tuple[list[Outcome], float]:
         task = asyncio.create_task(drive(server.url, batch, concurrency, retry=True))
         # answers are counted from the outcomes' side: poll the server's finished counter
-        start = server.counters()["request_success_total"]
         while not task.done():
             done = await asyncio.to_thread(lambda: server.counters()["request_success_total"])
             if done - start >= after_answers:
@@ -486,8 +497,11 @@ def drain_under_load(
         code = None
     t = tally(outcomes)
     late = [o for o in outcomes if o.end == "answered" and o.ended_at > signalled]
+    last = re.findall(r"\[serve\] drained: (\d+) request\(s\) answered", server.stderr())
     return {
         **{k: t[k] for k in ("sent", "answered", "refused", "lost", "duplicated", "lost_examples")},
+        # what the server says it answered of this burst (None: it did not say)
+        "server_answered": int(last[-1]) - int(start) if last else None,
         "refused_detail": t["refused_detail"],
         "answered_after_sigterm": len(late),
         "exit_code": code,
@@ -553,6 +567,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle after the load": idle == {"num_requests_running": 0, "num_requests_waiting": 0},
         f"RSS drift within {args.rss_tolerance:g}%": abs(drift) <= args.rss_tolerance,
         "drain: nothing lost": d["lost"] == 0 and d["duplicated"] == 0,
+        "drain: the server answered what its clients received": (
+            d["server_answered"] == d["answered"]
+        ),
         "drain: exit code 0": d["exit_code"] == 0,
     }
     record["ok"] = all(record["checks"].values())
@@ -585,6 +602,7 @@ def table(record: dict[str, Any]) -> str:
         ("SIGTERM burst: sent / answered / refused / lost",
          f"{d['sent']} / {d['answered']} / {d['refused']} / {d['lost']}"),
         ("SIGTERM burst: answered after the signal", d["answered_after_sigterm"]),
+        ("SIGTERM burst: answered by the server's count", d["server_answered"]),
         ("server exit code after the drain", d["exit_code"]),
     ]  # fmt: skip
     lines = ["| measure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)]

@@ -456,9 +456,15 @@ def test_load_test_every_request_answered_once_or_refused():
     assert len(set(ids)) == len(ids)
 
 
-def test_sigterm_drains_then_exits_zero(live_server):
+def fake_server(live_server, *delays: float):
+    """The real server process over the fake engine (`serve_fake_worker.py`'s delays)."""
     worker = Path(__file__).with_name("serve_fake_worker.py")
-    server = live_server(lambda port: [sys.executable, str(worker), str(port), "0.02"], 60)
+    args = [str(d) for d in delays]
+    return live_server(lambda port: [sys.executable, str(worker), str(port), *args], 60)
+
+
+def test_sigterm_drains_then_exits_zero(live_server):
+    server = fake_server(live_server, 0.02)
     proc, url = server.proc, server.url
     try:
         body = {"model": "fake", "prompt": "drain me ", "max_tokens": 60, "stream": True}
@@ -477,6 +483,53 @@ def test_sigterm_drains_then_exits_zero(live_server):
         pieces = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
         text = "".join(p["choices"][0]["text"] for p in pieces if p.get("choices"))
         assert text == expected_text("drain me ", 60)[0]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_drain_answers_a_kept_connection_then_closes_it(live_server):
+    """A client whose stream has just ended sends its next request down the same connection:
+    the draining server answers it (503, closing the connection), not resets it by exiting,
+    and refuses new connections by then; its last words count what it answered."""
+    server = fake_server(live_server, 0.02)
+    proc = server.proc
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            body = {"model": "fake", "prompt": "last one ", "max_tokens": 30, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)
+                assert [x for x in lines if x][-1] == "data: [DONE]"
+            time.sleep(0.2)  # past the tick that finds the drain done
+            late = client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            assert late.headers["connection"] == "close"
+            with pytest.raises(httpx.ConnectError):  # the listener is closed
+                client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert proc.wait(30) == 0
+        assert "[serve] drained: 1 request(s) answered since the start" in server.log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_drain_waits_for_a_request_still_being_tokenized(live_server):
+    """A request admitted just before the signal and still being tokenized is in no queue yet:
+    the drain waits for it too, past uvicorn's own 5 s grace, and it is answered in full."""
+    server = fake_server(live_server, 0.25, 1.0)
+    proc = server.proc
+    try:
+        body = {"model": "fake", "prompt": "slow one ", "max_tokens": 60}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
+            time.sleep(0.4)  # admitted, tokenizing for a second
+            proc.send_signal(signal.SIGTERM)
+            r = answer.result()
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == expected_text("slow one ", 60)[0]
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:

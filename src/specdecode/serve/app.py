@@ -23,10 +23,11 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -57,7 +58,6 @@ PROMPT_CHARS_PER_TOKEN = 32
 TEMPLATE_MESSAGE_CHARS = 300  # of a chat template's own error message, repeated to the client
 
 log = logging.getLogger("specdecode.serve")
-T = TypeVar("T")
 
 
 class InternalError(RequestError):
@@ -115,6 +115,30 @@ class InternalErrors:
                 await JSONResponse(error.body(), status_code=500)(scope, receive, send)
 
 
+class CloseWhileDraining:
+    """ASGI middleware asking every response of a draining server to close its connection
+    (`Connection: close`), so that no client sends its next request down a connection the
+    server is about to close: a request that meets the closing unread is reset, and its client
+    cannot tell whether it was taken."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.state.draining:
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing)
+
+
 def _template_error(error: Exception) -> bool:
     """Whether `error` is a chat template's own: jinja's `TemplateError` (a template's
     `raise_exception`, an undefined name, a syntax error). jinja2 is loaded if one was raised."""
@@ -142,6 +166,9 @@ class ServerState:
     api_key: str | None = None
     context: int | None = None  # tokens per row the server admits (None: the model's)
     draining: bool = False
+    # requests admitted whose handler has not returned: being parsed and tokenized, not yet
+    # queued, or waiting for a whole answer; a drain waits for them as for queued rows
+    admitted: int = 0
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MIB * 2**20)
     # parsing, chat templates and tokenizing, one request at a time, off the event loop (one
     # thread: the tokenizer is not used from several at once)
@@ -283,6 +310,7 @@ def create_app(state: ServerState) -> FastAPI:
     scheduler, metrics = state.scheduler, state.metrics
 
     app.add_middleware(InternalErrors)
+    app.add_middleware(CloseWhileDraining, state=state)  # outermost: over InternalErrors' 500
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, error: RequestError) -> JSONResponse:
@@ -310,8 +338,10 @@ def create_app(state: ServerState) -> FastAPI:
             )
         return key.strip()
 
-    def admit() -> None:
-        """Refuse work the server cannot take now: still loading, or shutting down."""
+    @contextmanager
+    def admitted() -> Iterator[None]:
+        """The request counted in `state.admitted` while inside, after it is refused if the
+        server cannot take work now: still loading, or shutting down."""
         if state.draining:
             raise RequestError(
                 "the server is shutting down and takes no new requests",
@@ -327,6 +357,11 @@ def create_app(state: ServerState) -> FastAPI:
                 code="model_loading",
                 headers={"Retry-After": "5"},
             )
+        state.admitted += 1
+        try:
+            yield
+        finally:
+            state.admitted -= 1
 
     def check_content_type(request: Request) -> None:
         """JSON, or no content type said (taken as JSON)."""
@@ -470,15 +505,19 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    async def read(request: Request, prepare: Callable[[bytes], T]) -> tuple[str | None, T]:
-        """The request, checked: authorized, JSON of an allowed size, admitted (not loading nor
-        draining); then `prepare`d (parsed, its model ours, tokenized) in the worker thread.
-        -> the key presented (None without `--api-key`), what `prepare` made."""
+    async def handle(request: Request, prepare: Callable[[bytes], Any], chat: bool) -> Response:
+        """A generation request, checked: authorized, JSON of an allowed size, admitted (not
+        loading nor draining); then `prepare`d (parsed, its model ours, tokenized) in the
+        worker thread, and answered."""
+        arrival = time.monotonic()
         key = authorize(request)
         check_content_type(request)
         raw = await read_body(request)
-        admit()
-        return key, await asyncio.get_running_loop().run_in_executor(state.worker, prepare, raw)
+        with admitted():
+            req, prompts = await asyncio.get_running_loop().run_in_executor(
+                state.worker, prepare, raw
+            )
+            return await answer(request, arrival, key, prompts, req, chat)
 
     async def answer(
         request: Request,
@@ -514,15 +553,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        key, (req, prompts) = await read(request, prepare_completion)
-        return await answer(request, arrival, key, prompts, req, chat=False)
+        return await handle(request, prepare_completion, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        arrival = time.monotonic()
-        key, (req, prompts) = await read(request, prepare_chat)
-        return await answer(request, arrival, key, prompts, req, chat=True)
+        return await handle(request, prepare_chat, chat=True)
 
     return app
 

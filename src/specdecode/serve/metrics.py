@@ -125,5 +125,16 @@ class ServerMetrics:
         for position in range(accepted):  # acceptance is a prefix of the drafted tokens
             self.accepted_per_pos.labels(position=str(position)).inc()
 
+    def answered(self) -> int:
+        """Requests finished, whatever their reason (the sum over `request_success_total`)."""
+        return int(
+            sum(
+                sample.value
+                for family in self.requests_success.collect()
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            )
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

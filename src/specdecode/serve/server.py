@@ -63,13 +63,21 @@ class ServeConfig:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn whose exit signal starts a drain instead of closing the listener at once."""
+    """uvicorn whose exit signal starts a drain instead of closing the listener at once.
+
+    Once nothing accepted is left (no row queued or running, no request being tokenized), the
+    listener closes and the server lingers `LINGER_S` before it exits: a client whose stream
+    has just ended sends its next request down the same connection at once, and is answered
+    503 `shutting_down` then, not reset by the exit's close of its connection."""
+
+    LINGER_S = 0.5
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_seconds: float) -> None:
         super().__init__(config)
         self.state = state
         self.drain_seconds = drain_seconds
         self.deadline: float | None = None
+        self.quiet_since: float | None = None  # when the drain found nothing left to finish
         self.announced = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -105,12 +113,34 @@ class DrainingServer(uvicorn.Server):
         if scheduler.state == "failed":
             self.should_exit = True
         elif self.state.draining and not self.should_exit:
-            if scheduler.busy() == 0:
-                self.should_exit = True
-            elif self.deadline is not None and time.monotonic() > self.deadline:
-                scheduler.fail_all("the server shut down before this request finished")
-                self.should_exit = True
+            self.drain_tick(time.monotonic())
         return await super().on_tick(counter)
+
+    def drain_tick(self, now: float) -> None:
+        """One look at a drain: linger once nothing accepted is left, then exit; past the
+        bound, end what still runs with an error."""
+        left = self.state.scheduler.busy() + self.state.admitted
+        if self.quiet_since is not None:
+            self.should_exit = now - self.quiet_since >= self.LINGER_S
+        elif left == 0:
+            self.quiet_since = now
+            for listener in self.servers:  # new connections are refused from now on
+                listener.close()
+        elif self.deadline is not None and now > self.deadline:
+            self.state.scheduler.fail_all("the server shut down before this request finished")
+            print(
+                f"[serve] the drain's {self.drain_seconds:g} s ran out: {left} request(s) "
+                "ended with an error",
+                file=sys.stderr,
+            )
+            self.should_exit = True
+        if self.should_exit:
+            print(
+                f"[serve] drained: {self.state.metrics.answered()} request(s) answered since "
+                "the start; exiting",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def loopback(host: str) -> bool:
