@@ -12,6 +12,7 @@ says how far one start's figure generalises.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +26,15 @@ def figures(record: dict) -> dict[str, dict]:
     return {cell["server"]: cell for cell in record["cells"]}
 
 
+def in_order(dirs: list[Path]) -> list[Path]:
+    """The start folders by their number (a shell's glob puts start-10 before start-2)."""
+    return sorted(
+        dirs, key=lambda d: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", d.name)]
+    )
+
+
 def main(dirs: list[Path]) -> None:
+    dirs = in_order(dirs)
     print("# Plain decoding served: ours --no-draft over llama-server, one request, pooled\n")
     print("Ratio of output tokens/s, ours over the peer: by start (its passes pooled; pass by")
     print("pass in the last column) and over all starts. A start's time is its cell's first pass")
