@@ -1,7 +1,7 @@
 """`python tests/serve_fake_worker.py PORT [STEP_DELAY [TOKENIZE_DELAY]]`: the real server
 process (signals, drain, exit code) over the fake engine, for the SIGTERM tests. A prompt that
 begins with "slow" takes TOKENIZE_DELAY seconds to tokenize (a request the drain must wait for
-before it is queued)."""
+before it is queued), said on stderr as it begins."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class SlowTokenizer(ByteTokenizer):
 
     def __call__(self, text: str, add_special_tokens: bool = True):
         if text.startswith("slow"):
+            print("[fake] tokenizing a slow prompt", file=sys.stderr, flush=True)
             time.sleep(self.delay)
         return super().__call__(text, add_special_tokens)
 

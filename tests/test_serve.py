@@ -525,7 +525,10 @@ def test_a_drain_waits_for_a_request_still_being_tokenized(live_server):
         body = {"model": "fake", "prompt": "slow one ", "max_tokens": 60}
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60)
-            time.sleep(0.4)  # admitted, tokenizing for a second
+            deadline = time.monotonic() + 30
+            while "tokenizing a slow prompt" not in server.log.read_text():  # admitted
+                assert time.monotonic() < deadline and not answer.done()
+                time.sleep(0.02)
             proc.send_signal(signal.SIGTERM)
             r = answer.result()
         assert r.status_code == 200
